@@ -1,0 +1,350 @@
+"""Tokenizer: the embedded GGUF's tokenizer against transformers' GGUF-built
+one, chat templates, HF directories, and the streaming detokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as Backend
+from tokenizers import pre_tokenizers
+
+from trajserve.model.loader import default_model_path
+from trajserve.model.tokenizer import (
+    GGUF_PRE_TOKENIZERS,
+    IncrementalDetokenizer,
+    Tokenizer,
+    _pre_tokenizer,
+    load_tokenizer,
+)
+
+transformers = pytest.importorskip("transformers")
+
+# Strings on which transformers' GGUF tokenizer is a faithful reference.
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x ** 2  # square\n\n\nclass A:\n\tpass\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i]; }",
+    "tabs\t\tand   spaces   at the end   ",
+    "  leading spaces",
+    "\n\n\nnewlines\r\n\r\nand CRLF",
+    "I'm sure they'll say it's fine, don't you think? WE'VE SEEN IT.",
+    "pi is 3.14159, a million is 1,000,000 and 2024-11-30T08:00:00Z",
+    "naïve café résumé Ελληνικά русский язык",
+    "中文测试，日本語のテキスト、한국어 텍스트",
+    "emoji 🤖👍🏽🇺🇸 ❤️ and a family 👨‍👩‍👧",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|><repo_name>trajserve<file_sep>x.py",
+    "a<|im_end|>b <|im_start|> c",
+    "",
+    " ",
+]
+# Whitespace runs before digits: llama.cpp's "smollm" pre-tokenizer (like
+# SmolLM2's tokenizer.json) isolates every digit *before* the GPT-2 regex, so
+# "x  1" is [x, "ĠĠ", 1]. transformers' GGUF loader ignores "smollm" and uses
+# plain GPT-2 splitting, giving [x, "Ġ", "Ġ", 1]. We follow llama.cpp.
+DIGIT_TEXTS = ["x  1", "a   123 b", "x\n\n 42", "total:    9000 items\n  7"]
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return Path(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def ours(gguf_path: Path) -> Tokenizer:
+    return load_tokenizer(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm_split(hf) -> Backend:
+    """transformers' GGUF tokenizer with SmolLM2's real pre-tokenizer put back."""
+    tok = Backend.from_str(hf.backend_tokenizer.to_str())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return tok
+
+
+# ---------------------------------------------------------------- embedded GGUF
+
+
+def test_special_ids_and_sizes(ours: Tokenizer) -> None:
+    assert ours.vocab_size == 49152
+    assert (ours.bos_token, ours.bos_token_id) == ("<|im_start|>", 1)
+    assert (ours.eos_token, ours.eos_token_id) == ("<|im_end|>", 2)
+    # <|im_end|> ends a turn; <|endoftext|> ends a document.
+    assert ours.eos_token_ids == {2, 0}
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_transformers(ours: Tokenizer, hf, text: str) -> None:
+    assert ours.encode(text) == hf(text)["input_ids"]
+    assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("text", TEXTS + DIGIT_TEXTS)
+def test_encode_matches_smollm_pre_tokenizer(ours: Tokenizer, hf_smollm_split, text: str) -> None:
+    assert ours.encode(text) == hf_smollm_split.encode(text).ids
+
+
+def test_digits_isolated_after_whitespace_run(ours: Tokenizer, hf) -> None:
+    ids = ours.encode("x  1")
+    assert [ours.id_to_token(i) for i in ids] == ["x", "ĠĠ", "1"]
+    assert ids != hf("x  1")["input_ids"]  # the transformers quirk described above
+
+
+def test_special_tokens_are_single_ids(ours: Tokenizer) -> None:
+    assert ours.encode("<|im_start|>") == [1]
+    assert ours.encode("<|im_end|>") == [2]
+    assert ours.encode("<|im_start|>user") == [1, ours.encode("user")[0]]
+    # SmolLM2 adds no BOS of its own.
+    assert ours.encode("hi") == ours.encode("hi", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("text", TEXTS + DIGIT_TEXTS)
+def test_decode_round_trip(ours: Tokenizer, hf, text: str) -> None:
+    ids = ours.encode(text)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_skips_control_tokens(ours: Tokenizer) -> None:
+    ids = ours.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ours.decode(ids) == "user\nhi"
+    assert ours.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "List 3 primes."},
+        {"role": "assistant", "content": "2, 3, 5"},
+        {"role": "user", "content": "Now in 日本語 🤖?"},
+    ],
+    [{"role": "user", "content": "  spaces \n\n and newlines  "}, {"role": "assistant", "content": ""}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(ours: Tokenizer, hf, messages, add_generation_prompt: bool) -> None:
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    assert ours.encode_chat(messages, add_generation_prompt) == hf(expected, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_prompt_ends_with_assistant_header(ours: Tokenizer) -> None:
+    ids = ours.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[-4:] == ours.encode("<|im_start|>assistant\n")
+    assert ids[0] == 1 and ids.count(2) == 2  # system + user turns each end with <|im_end|>
+
+
+# ---------------------------------------------------------------- templates
+
+
+def _tiny_template_tokenizer(ours: Tokenizer, template: str) -> Tokenizer:
+    return Tokenizer(ours.backend, bos_token="<|im_start|>", eos_token="<|im_end|>", chat_template=template)
+
+
+def test_template_helpers_and_sandbox(ours: Tokenizer) -> None:
+    import jinja2
+
+    t = _tiny_template_tokenizer(
+        ours, "{% if messages[0].role == 'system' %}{{ raise_exception('no system here') }}{% endif %}ok"
+    )
+    assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(jinja2.TemplateError, match="no system here"):
+        t.apply_chat_template([{"role": "system", "content": "x"}])
+
+    t = _tiny_template_tokenizer(ours, "{{ bos_token }}{{ messages | tojson }}{{ eos_token }}")
+    rendered = t.apply_chat_template([{"role": "user", "content": "é"}])
+    assert rendered == '<|im_start|>[{"role": "user", "content": "é"}]<|im_end|>'
+
+    # trim_blocks / lstrip_blocks as in transformers.
+    t = _tiny_template_tokenizer(ours, "  {% for m in messages %}\n[{{ m.content }}]\n  {% endfor %}\n")
+    assert t.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "[a]\n[b]\n"
+
+    # Extra keyword arguments reach the template.
+    t = _tiny_template_tokenizer(ours, "{{ tools | length }}")
+    assert t.apply_chat_template([], tools=[{"name": "grep"}]) == "1"
+
+    t = _tiny_template_tokenizer(ours, "{{ ''.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        t.apply_chat_template([])
+
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(ours.backend, bos_token=None, eos_token=None).apply_chat_template([])
+
+
+# ---------------------------------------------------------------- HF directory
+
+
+@pytest.fixture(scope="module")
+def hf_dir(hf, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("smollm2-tokenizer")
+    hf.save_pretrained(str(d))
+    return d
+
+
+def test_hf_dir_tokenizer(hf_dir: Path, hf, ours: Tokenizer) -> None:
+    tok = load_tokenizer(hf_dir)
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    assert tok.eos_token_ids == {0, 2}
+    for text in TEXTS + DIGIT_TEXTS:
+        # tokenizer.json carries transformers' pre-tokenizer, quirk included.
+        assert tok.encode(text) == hf(text)["input_ids"], text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    for messages in CONVERSATIONS:
+        assert tok.apply_chat_template(messages) == ours.apply_chat_template(messages)
+
+
+def test_hf_dir_bos_flag_and_generation_config(hf_dir: Path, tmp_path: Path) -> None:
+    d = tmp_path / "tok"
+    d.mkdir()
+    for f in hf_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["add_bos_token"] = True
+    config["bos_token"] = {"content": "<|endoftext|>", "special": True}  # AddedToken-dict form
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    tok = load_tokenizer(d)
+    assert tok.bos_token_id == 0
+    assert tok.encode("hi")[0] == 0 and tok.encode("hi", add_special_tokens=False)[0] != 0
+    assert tok.eos_token_ids == {0, 2, 5}
+
+
+def test_hf_dir_without_tokenizer_json(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)
+
+
+# ---------------------------------------------------------------- GGUF variants
+
+
+def _byte_alphabet() -> list[str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return list(bytes_to_unicode().values())
+
+
+def _write_tokenizer_gguf(path: Path, pre: str, add_bos: bool | None) -> list[str]:
+    tokens = _byte_alphabet() + ["Ġt", "he", "Ġthe", "<|begin_of_text|>", "<|eot_id|>", "<think>"]
+    types = [1] * (len(tokens) - 3) + [3, 3, 4]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    w.add_bos_token_id(tokens.index("<|begin_of_text|>"))
+    w.add_eos_token_id(tokens.index("<|eot_id|>"))
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template("{{ bos_token }}{% for m in messages %}{{ m.content }}<|eot_id|>{% endfor %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False])
+def test_gguf_llama3_style_vocabulary(tmp_path: Path, add_bos: bool | None) -> None:
+    path = tmp_path / "tok.gguf"
+    tokens = _write_tokenizer_gguf(path, "llama-bpe", add_bos)
+    tok = load_tokenizer(path)
+    bos, eot, think = (tokens.index(t) for t in ("<|begin_of_text|>", "<|eot_id|>", "<think>"))
+    # llama.cpp adds BOS for llama-bpe vocabularies unless the file says otherwise.
+    adds_bos = add_bos is not False
+    ids = tok.encode(" the<think>x<|eot_id|>")
+    body = [tokens.index("Ġthe"), think, tokens.index("x"), eot]
+    assert ids == ([bos] if adds_bos else []) + body
+    assert tok.encode(" the<think>x<|eot_id|>", add_special_tokens=False) == body
+    # User-defined tokens are text; control tokens are skipped.
+    assert tok.decode(ids) == " the<think>x"
+    assert tok.eos_token_ids == {eot}
+    # The template writes BOS itself: no second one.
+    chat = tok.encode_chat([{"role": "user", "content": "the"}])
+    assert chat.count(bos) == 1 and chat[0] == bos
+
+
+def test_pre_tokenizer_families() -> None:
+    def split(pre: str, text: str) -> list[str]:
+        return [piece for piece, _ in _pre_tokenizer(pre).pre_tokenize_str(text)]
+
+    assert split("gpt2", "abc 12345") == ["abc", "Ġ12345"]
+    assert split("smollm", "abc 12345") == ["abc", "Ġ", "1", "2", "3", "4", "5"]
+    assert split("llama-bpe", "abc 12345") == ["abc", "Ġ", "123", "45"]
+    assert split("qwen2", "abc 12345") == ["abc", "Ġ", "1", "2", "3", "4", "5"]
+    assert split("qwen2", "Hello\n\n  world") == ["Hello", "ĊĊ", "Ġ", "Ġworld"]
+    assert {"smollm", "gpt2", "llama-bpe", "qwen2"} <= set(GGUF_PRE_TOKENIZERS)
+    with pytest.raises(ValueError, match=r"'chameleon'.*supported:.*llama-bpe.*qwen2.*smollm"):
+        _pre_tokenizer("chameleon")
+
+
+# ---------------------------------------------------------------- streaming
+
+
+MULTIBYTE = "héllo wörld — 日本語のテキスト 🤖👍🏽 naïve café 한국어 👨‍👩‍👧 end"
+
+
+def test_incremental_detokenizer_multibyte(ours: Tokenizer) -> None:
+    ids = ours.encode(MULTIBYTE)
+    # Some token really does split a character, or this test tests nothing.
+    assert any("\ufffd" in ours.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(ours)
+    pieces = [detok.step(i) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == ours.decode(ids) == MULTIBYTE
+    assert detok.text == MULTIBYTE
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_detokenizer_with_prompt_and_specials(ours: Tokenizer) -> None:
+    prompt = ours.encode_chat([{"role": "user", "content": "hi"}])
+    gen = ours.encode("Sure — ça va? 🤖<|im_end|>")
+    detok = IncrementalDetokenizer(ours, prompt_ids=prompt)
+    text = detok.extend(gen) + detok.flush()
+    assert text == "Sure — ça va? 🤖"
+    keep = IncrementalDetokenizer(ours, prompt_ids=prompt, skip_special_tokens=False)
+    assert keep.extend(gen) + keep.flush() == "Sure — ça va? 🤖<|im_end|>"
+
+
+def test_incremental_detokenizer_flushes_incomplete_tail(ours: Tokenizer) -> None:
+    ids = ours.encode("🤖")
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(ours)
+    assert detok.extend(ids[:-1]) == ""  # half an emoji: held back
+    assert detok.flush() == ours.decode(ids[:-1])  # end of stream: emit what there is
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
+def test_incremental_detokenizer_property_text(ours: Tokenizer, text: str) -> None:
+    ids = ours.encode(text)
+    detok = IncrementalDetokenizer(ours)
+    assert detok.extend(ids) + detok.flush() == ours.decode(ids)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(min_value=0, max_value=49151), max_size=30))
+def test_incremental_detokenizer_property_any_ids(ours: Tokenizer, ids: list[int]) -> None:
+    """A model may emit any ids, including broken UTF-8; the stream still
+    reassembles to exactly the full decode."""
+    detok = IncrementalDetokenizer(ours)
+    assert "".join(detok.step(i) for i in ids) + detok.flush() == ours.decode(ids)

@@ -1,0 +1,69 @@
+"""Engine configuration records.
+
+ModelConfig describes the architecture (what eq. 1, kv-cache-management, needs:
+L, H_kv, d_head); CacheConfig sizes the paged pool; SchedulerConfig bounds each
+step (token budget, chunk cap, watermark).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3 style frequency scaling: {"factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} or None.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head before RoPE
+    name: str = ""
+
+    def kv_bytes_per_token(self, elem_bytes: int) -> int:
+        """m_token = 2 * L * H_kv * d_head * b   (eq. 1, kv-cache-management)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # Pool size: an explicit block count wins, else a byte budget, else a
+    # fraction of the memory that is free when the engine starts.
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes
+    memory_fraction: float = 0.25
+    # Below this share of free blocks a new request is not admitted, so the
+    # running decodes keep room to grow (the spec's Pool_headroom, eq. 7).
+    watermark: float = 0.01
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget per step
+    # Per-request chunk cap: a long prompt is cut into chunks of at most this
+    # many tokens so it cannot hold the whole budget (chunked prefill).
+    max_prefill_chunk: int = 512
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None = embedded SmolLM2-135M-Instruct
+    device: str = "cpu"
+    dtype: str = "bfloat16"  # compute + KV dtype; float32 for reference checks
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

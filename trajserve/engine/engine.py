@@ -1,0 +1,270 @@
+"""LLMEngine.step(): schedule -> execute -> sample -> update -> outputs.
+
+The engine is single-threaded and synchronous; callers (LLM, the server)
+add requests and call step() until nothing is left.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trajserve.config import EngineConfig
+from trajserve.engine.memory import bytes_per_block, num_blocks_for
+from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
+from trajserve.engine.request import Request, RequestStatus
+from trajserve.engine.scheduler import Scheduler
+from trajserve.kv.block_table import blocks_for
+from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.model.llama import LlamaModel
+from trajserve.model.loader import default_model_path, load_weights
+from trajserve.model.sampler import Sampler
+from trajserve.model.tokenizer import load_tokenizer
+from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from trajserve.sampling import SamplingParams
+
+log = logging.getLogger("trajserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Where one step's wall time went (seconds)."""
+    num_tokens: int = 0
+    num_seqs: int = 0
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.update
+
+
+@dataclass(slots=True)
+class _Group:
+    """One user request: n sequences over the same prompt."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Request]
+    completions: list[CompletionOutput]
+    arrival_time: float
+    stop_scan: list[int] = field(default_factory=list)  # text length already scanned for stops
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        self.dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+        self.model_path = config.model or default_model_path()
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.model_config, weights = load_weights(self.model_path, self.dtype, self.device)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, self.device)
+        del weights
+
+        cc = config.cache
+        self.num_blocks = num_blocks_for(cc, mc, self.dtype, self.device)
+        self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark)
+        kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
+                                     mc.head_dim, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.sampler = Sampler(config.seed)
+        self.groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, tuple[_Group, int]] = {}
+        self._ids = itertools.count()
+        self.last_step = StepStats()
+        m_token = mc.kv_bytes_per_token(self.dtype.itemsize)
+        self.startup_summary = (
+            f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
+            f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
+            f"in {config.dtype}\n"
+            f"KV cache: m_token = {m_token:,} B (eq. 1) | block = {cc.block_size} tokens = "
+            f"{bytes_per_block(mc, cc.block_size, self.dtype):,} B | {self.num_blocks:,} blocks | "
+            f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")
+        log.info(self.startup_summary)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue. Raises ValueError (naming the limit) before
+        anything is allocated; requests already in flight are unaffected."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        self._validate_prompt(ids)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.groups:
+            raise ValueError(f"request_id {rid!r} is already in flight")
+        cap = min(self.max_model_len, self.kv.token_capacity)
+        now = time.monotonic()
+        seqs = [Request(rid if params.n == 1 else f"{rid}#{i}", ids, params, cap,
+                        frozenset(self.tokenizer.eos_token_ids), arrival_time=now)
+                for i in range(params.n)]
+        group = _Group(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
+                       [0] * params.n)
+        self.groups[rid] = group
+        for i, s in enumerate(seqs):
+            self._seq_to_group[s.request_id] = (group, i)
+            self.scheduler.add(s)
+        return rid
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: at least 1 token is required")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids):,} tokens; the context limit max_model_len is {self.max_model_len:,} "
+                f"(prompt + at least 1 generated token)")
+        need = blocks_for(len(ids) + 1, self.kv.block_size) + self.kv.watermark_blocks
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt has {len(ids):,} tokens, more than the whole KV pool holds: "
+                f"{self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
+                f"tokens (less a watermark of {self.kv.watermark_blocks} blocks)")
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for i, s in enumerate(group.seqs):
+            if not s.status.finished:
+                self.scheduler.finish(s, RequestStatus.FINISHED_ABORTED)
+            self._release(s)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        st = StepStats()
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        st.schedule = t1 - t0
+        if sched.is_empty:
+            self.last_step = st
+            return []
+        st.num_tokens, st.num_seqs = sched.num_batched_tokens, len(sched.chunks)
+        batch = self.runner.prepare(sched)
+        t2 = time.perf_counter()
+        logits = self.runner.run(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t3 = time.perf_counter()
+        ids = batch.sample_ids
+        params = [self._seq_to_group[r][0].seqs[self._seq_to_group[r][1]].sampling_params for r in ids]
+        tokens, logprobs = self.sampler.sample(logits, ids, params)
+        t4 = time.perf_counter()
+        now = time.monotonic()
+        self.scheduler.update(sched, dict(zip(ids, tokens)), now)
+        outputs = self._make_outputs(ids, logprobs, now)
+        t5 = time.perf_counter()
+        st.prepare, st.forward, st.sample, st.update = t2 - t1, t3 - t2, t4 - t3, t5 - t4
+        self.last_step = st
+        return outputs
+
+    def _make_outputs(self, seq_ids: list[str], logprobs: list, now: float) -> list[RequestOutput]:
+        touched: dict[str, _Group] = {}
+        for rid, lp in zip(seq_ids, logprobs):
+            group, i = self._seq_to_group[rid]
+            seq = group.seqs[i]
+            comp = group.completions[i]
+            new_ids = seq.output_token_ids[len(comp.token_ids):]
+            comp.delta_token_ids = new_ids
+            comp.token_ids = comp.token_ids + new_ids
+            if lp is not None:
+                comp.logprobs = (comp.logprobs or []) + [lp]
+            self._detokenize(group, i)
+            if seq.status.finished and comp.finish_reason is None:
+                comp.finish_reason = seq.status.value
+                comp.stop_reason = seq.stop_reason
+            touched[group.request_id] = group
+        outs = []
+        for group in touched.values():
+            finished = all(c.finish_reason is not None for c in group.completions)
+            outs.append(self._group_output(group, finished, now))
+            if finished:
+                self.groups.pop(group.request_id, None)
+                for s in group.seqs:
+                    self._release(s)
+        return outs
+
+    def _detokenize(self, group: _Group, i: int) -> None:
+        """Update text and delta; finish on a stop string."""
+        comp, seq = group.completions[i], group.seqs[i]
+        sp = seq.sampling_params
+        text = self.tokenizer.decode(comp.token_ids)
+        if text.endswith("\ufffd") and not seq.status.finished:
+            comp.delta_text = ""  # wait for the rest of a multi-byte character
+            return
+        if sp.stop:
+            # Only text added since the last scan (plus an overlap) can hold a new stop.
+            start = max(0, group.stop_scan[i] - max(map(len, sp.stop)) + 1)
+            hits = [(text.find(s, start), s) for s in sp.stop]
+            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            if hits:
+                pos, s = min(hits)
+                text = text[: pos + len(s)] if sp.include_stop_str_in_output else text[:pos]
+                if not seq.status.finished:
+                    self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED)
+                seq.status = RequestStatus.FINISHED_STOPPED
+                seq.stop_reason = s
+            group.stop_scan[i] = len(text)
+        comp.delta_text = text[len(comp.text):] if text.startswith(comp.text) else text
+        comp.text = text
+
+    def _group_output(self, group: _Group, finished: bool, now: float) -> RequestOutput:
+        first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time, first_token_time=first,
+            finished_time=now if finished else None,
+            ttft=None if first is None else first - group.arrival_time,
+            inter_token_times=[t for s in group.seqs for t in s.inter_token_times],
+            num_preemptions=sum(s.num_preemptions for s in group.seqs))
+        comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
+                                  c.logprobs, c.delta_text, list(c.delta_token_ids))
+                 for c in group.completions]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished, metrics)
+
+    def _release(self, seq: Request) -> None:
+        self._seq_to_group.pop(seq.request_id, None)
+        self.sampler.release(seq.request_id)
+
+    # ----------------------------------------------------------------- metrics
+    def metrics(self) -> dict:
+        return {
+            "U_KV": self.kv.usage(),
+            "num_blocks": self.kv.num_blocks,
+            "free_blocks": self.kv.pool.num_free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+        }

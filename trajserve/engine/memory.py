@@ -1,0 +1,49 @@
+"""Sizing the KV pool: bytes per block from eq. 1 and a byte budget."""
+from __future__ import annotations
+
+import torch
+
+from trajserve.config import CacheConfig, ModelConfig
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on the device now (host RAM on CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    # m_token (eq. 1, kv-cache-management) times tokens per block.
+    return model.kv_bytes_per_token(dtype.itemsize) * block_size
+
+
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    per_block = bytes_per_block(model, cache.block_size, dtype)
+    if cache.num_blocks is not None:
+        n = cache.num_blocks
+    else:
+        budget = cache.kv_cache_memory
+        if budget is None:
+            budget = int(available_memory(device) * cache.memory_fraction)
+        n = budget // per_block
+    if n < 1:
+        raise ValueError(
+            f"KV cache budget too small: one block of {cache.block_size} tokens needs {per_block:,} bytes")
+    return n
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """'2GiB', '512MB', '1e9' or an int -> bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    s = text.strip().lower()
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(float(s))

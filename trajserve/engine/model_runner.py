@@ -1,0 +1,97 @@
+"""ModelRunner: the executor that runs a SchedulerOutput on the real model.
+
+It owns the KV tensors (one K and one V pool per layer, each
+[num_blocks, block_size, kv_heads, head_dim]) and turns the scheduler's
+token/block description into flat tensors. The bookkeeping is numpy on the
+host, one device copy per tensor per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trajserve.engine.scheduler import SchedulerOutput
+from trajserve.model.attention import AttentionMetadata, PrefillSeq
+from trajserve.model.llama import LlamaModel
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows whose logits are sampled
+    sample_ids: list[str]  # request of each sampled row
+
+
+def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                     head_dim: int, dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = model.device
+        self._in_block = np.arange(block_size)
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+    def prepare(self, out: SchedulerOutput) -> PreparedBatch:
+        B = self.block_size
+        ids, pos, slots = [], [], []
+        sample_rows, sample_ids = [], []
+        dec_rows, dec_ctx, dec_tables = [], [], []
+        prefills: list[PrefillSeq] = []
+        row = 0
+        for c in out.chunks:
+            table = np.asarray(c.block_ids, dtype=np.int64)
+            p = np.arange(c.start, c.end)
+            ids.append(np.asarray(c.request.all_token_ids[c.start:c.end], dtype=np.int64))
+            pos.append(p)
+            slots.append(table[p // B] * B + p % B)
+            nb = -(-c.end // B)
+            if c.num_tokens == 1:
+                dec_rows.append(row)
+                dec_ctx.append(c.end)
+                dec_tables.append(table[:nb])
+            else:
+                prefills.append(PrefillSeq(row, c.num_tokens, c.end, self._tensor(table[:nb])))
+            row += c.num_tokens
+            if c.sample:
+                sample_rows.append(row - 1)
+                sample_ids.append(c.request.request_id)
+
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            decode_rows=None, pair_seq=None, pair_block=None, pair_mask=None,
+            num_decodes=len(dec_rows), prefills=prefills)
+        if dec_rows:
+            nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
+            pair_seq = np.repeat(np.arange(len(dec_rows)), nblocks)
+            # Position of each pair's first slot = its index within the sequence * B.
+            starts = np.concatenate([np.arange(n) for n in nblocks]) * B
+            ctx = np.repeat(np.asarray(dec_ctx, dtype=np.int64), nblocks)
+            meta.decode_rows = self._tensor(np.asarray(dec_rows, dtype=np.int64))
+            meta.pair_seq = self._tensor(pair_seq)
+            meta.pair_block = self._tensor(np.concatenate(dec_tables))
+            meta.pair_mask = self._tensor((starts[:, None] + self._in_block[None, :]) < ctx[:, None])
+        return PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
+                             self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids)
+
+    def run(self, batch: PreparedBatch) -> torch.Tensor:
+        """Float32 logits [len(batch.sample_ids), vocab]."""
+        return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
+                                  batch.sample_rows)
+
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        batch = self.prepare(out)
+        return self.run(batch), batch.sample_ids

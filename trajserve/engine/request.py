@@ -1,0 +1,106 @@
+"""Request state machine.
+
+    WAITING --admit--> RUNNING --finish--> FINISHED_*
+       ^                  |
+       +---- preempt -----+   (blocks freed, num_computed_tokens reset: recompute)
+
+Token layout of a request; the scheduler only moves num_computed_tokens:
+
+    |<------------- all_token_ids (prompt + outputs) ------------->|
+    |<--- num_computed_tokens (KV in the cache) --->|<- to compute ->|
+
+A step computes a chunk of the remainder; when the chunk reaches the end, the
+last row's logits are sampled and one token is appended.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from trajserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Hard cap on prompt + output tokens: min(max_model_len, pool capacity),
+    # so a lone request can always finish.
+    max_total_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # Timing (monotonic seconds): TTFT and inter-token times.
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_times: list[float] = field(default_factory=list)
+    # Per output token: (logprob of chosen, {token: logprob} top-k) if asked.
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    def append_token(self, token: int, now: float) -> None:
+        self.all_token_ids.append(token)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        else:
+            self.inter_token_times.append(now - self.last_token_time)
+        self.last_token_time = now
+
+    def check_stop(self) -> RequestStatus | None:
+        """Token-level stop conditions (stop strings are checked on text by the
+        engine, which owns the detokenizer)."""
+        sp = self.sampling_params
+        last = self.all_token_ids[-1]
+        if not sp.ignore_eos and last in self.eos_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if last in sp.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,166 @@
+"""Iteration-level continuous batching with chunked prefill.
+
+Spec: inference-optimization 8.2 (continuous batching, token budget);
+kv-cache-management "分块预填充调度". Each step:
+
+  1. running decodes first (one token each), so a long prompt never stalls
+     the streams already producing tokens;
+  2. then running partial prefills, then waiting requests (FCFS), each cut to
+     min(remaining, token budget left, per-request chunk cap);
+  3. when the pool is short mid-step, preempt the newest running request
+     (free its blocks, re-queue it at the front for recompute).
+
+Works on token ids and block ids only: it hands an executor a
+SchedulerOutput, so the same code drives the real model or a cost model.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from trajserve.config import SchedulerConfig
+from trajserve.engine.request import Request, RequestStatus
+from trajserve.kv.cache_manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed this step (= num_computed_tokens)
+    num_tokens: int
+    block_ids: list[int]  # the request's block table (live reference)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def sample(self) -> bool:
+        """The chunk reaches the last known token, so its logits give the next one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        cap = self.config.max_prefill_chunk
+        scheduled: set[str] = set()
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            if self._allocate_or_preempt(req, n, scheduled, out):
+                self._add_chunk(out, req, n, scheduled)
+                budget -= n
+
+        # Nothing was preempted this step: a request preempted now must not be
+        # re-admitted in the same step it lost its blocks.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            total = req.num_computed_tokens + n
+            if not self.kv.can_admit(req.request_id, total):
+                break  # FCFS: the head waits, so big prompts are not starved
+            self.waiting.popleft()
+            self.kv.allocate_slots(req.request_id, total)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._add_chunk(out, req, n, scheduled)
+            budget -= n
+        return out
+
+    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            victim = self._pick_victim(scheduled)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def _pick_victim(self, scheduled: set[str]) -> Request:
+        """Newest running request not already in this step's batch."""
+        for r in reversed(self.running):
+            if r.request_id not in scheduled:
+                return r
+        raise AssertionError("pool exhausted by requests already scheduled this step")
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, scheduled: set[str]) -> None:
+        scheduled.add(req.request_id)
+        out.chunks.append(
+            ScheduledChunk(req, req.num_computed_tokens, n, self.kv.table(req.request_id).block_ids)
+        )
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish and free.
+        Returns the requests that finished this step."""
+        finished = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = chunk.end
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_token(token, now)
+            status = req.check_stop()
+            if status is not None:
+                self.finish(req, status)
+                finished.append(req)
+        return finished
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req.request_id)

@@ -1,0 +1,120 @@
+"""Paged attention in torch: queries read K/V through block tables.
+
+One entry point, `paged_attention`, so a GPU kernel can replace it later.
+Two paths, chosen per sequence by query length:
+
+* decode (1 query token): batched over all decode sequences without padding
+  to the longest. Work is split into (sequence, block) pairs,
+
+      pair p:  q[seq(p)]  x  K[block(p)]^T   -> scores [kv_heads, group, B]
+
+  and softmax is taken across all pairs of a sequence with a scatter-max and
+  an index-add (an exact, split-K "flash-decoding" reduction). Only the last
+  block of each sequence carries masked (padding) slots.
+* prefill chunk (n query tokens): the chunk attends to the cached prefix plus
+  itself causally; K/V are gathered once per sequence and fed to SDPA with
+  GQA, so K/V are never repeated per query head.
+
+K/V of the current step are written into the pool (write_kv) before this runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    q_start: int  # row of the first query token in the flat batch
+    q_len: int
+    ctx_len: int  # tokens in cache incl. this chunk
+    block_ids: torch.Tensor  # [ceil(ctx_len / B)] long
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: pool slot each new token's K/V goes to
+    # decode path
+    decode_rows: torch.Tensor | None  # [D] long: rows of decode queries
+    pair_seq: torch.Tensor | None  # [P] long: decode index of each (seq, block) pair
+    pair_block: torch.Tensor | None  # [P] long: physical block of each pair
+    pair_mask: torch.Tensor | None  # [P, B] bool: slot holds a real token
+    num_decodes: int
+    # prefill path
+    prefills: list[PrefillSeq]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, H_kv, d]; caches: [num_blocks, B, H_kv, d]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, d] -> out [T, H, d]."""
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+    for s in meta.prefills:
+        out[s.q_start:s.q_start + s.q_len] = _prefill(q[s.q_start:s.q_start + s.q_len],
+                                                      k_cache, v_cache, s, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    n, num_heads, d = q.shape
+    kvh = k_cache.shape[2]
+    group = num_heads // kvh
+    seq, blk = meta.pair_seq, meta.pair_block
+    qp = q.view(n, kvh, group, d)[seq]  # [P, kvh, g, d]
+    kb = k_cache[blk].permute(0, 2, 3, 1)  # [P, kvh, d, B]
+    scores = torch.matmul(qp, kb).float() * scale  # [P, kvh, g, B]
+    scores.masked_fill_(~meta.pair_mask[:, None, None, :], float("-inf"))
+    # Exact softmax over each sequence's pairs: global max per sequence first.
+    pair_max = scores.amax(dim=-1)  # [P, kvh, g]
+    seq_max = torch.full((n, kvh, group), float("-inf"), dtype=scores.dtype, device=q.device)
+    seq_max.scatter_reduce_(0, seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
+    p = torch.exp(scores - seq_max[seq].unsqueeze(-1))
+    denom = torch.zeros_like(seq_max).index_add_(0, seq, p.sum(dim=-1))
+    vb = v_cache[blk].transpose(1, 2)  # [P, kvh, B, d]
+    o_pair = torch.matmul(p.to(vb.dtype), vb)  # [P, kvh, g, d]
+    o = torch.zeros((n, kvh, group, d), dtype=torch.float32, device=q.device)
+    o.index_add_(0, seq, o_pair.float())
+    o /= denom.unsqueeze(-1)
+    return o.view(n, num_heads, d).to(q.dtype)
+
+
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             s: PrefillSeq, scale: float) -> torch.Tensor:
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    k = k_cache[s.block_ids].view(-1, kvh, d)[: s.ctx_len]
+    v = v_cache[s.block_ids].view(-1, kvh, d)[: s.ctx_len]
+    qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+    kt = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
+    vt = v.transpose(0, 1).unsqueeze(0)
+    if s.ctx_len == s.q_len:  # no cached prefix: plain causal
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query i sits at position ctx_len - q_len + i and sees keys <= it.
+        qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).unsqueeze(1)
+        mask = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) <= qpos
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Reference: causal attention over one contiguous sequence, K/V repeated
+    per head explicitly. q: [n, H, d], k/v: [n, H_kv, d]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    n = q.shape[0]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores.masked_fill_(~causal, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)

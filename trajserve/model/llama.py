@@ -1,0 +1,92 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+
+The forward takes a flat batch of tokens from many sequences (decode tokens
+and prefill chunks mixed) and returns hidden states only for the rows that
+will be sampled, so prefill never pays for the vocabulary projection of
+every prompt token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trajserve.config import ModelConfig
+from trajserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from trajserve.model.rope import apply_rope, cos_sin_table
+
+
+class Layer:
+    __slots__ = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w", "in_norm", "post_norm", "q_norm", "k_norm")
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        c = config
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.scale = c.head_dim ** -0.5
+
+        def w(name: str, cast: torch.dtype = dtype) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=cast).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight", torch.float32)
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.layers: list[Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            L = Layer()
+            # Fused projections: one matmul for q|k|v and one for gate|up
+            # halve the per-layer op count (dispatch cost dominates small batches).
+            L.qkv_w = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous()
+            L.qkv_b = (torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+                       if c.attention_bias else None)
+            L.o_w = w(p + "self_attn.o_proj.weight")
+            # Some Llama/Qwen3 checkpoints with attention_bias also bias o_proj.
+            L.o_b = w(p + "self_attn.o_proj.bias") if p + "self_attn.o_proj.bias" in weights else None
+            L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
+            L.down_w = w(p + "mlp.down_proj.weight")
+            L.in_norm = w(p + "input_layernorm.weight", torch.float32)
+            L.post_norm = w(p + "post_attention_layernorm.weight", torch.float32)
+            L.q_norm = w(p + "self_attn.q_norm.weight", torch.float32) if c.qk_norm else None
+            L.k_norm = w(p + "self_attn.k_norm.weight", torch.float32) if c.qk_norm else None
+            self.layers.append(L)
+        self.cos, self.sin = cos_sin_table(c.head_dim, max_len, c.rope_theta, c.rope_scaling, self.device)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 like the reference implementations.
+        return F.rms_norm(x.float(), weight.shape, weight, self.config.rms_norm_eps).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor) -> torch.Tensor:
+        """Returns float32 logits [len(sample_rows), vocab]."""
+        c = self.config
+        T = input_ids.shape[0]
+        x = self.embed[input_ids]
+        cos = self.cos[positions].to(self.dtype)
+        sin = self.sin[positions].to(self.dtype)
+        for L, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = self._rms(x, L.in_norm)
+            qkv = F.linear(h, L.qkv_w, L.qkv_b)
+            q = qkv[:, : self.q_size].view(T, c.num_heads, c.head_dim)
+            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, c.num_kv_heads, c.head_dim)
+            v = qkv[:, self.q_size + self.kv_size:].view(T, c.num_kv_heads, c.head_dim)
+            if L.q_norm is not None:
+                q = self._rms(q, L.q_norm)
+                k = self._rms(k, L.k_norm)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            a = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            x = x + F.linear(a.reshape(T, self.q_size), L.o_w, L.o_b)
+            h = self._rms(x, L.post_norm)
+            gu = F.linear(h, L.gate_up_w)
+            inter = gu.shape[-1] // 2
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L.down_w)
+        x = self._rms(x[sample_rows], self.norm)
+        return F.linear(x, self.lm_head).float()

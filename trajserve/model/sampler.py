@@ -1,0 +1,65 @@
+"""Sampler: logits -> next token per request.
+
+Greedy rows are one vectorized argmax. Random rows use a per-request
+torch.Generator (seeded from SamplingParams.seed when given), so a seeded
+request draws the same tokens whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+from trajserve.sampling import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus) on one row of float32 logits."""
+    logits = logits / sp.temperature
+    if sp.top_k and sp.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sp.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (always >= 1 token).
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, request_id: str, sp: SamplingParams) -> torch.Generator:
+        g = self._generators.get(request_id)
+        if g is None:
+            g = torch.Generator()
+            g.manual_seed(sp.seed if sp.seed is not None else hash((self._seed, request_id)) & 0x7FFFFFFF)
+            self._generators[request_id] = g
+        return g
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+               ) -> tuple[list[int], list[tuple[float, dict[int, float]] | None]]:
+        """logits: float32 [N, vocab] on any device. Returns tokens and, for rows
+        that asked, (logprob of the chosen token, top-k {token: logprob})."""
+        logits = logits.cpu()
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, (rid, sp) in enumerate(zip(request_ids, params)):
+            if sp.greedy:
+                continue
+            probs = filter_logits(logits[i], sp).softmax(-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(rid, sp)))
+        logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(tokens)
+        for i, sp in enumerate(params):
+            if sp.logprobs is None:
+                continue
+            lp = logits[i].log_softmax(-1)
+            top = torch.topk(lp, sp.logprobs) if sp.logprobs else None
+            alts = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+            logprobs[i] = (float(lp[tokens[i]]), alts)
+        return tokens, logprobs

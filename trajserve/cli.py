@@ -1,0 +1,151 @@
+"""`trajserve` command: generate, chat, bench."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from trajserve.sampling import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)")
+    g.add_argument("--memory-fraction", type=float, default=0.25)
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-prefill-chunk", type=int, default=None, help="per-request chunk cap")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def make_llm(args: argparse.Namespace):
+    from trajserve.llm import LLM
+
+    return LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+               memory_fraction=args.memory_fraction, num_blocks=args.num_blocks, block_size=args.block_size,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
+               seed=args.seed, num_threads=args.threads)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed, stop=list(args.stop))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    sp = sampling_from(args)  # bad sampling values fail before the model loads
+    llm = make_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.encode(
+            llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]),
+            add_special_tokens=False)
+    out = None
+    for out in llm.stream(prompt, sp):
+        sys.stdout.write(out.outputs[0].delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if out is not None and args.verbose:
+        m = out.metrics
+        c = out.outputs[0]
+        print(f"[{len(c.token_ids)} tokens, finish={c.finish_reason}, TTFT {m.ttft * 1e3:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    sp = sampling_from(args)
+    llm = make_llm(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("trajserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        reply = ""
+        for out in llm.stream(ids, sp):
+            sys.stdout.write(out.outputs[0].delta_text)
+            sys.stdout.flush()
+            reply = out.outputs[0].text
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from trajserve.bench.throughput import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trajserve", description="A serving engine for AI agents")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print it")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    c.add_argument("--system", default=None, help="system message")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    t = bsub.add_parser("throughput", help="decode/prefill throughput, bandwidth floor, step breakdown")
+    t.add_argument("--batch-sizes", default="1,4,16,32,64")
+    t.add_argument("--context", type=int, default=128, help="prompt tokens per sequence for decode runs")
+    t.add_argument("--decode-steps", type=int, default=32)
+    t.add_argument("--prefill-tokens", type=int, default=2048)
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--json", action="store_true", help="print only JSON")
+    add_engine_args(t)
+    t.set_defaults(func=cmd_bench_throughput)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if not getattr(args, "json", False) else logging.WARNING,
+                        format="%(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,8 +12,12 @@ def run_case(seqs, block_size, heads, kv_heads, d, dtype, seed):
     runs one mixed batch, and returns (paged, dense) outputs for the query rows."""
     g = torch.Generator().manual_seed(seed)
     nblocks = sum(-(-c // block_size) for c, _ in seqs) + 3
-    k_cache = torch.randn(nblocks, block_size, kv_heads, d, generator=g).to(dtype)  # garbage in unused slots
-    v_cache = torch.randn(nblocks, block_size, kv_heads, d, generator=g).to(dtype)
+    k_cache = torch.randn(nblocks, kv_heads, block_size, d, generator=g).to(dtype)  # garbage in unused slots
+    v_cache = torch.randn(nblocks, kv_heads, block_size, d, generator=g).to(dtype)
+
+    def at(slots):
+        return AttentionMetadata(slots // block_size, slots % block_size, None, None, None, None, 0, [])
+
     perm = torch.randperm(nblocks, generator=g).tolist()
     qs, slots, refs = [], [], []
     dec_rows, pair_seq, pair_block, pair_mask, prefills = [], [], [], [], []
@@ -26,7 +30,7 @@ def run_case(seqs, block_size, heads, kv_heads, d, dtype, seed):
         q = torch.randn(ctx, heads, d, generator=g).to(dtype)
         pos = np.arange(ctx)
         all_slots = torch.tensor(np.asarray(table)[pos // block_size] * block_size + pos % block_size)
-        write_kv(k[: ctx - qlen], v[: ctx - qlen], k_cache, v_cache, all_slots[: ctx - qlen])  # cached prefix
+        write_kv(k[: ctx - qlen], v[: ctx - qlen], k_cache, v_cache, at(all_slots[: ctx - qlen]))  # cached prefix
         slots.append(all_slots[ctx - qlen:])
         qs.append((q[ctx - qlen:], k[ctx - qlen:], v[ctx - qlen:]))
         refs.append(dense_attention(q, k, v, d ** -0.5)[ctx - qlen:])
@@ -41,14 +45,15 @@ def run_case(seqs, block_size, heads, kv_heads, d, dtype, seed):
             prefills.append(PrefillSeq(row, qlen, ctx, torch.tensor(table)))
         row += qlen
     q = torch.cat([x[0] for x in qs])
-    write_kv(torch.cat([x[1] for x in qs]), torch.cat([x[2] for x in qs]), k_cache, v_cache, torch.cat(slots))
+    slots = torch.cat(slots)
     meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
+        slot_block=slots // block_size, slot_offset=slots % block_size,
         decode_rows=torch.tensor(dec_rows) if dec_rows else None,
         pair_seq=torch.tensor(pair_seq) if dec_rows else None,
         pair_block=torch.tensor(pair_block) if dec_rows else None,
         pair_mask=torch.tensor(pair_mask) if dec_rows else None,
         num_decodes=len(dec_rows), prefills=prefills)
+    write_kv(torch.cat([x[1] for x in qs]), torch.cat([x[2] for x in qs]), k_cache, v_cache, meta)
     return paged_attention(q, k_cache, v_cache, meta, d ** -0.5), torch.cat(refs)
 
 

@@ -13,7 +13,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)")
     g.add_argument("--memory-fraction", type=float, default=0.25)

@@ -61,7 +61,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None = embedded SmolLM2-135M-Instruct
     device: str = "cpu"
-    dtype: str = "bfloat16"  # compute + KV dtype; float32 for reference checks
+    dtype: str = "auto"  # compute + KV dtype: auto | bfloat16 | float32 | float16
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     num_threads: int | None = None

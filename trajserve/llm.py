@@ -22,7 +22,7 @@ Messages = list[dict]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "bfloat16",
+    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto",
                  kv_cache_memory: str | int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_prefill_chunk: int | None = None, max_model_len: int | None = None,

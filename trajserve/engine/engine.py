@@ -5,6 +5,7 @@ add requests and call step() until nothing is left.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from trajserve.config import EngineConfig
+from trajserve.engine.dtype import resolve_dtype
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.request import Request, RequestStatus
@@ -27,9 +29,6 @@ from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from trajserve.sampling import SamplingParams
 
 log = logging.getLogger("trajserve")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass(slots=True)
 class StepStats:
@@ -64,12 +63,10 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        self.dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+        self.dtype, dtype_reason = resolve_dtype(config.dtype, self.device)
         self.model_path = config.model or default_model_path()
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config, weights = load_weights(self.model_path, self.dtype, self.device)
@@ -94,7 +91,7 @@ class LLMEngine:
         self.startup_summary = (
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
             f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
-            f"in {config.dtype}\n"
+            f"in {str(self.dtype).removeprefix('torch.')} ({dtype_reason})\n"
             f"KV cache: m_token = {m_token:,} B (eq. 1) | block = {cc.block_size} tokens = "
             f"{bytes_per_block(mc, cc.block_size, self.dtype):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")
@@ -115,11 +112,16 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in flight")
+        seq_ids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
+        # Sequence ids key block tables: "a#0" of an n>1 request must not meet a request named "a#0".
+        clash = next((s for s in seq_ids if s in self._seq_to_group), None)
+        if clash is not None:
+            raise ValueError(f"request_id {rid!r}: sequence id {clash!r} is already in flight")
         cap = min(self.max_model_len, self.kv.token_capacity)
         now = time.monotonic()
-        seqs = [Request(rid if params.n == 1 else f"{rid}#{i}", ids, params, cap,
+        seqs = [Request(sid, ids, self._seq_params(params, i), cap,
                         frozenset(self.tokenizer.eos_token_ids), arrival_time=now)
-                for i in range(params.n)]
+                for i, sid in enumerate(seq_ids)]
         group = _Group(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
                        [0] * params.n)
         self.groups[rid] = group
@@ -127,6 +129,14 @@ class LLMEngine:
             self._seq_to_group[s.request_id] = (group, i)
             self.scheduler.add(s)
         return rid
+
+    @staticmethod
+    def _seq_params(params: SamplingParams, i: int) -> SamplingParams:
+        """Each of n seeded samples draws from its own stream (else all n are
+        one sample repeated); sample 0 keeps the seed, so it matches n=1."""
+        if i == 0 or params.seed is None:
+            return params
+        return dataclasses.replace(params, seed=hash((params.seed, i)) & 0x7FFF_FFFF)
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -238,6 +248,11 @@ class LLMEngine:
                 seq.status = RequestStatus.FINISHED_STOPPED
                 seq.stop_reason = s
             group.stop_scan[i] = len(text)
+            if not seq.status.finished:
+                # Streamed text cannot be taken back: hold a tail that may be
+                # the start of a stop string completed by a later token.
+                hold = max(map(len, sp.stop)) - 1
+                text = text[: max(len(comp.text), len(text) - hold)]
         comp.delta_text = text[len(comp.text):] if text.startswith(comp.text) else text
         comp.text = text
 

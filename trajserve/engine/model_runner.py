@@ -1,7 +1,7 @@
 """ModelRunner: the executor that runs a SchedulerOutput on the real model.
 
 It owns the KV tensors (one K and one V pool per layer, each
-[num_blocks, block_size, kv_heads, head_dim]) and turns the scheduler's
+[num_blocks, kv_heads, block_size, head_dim]) and turns the scheduler's
 token/block description into flat tensors. The bookkeeping is numpy on the
 host, one device copy per tensor per step.
 """
@@ -28,7 +28,7 @@ class PreparedBatch:
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                      head_dim: int, dtype: torch.dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)]
 
@@ -70,8 +70,9 @@ class ModelRunner:
                 sample_rows.append(row - 1)
                 sample_ids.append(c.request.request_id)
 
+        slots = np.concatenate(slots)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
+            slot_block=self._tensor(slots // B), slot_offset=self._tensor(slots % B),
             decode_rows=None, pair_seq=None, pair_block=None, pair_mask=None,
             num_decodes=len(dec_rows), prefills=prefills)
         if dec_rows:

@@ -15,6 +15,10 @@ Two paths, chosen per sequence by query length:
   itself causally; K/V are gathered once per sequence and fed to SDPA with
   GQA, so K/V are never repeated per query head.
 
+Pool layout per layer: [num_blocks, H_kv, B, d] (head-major inside a block),
+so a gathered block is already the [H_kv, B, d] operand a batched matmul
+wants: no transpose copy of K or V on the decode path.
+
 K/V of the current step are written into the pool (write_kv) before this runs.
 """
 from __future__ import annotations
@@ -35,7 +39,9 @@ class PrefillSeq:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] long: pool slot each new token's K/V goes to
+    # Where each new token's K/V goes: block id and offset inside the block.
+    slot_block: torch.Tensor  # [T] long
+    slot_offset: torch.Tensor  # [T] long
     # decode path
     decode_rows: torch.Tensor | None  # [D] long: rows of decode queries
     pair_seq: torch.Tensor | None  # [P] long: decode index of each (seq, block) pair
@@ -47,10 +53,10 @@ class AttentionMetadata:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, H_kv, d]; caches: [num_blocks, B, H_kv, d]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+             meta: AttentionMetadata) -> None:
+    """k, v: [T, H_kv, d]; caches: [num_blocks, H_kv, B, d]."""
+    k_cache[meta.slot_block, :, meta.slot_offset] = k
+    v_cache[meta.slot_block, :, meta.slot_offset] = v
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -68,12 +74,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float) -> torch.Tensor:
     n, num_heads, d = q.shape
-    kvh = k_cache.shape[2]
+    kvh = k_cache.shape[1]
     group = num_heads // kvh
     seq, blk = meta.pair_seq, meta.pair_block
-    qp = q.view(n, kvh, group, d)[seq]  # [P, kvh, g, d]
-    kb = k_cache[blk].permute(0, 2, 3, 1)  # [P, kvh, d, B]
-    scores = torch.matmul(qp, kb).float() * scale  # [P, kvh, g, B]
+    qp = q.view(n, kvh, group, d)[seq] * scale  # [P, kvh, g, d]
+    scores = torch.matmul(qp, k_cache.index_select(0, blk).transpose(-1, -2)).float()  # [P, kvh, g, B]
     scores.masked_fill_(~meta.pair_mask[:, None, None, :], float("-inf"))
     # Exact softmax over each sequence's pairs: global max per sequence first.
     pair_max = scores.amax(dim=-1)  # [P, kvh, g]
@@ -81,7 +86,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_max.scatter_reduce_(0, seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
     p = torch.exp(scores - seq_max[seq].unsqueeze(-1))
     denom = torch.zeros_like(seq_max).index_add_(0, seq, p.sum(dim=-1))
-    vb = v_cache[blk].transpose(1, 2)  # [P, kvh, B, d]
+    vb = v_cache.index_select(0, blk)  # [P, kvh, B, d]
     o_pair = torch.matmul(p.to(vb.dtype), vb)  # [P, kvh, g, d]
     o = torch.zeros((n, kvh, group, d), dtype=torch.float32, device=q.device)
     o.index_add_(0, seq, o_pair.float())
@@ -91,12 +96,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              s: PrefillSeq, scale: float) -> torch.Tensor:
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache[s.block_ids].view(-1, kvh, d)[: s.ctx_len]
-    v = v_cache[s.block_ids].view(-1, kvh, d)[: s.ctx_len]
+    kvh, d = k_cache.shape[1], k_cache.shape[3]
+    # [nb, kvh, B, d] -> [1, kvh, ctx, d]
+    kt = k_cache.index_select(0, s.block_ids).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
+    vt = v_cache.index_select(0, s.block_ids).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-    kt = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, d]
-    vt = v.transpose(0, 1).unsqueeze(0)
     if s.ctx_len == s.q_len:  # no cached prefix: plain causal
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:

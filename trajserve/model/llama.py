@@ -73,15 +73,15 @@ class LlamaModel:
         for L, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms(x, L.in_norm)
             qkv = F.linear(h, L.qkv_w, L.qkv_b)
-            q = qkv[:, : self.q_size].view(T, c.num_heads, c.head_dim)
-            k = qkv[:, self.q_size: self.q_size + self.kv_size].view(T, c.num_kv_heads, c.head_dim)
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, c.num_kv_heads, c.head_dim)
             if L.q_norm is not None:
-                q = self._rms(q, L.q_norm)
-                k = self._rms(k, L.k_norm)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+                qk = torch.cat([self._rms(qk[:, : c.num_heads], L.q_norm),
+                                self._rms(qk[:, c.num_heads:], L.k_norm)], dim=1)
+            # One rotation for q and k heads together: half the RoPE ops.
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
+            write_kv(k, v, k_cache, v_cache, meta)
             a = paged_attention(q, k_cache, v_cache, meta, self.scale)
             x = x + F.linear(a.reshape(T, self.q_size), L.o_w, L.o_b)
             h = self._rms(x, L.post_norm)

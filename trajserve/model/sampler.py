@@ -6,6 +6,8 @@ request draws the same tokens whatever else is in the batch.
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from trajserve.sampling import SamplingParams
@@ -36,7 +38,9 @@ class Sampler:
         g = self._generators.get(request_id)
         if g is None:
             g = torch.Generator()
-            g.manual_seed(sp.seed if sp.seed is not None else hash((self._seed, request_id)) & 0x7FFFFFFF)
+            # crc32, not hash(): str hashes change per process (PYTHONHASHSEED),
+            # and the engine seed must give the same draws in every run.
+            g.manual_seed(sp.seed if sp.seed is not None else zlib.crc32(f"{self._seed}:{request_id}".encode()))
             self._generators[request_id] = g
         return g
 

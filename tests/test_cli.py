@@ -1,0 +1,76 @@
+"""The `trajserve` command in a subprocess: exit codes, stdout, error messages."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _command() -> list[str]:
+    script = Path(sys.executable).parent / "trajserve"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("trajserve")
+    return [found] if found else [sys.executable, "-m", "trajserve.cli"]
+
+
+def trajserve(*args: str, stdin: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    # Idle OpenMP threads sleep instead of spinning: with other processes on
+    # the 2 test cores, spinning threads make each step ~30x slower.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return subprocess.run([*_command(), *args], input=stdin, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+SMALL_POOL = ("--kv-cache-memory", "64MiB")
+
+
+def test_generate():
+    r = trajserve("generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+                  *SMALL_POOL)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no completion printed"
+    assert r.stdout.endswith("\n")
+    assert "KV cache" in r.stderr  # the startup summary goes to stderr, not into the completion
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--max-tokens", "0"), ["max_tokens", ">= 1", "0"]),
+    (("--top-p", "1.5"), ["top_p", "(0, 1]", "1.5"]),
+    (("--top-p", "0"), ["top_p", "(0, 1]"]),
+    (("--temperature", "-1"), ["temperature", ">= 0"]),
+    (("--model", "/nonexistent"), ["/nonexistent"]),
+    (("--model", "/nonexistent/model.gguf"), ["/nonexistent/model.gguf"]),
+])
+def test_bad_arguments_exit_2_with_a_message(args, words):
+    r = trajserve("generate", "--prompt", "hi", *SMALL_POOL, *args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert not r.stdout.strip()
+    err = r.stderr
+    assert "Traceback" not in err
+    assert "error:" in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_argparse_errors_exit_2():
+    r = trajserve("generate", "--max-tokens", "8")  # --prompt is required
+    assert r.returncode == 2 and "--prompt" in r.stderr
+
+
+def test_chat_replies_and_quits_on_empty_line():
+    r = trajserve("chat", "--max-tokens", "16", "--temperature", "0", *SMALL_POOL, stdin="Hello\n\n")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    # stdout: "> " prompt, the streamed reply, newline, "> " prompt (then the empty line quits).
+    lines = r.stdout.split("\n")
+    assert lines[0].startswith("> ")
+    reply = lines[0][2:]
+    assert reply.strip(), f"no reply in {r.stdout!r}"
+    assert lines[-1] == "> "

@@ -1,0 +1,141 @@
+"""`trajserve bench throughput`: decode and prefill speed of the real engine.
+
+Reports, for the engine's dtype:
+  * decode step time and tokens/s at several batch sizes (all sequences in
+    decode, `--context` tokens of prompt each);
+  * prefill tokens/s for one `--prefill-tokens` prompt;
+  * the memory-bandwidth floor of one decode step (weight bytes / measured
+    read bandwidth) and the ratio of the batch-1 step to it;
+  * the share of each step spent outside the model forward (scheduling,
+    KV bookkeeping, input preparation, sampling, detokenization).
+All figures come from one process run; compare them as ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from trajserve.bench.common import command_line, machine_info, read_bandwidth, spread
+from trajserve.sampling import SamplingParams
+
+TARGETS = {
+    "batch16_over_batch1_throughput": (">=", 6.0),
+    "outside_share_batch32": ("<=", 0.10),
+    "batch1_step_over_floor": ("<=", 2.0),
+}
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    tensors = [model.embed, model.lm_head, model.norm]
+    for L in model.layers:
+        tensors += [getattr(L, s) for s in L.__slots__ if getattr(L, s, None) is not None]
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def decode_run(engine, batch: int, context: int, steps: int, rng: random.Random) -> dict:
+    vocab = engine.model_config.vocab_size
+    sp = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    ids = [engine.add_request([rng.randrange(vocab) for _ in range(context)], sp) for _ in range(batch)]
+    sched = engine.scheduler
+    # Prefill everything and take one warm-up decode step.
+    while sched.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in sched.running):
+        engine.step()
+    engine.step()
+    walls, fwd = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t)
+        assert engine.last_step.num_seqs == batch, "not every sequence was in the decode batch"
+        fwd.append(engine.last_step.forward)
+    for rid in ids:
+        engine.abort_request(rid)
+    step = spread(walls)
+    outside = spread([(w - f) / w for w, f in zip(walls, fwd)])
+    return {"batch": batch, "step_ms": step["median"] * 1e3, "step_ms_p10": step["p10"] * 1e3,
+            "step_ms_p90": step["p90"] * 1e3, "tokens_per_s": batch / step["median"],
+            "forward_ms": spread(fwd)["median"] * 1e3, "outside_share": outside["median"]}
+
+
+def prefill_run(engine, tokens: int, repeats: int, rng: random.Random) -> dict:
+    vocab = engine.model_config.vocab_size
+    times = []
+    for _ in range(repeats + 1):  # first run is warm-up
+        rid = engine.add_request([rng.randrange(vocab) for _ in range(tokens)],
+                                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - t)
+    s = spread(times[1:])
+    return {"tokens": tokens, "chunk": engine.scheduler.config.max_prefill_chunk,
+            "seconds": s["median"], "seconds_p10": s["p10"], "seconds_p90": s["p90"],
+            "tokens_per_s": tokens / s["median"]}
+
+
+def check(value: float, rule: tuple[str, float]) -> bool:
+    op, limit = rule
+    return value >= limit if op == ">=" else value <= limit
+
+
+def run(args: argparse.Namespace) -> int:
+    from trajserve.cli import make_llm
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    # The pool must hold the largest batch.
+    need_tokens = max(batches) * (args.context + args.decode_steps + 8) + args.prefill_tokens + 64
+    if args.num_blocks is None and args.kv_cache_memory is None:
+        args.num_blocks = need_tokens // args.block_size + 64
+    llm = make_llm(args)
+    engine = llm.engine
+    rng = random.Random(args.seed)
+
+    bw = read_bandwidth(engine.device)
+    wbytes = weight_bytes(engine.model)
+    floor_s = wbytes / bw
+    decode = [decode_run(engine, b, args.context, args.decode_steps, rng) for b in batches]
+    prefill = prefill_run(engine, args.prefill_tokens, args.repeats, rng)
+
+    by_batch = {d["batch"]: d for d in decode}
+    derived = {}
+    if 1 in by_batch and 16 in by_batch:
+        derived["batch16_over_batch1_throughput"] = by_batch[16]["tokens_per_s"] / by_batch[1]["tokens_per_s"]
+    if 32 in by_batch:
+        derived["outside_share_batch32"] = by_batch[32]["outside_share"]
+    if 1 in by_batch:
+        derived["batch1_step_over_floor"] = by_batch[1]["step_ms"] / (floor_s * 1e3)
+    result = {
+        "command": command_line(), "machine": machine_info(), "dtype": args.dtype,
+        "context_tokens": args.context, "decode_steps": args.decode_steps,
+        "read_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "decode_floor_ms": floor_s * 1e3,
+        "decode": decode, "prefill": prefill,
+        "targets": {k: {"value": v, "rule": " ".join(map(str, TARGETS[k])), "met": check(v, TARGETS[k])}
+                    for k, v in derived.items()},
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"\n{result['command']}")
+    m = result["machine"]
+    print(f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), dtype {args.dtype}")
+    print(f"read bandwidth {bw / 1e9:.1f} GB/s, weights {wbytes / 1e6:.0f} MB "
+          f"-> decode floor {floor_s * 1e3:.1f} ms/step\n")
+    print(f"{'batch':>5} {'step ms':>9} {'p10-p90':>13} {'tok/s':>8} {'fwd ms':>8} {'outside':>8}")
+    for d in decode:
+        print(f"{d['batch']:>5} {d['step_ms']:>9.1f} {d['step_ms_p10']:>6.1f}-{d['step_ms_p90']:<6.1f} "
+              f"{d['tokens_per_s']:>8.1f} {d['forward_ms']:>8.1f} {d['outside_share'] * 100:>7.1f}%")
+    print(f"\nprefill {prefill['tokens']} tokens (chunk {prefill['chunk']}): {prefill['seconds'] * 1e3:.0f} ms "
+          f"= {prefill['tokens_per_s']:.0f} tokens/s (p10-p90 {prefill['seconds_p10'] * 1e3:.0f}-"
+          f"{prefill['seconds_p90'] * 1e3:.0f} ms)\n")
+    for k, t in result["targets"].items():
+        print(f"target {k}: {t['value']:.3g} ({t['rule']}) {'met' if t['met'] else 'NOT met'}")
+    print("\nJSON:")
+    print(json.dumps(result))
+    return 0

@@ -1,0 +1,571 @@
+"""Radix prefix cache: block-aligned prefix tree over physical KV blocks.
+
+Spec: kv-cache-management, "跨轮次前缀缓存" (cross-turn prefix caching),
+"最长前缀匹配" (longest prefix match, block-aligned truncation),
+"动态基数树淘汰" (leaf-first LRU eviction) and eq. 2 (H_prefix).
+
+The cache holds no tensors: it maps token prefixes to physical block ids of a
+`BlockPool` and holds one pool reference per block it stores. A block id is
+therefore referenced by its request block tables plus (at most) one radix
+node, and returns to the free list only when all of them let go.
+
+Layout (block size B = 4, one namespace)::
+
+    root ─┬─ [s0 s1 s2 s3 | s4 s5 s6 s7]  blocks (3, 9)      system prompt
+          │        ├─ [u0 u1 u2 u3]                blocks (4,)   turn A
+          │        └─ [v0 v1 v2 v3 | v4 v5 v6 v7]  blocks (5, 1) turn B
+          └─ ...
+
+    request  s0..s7 v0..v7 w0 w1          (18 tokens)
+    match    |<--- 4 full blocks --->|    16 tokens; w0 w1 is a partial
+                                          block: never matched, never stored
+
+Each node stores a whole number of blocks: its edge label is a list of
+B-token tuples and `block_ids[i]` holds the KV of `key[i]`. Children are keyed
+by their first block of tokens, so a lookup hashes B tokens, never one.
+
+Namespaces: everything that determines the KV state besides the tokens
+(model, adapter, tenant salt) selects a separate root, so two salts never
+share a block even for identical system prompts (DESIGN.md invariants).
+
+Reference counting, two kinds:
+  * `pool.ref_counts[b]`: holders of physical block b (block tables + the
+    one radix node that stores it).
+  * `RadixNode.ref_count`: requests currently using the node or a descendant
+    (`lock` pins the whole path to the root). A node with ref_count > 0 is
+    never evicted, and every ancestor of a pinned node is pinned.
+
+Eviction (spec "动态基数树淘汰"): dormant leaves (ref_count 0, no children)
+sit in a heap ordered by `last_access`; entries are invalidated lazily by a
+per-node stamp, so lock/unlock/match/insert push at most one entry each and
+`evict` never rebuilds the heap. When a leaf goes and its parent becomes a
+dormant leaf, the parent is pushed (cascade): a parent is never evicted
+before its children.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from trajserve.kv.block_pool import BlockPool
+
+BlockKey = tuple[int, ...]
+
+
+@dataclass(slots=True, eq=False)
+class RadixNode:
+    """One edge of the tree: a run of full blocks without a branch point
+    (spec table 2: prefix_tokens, block_ids, children, parent, ref_count,
+    last_access)."""
+
+    key: list[BlockKey]  # one B-token tuple per block
+    block_ids: list[int]  # block_ids[i] holds the KV of key[i]
+    parent: RadixNode | None
+    namespace: Hashable
+    children: dict[BlockKey, RadixNode] = field(default_factory=dict)
+    ref_count: int = 0
+    last_access: int = 0
+    # Stamp of this node's only valid heap entry (-1: none). Older entries
+    # for the node are stale and skipped when popped.
+    heap_stamp: int = -1
+    # Set by invalidate(): the node is out of the tree, never matched again;
+    # its blocks go back to the pool when its last user unlocks it.
+    detached: bool = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    def depth_tokens(self, block_size: int) -> int:
+        """Tokens on the path from the root to the end of this node."""
+        n, node = 0, self
+        while node is not None:
+            n += len(node.key)
+            node = node.parent
+        return n * block_size
+
+    def __repr__(self) -> str:  # the default one recurses through parent/children
+        return (f"RadixNode(blocks={self.block_ids}, ref_count={self.ref_count}, "
+                f"last_access={self.last_access}, children={len(self.children)}"
+                f"{', detached' if self.detached else ''})")
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """Longest cached block-aligned prefix of a prompt.
+
+    `num_tokens == len(block_ids) * block_size`; `last_node` is the node that
+    ends exactly at the match (the root when nothing matched) -- lock it to
+    pin the matched blocks while the request uses them."""
+
+    block_ids: list[int]
+    num_tokens: int
+    last_node: RadixNode
+
+
+@dataclass(slots=True)
+class InsertResult:
+    """Outcome of `RadixCache.insert`.
+
+    node: the node that ends exactly at the inserted prefix (lock it).
+    num_new_blocks: caller blocks the tree adopted (took a pool reference on).
+    duplicates: (block index, cached block id) where the tree already held a
+        different block for the same tokens; the tree kept its own and took no
+        reference on the caller's. The caller may switch its table to the
+        cached block (incref it) and free its own.
+    """
+
+    node: RadixNode
+    num_new_blocks: int
+    duplicates: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class PrefixHitStats:
+    """H_prefix = sum_i S_match^(i) / sum_i S_prompt^(i)   (eq. 2,
+    kv-cache-management). Keep one per trajectory as well as the global one
+    the cache holds: a drop after a harness change points at volatile tokens
+    moved to the front of the context."""
+
+    matched_tokens: int = 0
+    prompt_tokens: int = 0
+    num_requests: int = 0
+
+    def record(self, matched: int, prompt: int) -> None:
+        if not 0 <= matched <= prompt:
+            raise ValueError(f"matched {matched} tokens of a {prompt}-token prompt")
+        self.matched_tokens += matched
+        self.prompt_tokens += prompt
+        self.num_requests += 1
+
+    @property
+    def hit_rate(self) -> float:
+        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class RadixCache:
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self._roots: dict[Hashable, RadixNode] = {}
+        self._clock = 0  # monotonic logical time for last_access
+        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, stamp, node)
+        self._stamp = 0
+        self._num_nodes = 0  # attached, non-root
+        self.num_cached_blocks = 0  # blocks held by attached nodes
+        self.num_evictable_blocks = 0  # ... of which in nodes with ref_count 0
+        self.num_detached_blocks = 0  # held by invalidated nodes still in use
+        self.num_evicted_nodes = 0
+        self.num_evicted_blocks = 0  # tree references dropped by evict()
+        self.num_freed_blocks = 0  # ... of which went back to the free list
+        self.num_invalidated_blocks = 0
+        self.hits = PrefixHitStats()
+
+    # ------------------------------------------------------------------ match
+
+    def match_prefix(self, namespace: Hashable, token_ids: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `token_ids`, truncated to full blocks
+        (spec "最长前缀匹配": S_usable = floor(S_match / B) * B).
+
+        Splits a node when the match ends inside its slice, so `last_node`
+        ends exactly at the match. Refreshes last_access along the path;
+        changes no refcount (lock the node to pin it).
+
+        A caller that needs logits for the last prompt token should match
+        `token_ids[:-1]`, so at least one token is left to prefill.
+        """
+        return self.match_blocks(namespace, self.block_keys(token_ids))
+
+    def match_blocks(self, namespace: Hashable, keys: Sequence[BlockKey]) -> MatchResult:
+        """`match_prefix` on keys from `block_keys` (a request that keeps its
+        keys as its blocks fill does not re-chunk its whole prompt per call)."""
+        root = self._roots.get(namespace)
+        if root is None:  # an unseen namespace: don't grow the root table on lookups
+            return MatchResult([], 0, RadixNode(key=[], block_ids=[], parent=None, namespace=namespace))
+        node, n, block_ids = self._walk(root, keys if isinstance(keys, list) else list(keys))
+        self._touch(node)
+        return MatchResult(block_ids, n * self.block_size, node)
+
+    def block_keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
+        """The B-token tuples of the full blocks of `token_ids`; a partial tail
+        is dropped: it is never matched nor stored.
+
+            tokens  t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9      (B = 4)
+            keys    (t0..t3)      (t4..t7)                 t8 t9 dropped
+        """
+        # zip over B references to one iterator yields consecutive B-tuples.
+        return list(zip(*[iter(token_ids)] * self.block_size))
+
+    # --------------------------------------------------------------- pinning
+
+    def lock(self, node: RadixNode) -> None:
+        """Pin `node` and its ancestors (the request reads their blocks)."""
+        if node.detached and node.ref_count == 0:
+            raise ValueError(f"lock of an evicted or invalidated radix node {node!r}: match again")
+        while node.parent is not None:
+            if node.ref_count == 0 and not node.detached:
+                self.num_evictable_blocks -= len(node.block_ids)
+            node.ref_count += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one `lock(node)`. A node whose count drops to 0 becomes
+        dormant (evictable once it is a leaf); an invalidated node releases its
+        blocks to the pool instead. The path counts as used until now, so its
+        LRU time is refreshed: a long-running request's prefix is not the
+        first to go the moment it finishes."""
+        self._clock += 1
+        t = self._clock
+        while node.parent is not None:
+            if node.ref_count <= 0:
+                raise AssertionError(f"unlock of an unlocked radix node {node!r}")
+            node.ref_count -= 1
+            node.last_access = t
+            if node.ref_count == 0:
+                if node.detached:
+                    self._release_detached(node)
+                else:
+                    self.num_evictable_blocks += len(node.block_ids)
+                    if not node.children:
+                        self._push(node)
+            node = node.parent
+
+    # ----------------------------------------------------------------- insert
+
+    def insert(self, namespace: Hashable, token_ids: Sequence[int],
+               block_ids: Sequence[int]) -> InsertResult:
+        """Store the full blocks `block_ids` holding `token_ids`.
+
+        `len(token_ids)` must be `len(block_ids) * block_size` (the caller
+        drops its partial tail: only full blocks are shared). Blocks the tree
+        lacks are adopted with one `pool.incref` each; where the tree holds a
+        block for the same tokens already, it keeps its own and reports the
+        caller's as a duplicate. Re-inserting a longer prefix of an inserted
+        sequence (a running request whose blocks fill) adds only the new
+        blocks, as a child of the node where the previous insert ended.
+
+            tree      [A B] -- [C]
+            insert     a b  c  d   ids (A, B, X, Y)
+            result    [A B] -- [C] -- [Y]   duplicates [(2, C)], adopted 1
+        """
+        B = self.block_size
+        if len(token_ids) != len(block_ids) * B:
+            raise ValueError(f"{len(token_ids)} tokens for {len(block_ids)} blocks of {B}: "
+                             "insert full blocks only")
+        return self.insert_blocks(namespace, self.block_keys(token_ids), block_ids)
+
+    def insert_blocks(self, namespace: Hashable, keys: Sequence[BlockKey],
+                      block_ids: Sequence[int]) -> InsertResult:
+        """`insert` on keys from `block_keys`, one per block id."""
+        if len(keys) != len(block_ids):
+            raise ValueError(f"{len(keys)} block keys for {len(block_ids)} block ids")
+        if not keys:
+            return InsertResult(self.match_blocks(namespace, []).last_node, 0, [])
+        root = self._root(namespace)
+        blocks = keys if isinstance(keys, list) else list(keys)
+        node, n, cached = self._walk(root, blocks)
+        duplicates = [(i, c) for i, c in enumerate(cached) if c != block_ids[i]]
+        new = 0
+        if n < len(blocks):
+            new_ids = list(block_ids[n:])
+            self.pool.incref(new_ids)
+            leaf = RadixNode(key=blocks[n:], block_ids=new_ids, parent=node, namespace=namespace)
+            node.children[leaf.key[0]] = leaf
+            self._num_nodes += 1
+            self.num_cached_blocks += len(new_ids)
+            self.num_evictable_blocks += len(new_ids)
+            new = len(new_ids)
+            node = leaf
+        self._touch(node)
+        return InsertResult(node, new, duplicates)
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, num_blocks: int) -> int:
+        """Drop dormant leaves, least recently used first, until `num_blocks`
+        blocks went back to the pool's free list or nothing is evictable.
+
+        Returns the number of blocks that actually returned to the free list.
+        A dormant node's block may still be in a request's block table (a fork
+        child that never locked the node); dropping the tree's reference then
+        frees nothing, and eviction goes on. `num_evicted_blocks` counts tree
+        references dropped, `num_freed_blocks` blocks freed.
+
+        O(log h) per popped heap entry (h = heap size); each stale entry is
+        popped once, so the amortised cost is O(log h) per evicted node.
+        """
+        freed = 0
+        heap = self._heap
+        while freed < num_blocks and heap:
+            _, stamp, node = heapq.heappop(heap)
+            if stamp != node.heap_stamp or not self._evictable(node):
+                continue  # stale: locked, grew a child, refreshed or gone since
+            node.heap_stamp = -1
+            freed += self._drop_tree_refs(node.block_ids)
+            self.num_evicted_nodes += 1
+            self.num_evicted_blocks += len(node.block_ids)
+            self.num_cached_blocks -= len(node.block_ids)
+            self.num_evictable_blocks -= len(node.block_ids)
+            self._num_nodes -= 1
+            parent = node.parent
+            del parent.children[node.key[0]]
+            node.detached = True  # a handle to it must not be locked again
+            # Cascade: the parent is a candidate once its last child is gone.
+            if parent.parent is not None:
+                if not parent.children and parent.ref_count == 0:
+                    self._push(parent)
+            elif not parent.children and self._roots.get(parent.namespace) is parent:
+                del self._roots[parent.namespace]
+        self.num_freed_blocks += freed
+        return freed
+
+    # ------------------------------------------------------------ invalidation
+
+    def invalidate(self, namespace: Hashable, prefix_tokens: Sequence[int] | None = None) -> int:
+        """Drop cached state that depends on stale tokens (the stale-context
+        fallacy: after a file changes, KV derived from its old text must never
+        be served again).
+
+        `prefix_tokens` ends with the first stale token: every block that holds
+        that token or any later one, on a path that starts with
+        `prefix_tokens`, is dropped; blocks wholly before it are kept. None
+        (or empty) drops the whole namespace.
+
+            prefix    s0 s1 s2 s3 | s4 s5 f0        (f0: first stale token)
+            kept      [s0 s1 s2 s3]
+            dropped   [s4 s5 f0 *] and everything below it
+
+        Nodes in use are detached (never matched again) and keep their blocks
+        until their last user unlocks them; the rest free their blocks now.
+        Returns the number of tree block references dropped or scheduled for
+        release.
+        """
+        root = self._roots.get(namespace)
+        if root is None:
+            return 0
+        if not prefix_tokens:
+            victims = list(root.children.values())
+        else:
+            victims = self._invalidation_roots(root, prefix_tokens)
+        dropped = 0
+        for v in victims:
+            del v.parent.children[v.key[0]]
+            dropped += self._detach_subtree(v)
+        if not root.children:
+            del self._roots[namespace]
+        # The parent of a dropped subtree may now be a dormant leaf.
+        for v in victims:
+            p = v.parent
+            if p.parent is not None and self._evictable(p):
+                self._push(p)
+        self.num_invalidated_blocks += dropped
+        return dropped
+
+    def clear(self) -> int:
+        """Drop every cached node not in use (in any namespace); nodes in use
+        and their ancestors stay. Returns blocks freed to the pool."""
+        freed = 0
+        for ns, root in list(self._roots.items()):
+            freed += self._clear_under(root)
+            if not root.children:
+                del self._roots[ns]
+        self.num_freed_blocks += freed
+        # Everything left is pinned, so no heap entry can be valid.
+        self._heap.clear()
+        return freed
+
+    # --------------------------------------------------------------- H_prefix
+
+    def record(self, matched_tokens: int, prompt_tokens: int) -> None:
+        """Account one prompt for H_prefix (eq. 2)."""
+        self.hits.record(matched_tokens, prompt_tokens)
+
+    @property
+    def hit_rate(self) -> float:
+        """H_prefix over all recorded prompts (eq. 2)."""
+        return self.hits.hit_rate
+
+    # ------------------------------------------------------------- inspection
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def namespaces(self) -> list[Hashable]:
+        return list(self._roots)
+
+    def iter_nodes(self, namespace: Hashable | None = None) -> Iterator[RadixNode]:
+        """Attached non-root nodes (of one namespace, or all), parents first."""
+        if namespace is None:
+            roots = list(self._roots.values())
+        else:
+            roots = [self._roots[namespace]] if namespace in self._roots else []
+        stack = [c for r in roots for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ---------------------------------------------------------------- private
+
+    def _root(self, namespace: Hashable) -> RadixNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = RadixNode(key=[], block_ids=[], parent=None,
+                                                      namespace=namespace)
+        return root
+
+    def _walk(self, root: RadixNode, blocks: Sequence[BlockKey]) -> tuple[RadixNode, int, list[int]]:
+        """Follow `blocks` from `root`. Returns (node ending exactly at the
+        match, blocks matched, their cached ids); a match that ends inside a
+        node's slice splits that node there."""
+        node, i, n = root, 0, len(blocks)
+        ids: list[int] = []
+        while i < n:
+            child = node.children.get(blocks[i])
+            if child is None:
+                break
+            key = child.key
+            m = min(len(key), n - i)
+            if key[:m] == blocks[i:i + m]:  # the common case, one C-level compare
+                j = m
+            else:
+                j = 1  # key[0] matched by the dict lookup
+                while j < m and key[j] == blocks[i + j]:
+                    j += 1
+            inside = j < len(key)
+            if inside:
+                child = self._split(child, j)
+            ids.extend(child.block_ids)
+            i += j
+            node = child
+            if inside:
+                break
+        return node, i, ids
+
+    def _split(self, node: RadixNode, j: int) -> RadixNode:
+        """Cut `node` after its first j blocks; returns the new upper node.
+
+            before  parent -- [k0 .. k(j-1) kj .. kn]                 node
+            after   parent -- [k0 .. k(j-1)] -- [kj .. kn]
+                              new upper node    node (keeps its identity)
+
+        The lower part keeps the node object, so handles held by requests
+        (they locked the deep end) stay valid and the heap entry, if any, still
+        refers to the leaf. The upper part inherits ref_count (every lock of
+        the node pinned it) and last_access; pool refcounts are unchanged: each
+        block is still held once by the tree.
+        """
+        parent = node.parent
+        upper = RadixNode(key=node.key[:j], block_ids=node.block_ids[:j], parent=parent,
+                          namespace=node.namespace, children={node.key[j]: node},
+                          ref_count=node.ref_count, last_access=node.last_access)
+        parent.children[upper.key[0]] = upper
+        node.key = node.key[j:]
+        node.block_ids = node.block_ids[j:]
+        node.parent = upper
+        self._num_nodes += 1
+        return upper
+
+    def _touch(self, node: RadixNode) -> None:
+        """Refresh last_access from `node` up to the root (LRU order)."""
+        self._clock += 1
+        t = self._clock
+        leaf = node
+        while node.parent is not None:
+            node.last_access = t
+            node = node.parent
+        if leaf.parent is not None and self._evictable(leaf):
+            self._push(leaf)  # its old entry carries the old time: now stale
+
+    @staticmethod
+    def _evictable(node: RadixNode) -> bool:
+        return (node.ref_count == 0 and not node.children and not node.detached
+                and node.parent is not None)
+
+    def _push(self, node: RadixNode) -> None:
+        self._stamp += 1
+        node.heap_stamp = self._stamp
+        heapq.heappush(self._heap, (node.last_access, self._stamp, node))
+        # Stale entries pile up under lock/unlock churn; compact when they
+        # outnumber live nodes (amortised O(1) per push, never per evict call).
+        if len(self._heap) > 2 * self._num_nodes + 64:
+            self._heap = [e for e in self._heap if e[1] == e[2].heap_stamp and self._evictable(e[2])]
+            heapq.heapify(self._heap)
+
+    def _drop_tree_refs(self, block_ids: list[int]) -> int:
+        """pool.free the tree's reference; count blocks that hit the free list."""
+        rc = self.pool.ref_counts
+        freed = sum(1 for b in block_ids if rc[b] == 1)
+        self.pool.free(block_ids)
+        return freed
+
+    def _invalidation_roots(self, root: RadixNode, prefix: Sequence[int]) -> list[RadixNode]:
+        B = self.block_size
+        k = (len(prefix) - 1) // B  # block holding the first stale token
+        head = self.block_keys(prefix[:k * B])
+        tail = tuple(prefix[k * B:])
+        node, n, _ = self._walk(root, head)
+        if n < len(head):
+            return []  # nothing cached under this prefix
+        # `node` ends exactly after block k-1; block k starts a child.
+        if len(tail) == B:
+            child = node.children.get(tail)
+            return [child] if child is not None else []
+        return [c for first, c in node.children.items() if first[:len(tail)] == tail]
+
+    def _detach_subtree(self, top: RadixNode) -> int:
+        """Take `top` (already unlinked from its parent) and its descendants out
+        of the tree. Keeps parent links so unlock still walks up."""
+        dropped = 0
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.detached = True
+            node.heap_stamp = -1
+            nb = len(node.block_ids)
+            dropped += nb
+            self._num_nodes -= 1
+            self.num_cached_blocks -= nb
+            if node.ref_count == 0:
+                self.num_evictable_blocks -= nb
+                self.num_freed_blocks += self._drop_tree_refs(node.block_ids)
+                node.block_ids = []
+            else:
+                self.num_detached_blocks += nb
+        return dropped
+
+    def _release_detached(self, node: RadixNode) -> None:
+        self.num_detached_blocks -= len(node.block_ids)
+        self.num_freed_blocks += self._drop_tree_refs(node.block_ids)
+        node.block_ids = []
+
+    def _clear_under(self, root: RadixNode) -> int:
+        """Post-order: free every node with ref_count 0 (its descendants are
+        then unpinned too, since pins cover whole paths)."""
+        freed = 0
+        order: list[RadixNode] = []
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        for node in reversed(order):  # children before parents
+            if node.ref_count == 0:
+                freed += self._drop_tree_refs(node.block_ids)
+                nb = len(node.block_ids)
+                self.num_cached_blocks -= nb
+                self.num_evictable_blocks -= nb
+                self._num_nodes -= 1
+                del node.parent.children[node.key[0]]
+                node.detached = True
+                node.heap_stamp = -1
+        return freed

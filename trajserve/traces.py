@@ -1,0 +1,54 @@
+"""Readers for the public KV-cache traces in shared/data/traces (see its
+README.md). Traces carry prefix-block hash ids, never text; a replay maps each
+hash id to one fixed block of synthetic tokens."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class TraceRequest:
+    """One model call of a Claude Code session, main agent or sub-agent."""
+
+    t: float  # seconds from session start (sub-agent calls shifted by the sub-agent's start)
+    input_tokens: int
+    output_tokens: int
+    hash_ids: list[int]  # one per full `block_size`-token block of the prompt
+    api_time: float
+    agent: str  # "main" or the sub-agent's agent_id
+
+
+@dataclass(slots=True)
+class ClaudeCodeTrace:
+    id: str
+    block_size: int
+    requests: list[TraceRequest]  # all calls, in arrival order
+
+
+def default_trace_dir(repo_root: Path) -> Path:
+    """shared/ sits next to the repository checkout."""
+    return repo_root.parent / "shared" / "data" / "traces"
+
+
+def load_claude_code_trace(path: Path) -> ClaudeCodeTrace:
+    """Read one `trace_NNNN.json`; nested sub-agent calls are flattened and
+    everything is ordered by arrival time (stable, so equal times keep file
+    order)."""
+    doc = json.loads(Path(path).read_text())
+    out: list[TraceRequest] = []
+
+    def walk(reqs: list[dict], t0: float, agent: str) -> None:
+        for r in reqs:
+            if r.get("type") == "subagent":
+                # Sub-agent call times count from the sub-agent's own start.
+                walk(r.get("requests", []), t0 + r["t"], r.get("agent_id", "subagent"))
+                continue
+            out.append(TraceRequest(t=t0 + r["t"], input_tokens=r["in"], output_tokens=r["out"],
+                                    hash_ids=list(r["hash_ids"]), api_time=r.get("api_time", 0.0),
+                                    agent=agent))
+
+    walk(doc["requests"], 0.0, "main")
+    out.sort(key=lambda r: r.t)
+    return ClaudeCodeTrace(id=doc["id"], block_size=doc["block_size"], requests=out)

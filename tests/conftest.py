@@ -1,8 +1,12 @@
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning: on a 2-core machine shared
+# with another process, spinning made a decode step ~20x slower.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 torch.set_num_threads(int(os.environ.get("TRAJSERVE_TEST_THREADS", "2")))
 

@@ -79,29 +79,61 @@ def sched_config(engine: LLMEngine, **kw):
             setattr(cfg, k, v)
 
 
+def clear_prefix_cache(engine: LLMEngine) -> None:
+    """Drop cached blocks no request holds, so the next run computes every
+    token (chunking is only exercised on tokens that are computed)."""
+    clear = getattr(engine.kv, "clear_cache", None)
+    if clear is not None:
+        clear()
+
+
+def cache_off() -> dict:
+    """CacheConfig kwargs that turn the radix prefix cache off, where it exists."""
+    return {"enable_prefix_caching": False} if "enable_prefix_caching" in CacheConfig.__dataclass_fields__ else {}
+
+
+def check_refcounts(engine: LLMEngine) -> None:
+    """Each block's refcount = block tables holding it + 1 if the radix tree does."""
+    kv = engine.kv
+    kv.pool.check()
+    radix = getattr(kv, "radix", None)
+    tree = 0 if radix is None else radix.num_cached_blocks + getattr(radix, "num_detached_blocks", 0)
+    assert sum(kv.pool.ref_counts) == sum(len(t.block_ids) for t in kv.tables.values()) + tree
+
+
 def assert_pool_clean(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
-    assert engine.kv.pool.num_free == engine.kv.num_blocks, "blocks leaked"
     assert not engine.kv.tables
+    check_refcounts(engine)
+    clear_prefix_cache(engine)  # what is left must be free, not leaked
+    assert engine.kv.pool.num_free == engine.kv.num_blocks, "blocks leaked"
     engine.kv.pool.check()
 
 
-def drain(engine: LLMEngine, results: dict[str, list[int]], max_steps: int = 100_000) -> None:
+def drain(engine: LLMEngine, results: dict, max_steps: int = 100_000) -> None:
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return
         for out in engine.step():
             if out.finished:
-                results[out.request_id] = out.outputs[0].token_ids
+                results[out.request_id] = out
     raise AssertionError("engine did not finish")
 
 
-def run_batch(engine: LLMEngine, prompts, sp=GREEDY) -> list[list[int]]:
+def run_outputs(engine: LLMEngine, prompts, sp=GREEDY, warm: bool = False) -> list:
+    if not warm:
+        clear_prefix_cache(engine)
     ids = [engine.add_request(p, sp) for p in prompts]
-    results: dict[str, list[int]] = {}
+    results: dict = {}
     drain(engine, results)
-    assert_pool_clean(engine)
-    return [results[i] for i in ids]
+    outs = [results[i] for i in ids]
+    if not warm:
+        assert_pool_clean(engine)
+    return outs
+
+
+def run_batch(engine: LLMEngine, prompts, sp=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in run_outputs(engine, prompts, sp)]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +186,29 @@ def test_chunk_size_does_not_change_tokens(engine, prompts, reference, chunk):
     assert steps >= MAX_TOKENS + (longest - 1) // chunk
 
 
+def test_warm_prefix_cache_does_not_change_tokens(engine, prompts, reference):
+    """The same batch twice: the second run reads every full prompt block from
+    the radix prefix cache instead of computing it."""
+    if getattr(engine.kv, "radix", None) is None:
+        pytest.skip("engine has no prefix cache")
+    with sched_config(engine, max_prefill_chunk=64, max_num_batched_tokens=64, max_num_seqs=64):
+        clear_prefix_cache(engine)
+        cold = run_outputs(engine, prompts, warm=True)
+        warm = run_outputs(engine, prompts, warm=True)
+    for outs in (cold, warm):
+        got = [o.outputs[0].token_ids for o in outs]
+        assert got == reference, _diff(got, reference)
+    B = engine.kv.block_size
+    assert [o.num_cached_tokens for o in cold] == [0] * len(prompts)
+    for o, p in zip(warm, prompts):
+        # Block-aligned hits that leave at least the last prompt token to compute.
+        n = o.num_cached_tokens
+        assert n % B == 0 and n <= len(p) - 1
+        if len(p) > 2 * B:
+            assert n >= len(p) - 1 - B, (len(p), n)
+    assert_pool_clean(engine)
+
+
 def test_max_num_seqs_queues_the_rest(engine, prompts, reference):
     """max_num_seqs=3: three prompts wait in the queue and are admitted as
     others finish, joining batches that mix decodes with a prefill."""
@@ -180,6 +235,7 @@ def test_staggered_arrival(engine, prompts, reference):
     results: dict[str, list[int]] = {}
     order = [3, 0, 5, 1, 4, 2]  # arrival order: mix long and short
     ids: dict[int, str] = {}
+    clear_prefix_cache(engine)
     with sched_config(engine, max_prefill_chunk=64, max_num_batched_tokens=64, max_num_seqs=64):
         for k, i in enumerate(order):
             if k:
@@ -192,13 +248,13 @@ def test_staggered_arrival(engine, prompts, reference):
             while seen < 2 and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        results[out.request_id] = out.outputs[0].token_ids
+                        results[out.request_id] = out
                     if out.request_id == ids[i]:
                         seen = len(out.outputs[0].token_ids)
             assert seen >= 2
         drain(engine, results)
     assert_pool_clean(engine)
-    got = [results[ids[i]] for i in range(len(prompts))]
+    got = [results[ids[i]].outputs[0].token_ids for i in range(len(prompts))]
     assert got == reference, _diff(got, reference)
 
 
@@ -220,7 +276,9 @@ def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference
     # Every prompt fits at once (+1 block); their decode growth does not.
     num_blocks = sum(-(-(len(p) + 1) // B) for p in prompts) + 1
     assert num_blocks >= -(-(max(map(len, prompts)) + MAX_TOKENS) // B)  # the longest fits alone
-    eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=B, num_blocks=num_blocks)))
+    # Prefix caching off: a preempted request recomputes everything.
+    eng = LLMEngine(EngineConfig(dtype="float32",
+                                 cache=CacheConfig(block_size=B, num_blocks=num_blocks, **cache_off())))
     eng.scheduler.config.max_prefill_chunk = eng.scheduler.config.max_num_batched_tokens = 64
     preempted_at: list[tuple[str, int]] = []  # (request, output tokens it had)
     orig_preempt = eng.scheduler._preempt
@@ -240,9 +298,8 @@ def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
         # Refcounts and the free list agree after every step, preemptions included.
-        eng.kv.pool.check()
-        used = sum(len(t.block_ids) for t in eng.kv.tables.values())
-        assert used == eng.kv.pool.num_used
+        check_refcounts(eng)
+        assert sum(len(t.block_ids) for t in eng.kv.tables.values()) == eng.kv.pool.num_used
         steps += 1
         assert steps < 10_000
     assert eng.scheduler.num_preemptions == len(preempted_at) > 0, "pool was not small enough to preempt"

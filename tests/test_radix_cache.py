@@ -41,10 +41,6 @@ def put(pool: BlockPool, cache: RadixCache, labels: list[int], ns=NS, keep: bool
     return ids, res
 
 
-def tree_refs(cache: RadixCache) -> Counter:
-    return Counter(b for n in cache.iter_nodes() for b in n.block_ids)
-
-
 # ------------------------------------------------------------------ unit tests
 
 def test_match_on_empty_tree():

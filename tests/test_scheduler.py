@@ -27,13 +27,13 @@ def reference(prompt, max_tokens):
     return toks[len(prompt):]
 
 
-def make_requests(specs):
+def make_requests(specs, max_total_tokens=10**9):
     return [Request(f"r{i}", [((i + 1) * 31 + j) % VOCAB for j in range(p)],
-                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), 10**9)
+                    SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), max_total_tokens)
             for i, (p, m) in enumerate(specs)]
 
 
-def drive(sched: Scheduler, kv: KVCacheManager, check=None, max_steps=100000):
+def drive(sched: Scheduler, kv: KVCacheManager, check=None, max_steps=5000):
     steps = []
     for _ in range(max_steps):
         if not sched.has_unfinished():
@@ -94,16 +94,22 @@ def test_preemption_recompute_gives_identical_output():
 def test_preempts_newest_first():
     kv = KVCacheManager(6, 4, 0.0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_prefill_chunk=100), kv)
-    a, b, c = make_requests([(8, 30), (8, 30), (7, 30)])
+    # 38 tokens each would not fit the 24-token pool even alone: the engine
+    # caps a request at the pool's capacity, so it finishes with "length".
+    a, b, c = make_requests([(8, 30), (8, 30), (7, 30)], max_total_tokens=kv.token_capacity)
     for r in (a, b, c):
         sched.add(r)
     victims = []
-    while sched.has_unfinished():
+    for _ in range(1000):
+        if not sched.has_unfinished():
+            break
         out = sched.schedule()
         victims += [v.request_id for v in out.preempted]
         sched.update(out, {x.request.request_id: next_token(x.request.all_token_ids)
                            for x in out.chunks if x.sample}, 0.0)
+    assert not sched.has_unfinished()
     assert victims and victims[0] == "r2"
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_tokens == 24 for r in (a, b, c))
 
 
 @settings(max_examples=60, deadline=None)

@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.25)
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="disable the radix prefix cache")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-prefill-chunk", type=int, default=None, help="per-request chunk cap")
@@ -35,7 +37,7 @@ def make_llm(args: argparse.Namespace):
                memory_fraction=args.memory_fraction, num_blocks=args.num_blocks, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
-               seed=args.seed, num_threads=args.threads)
+               seed=args.seed, num_threads=args.threads, enable_prefix_caching=args.prefix_caching)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -46,6 +46,9 @@ class CacheConfig:
     # Below this share of free blocks a new request is not admitted, so the
     # running decodes keep room to grow (the spec's Pool_headroom, eq. 7).
     watermark: float = 0.01
+    # Radix prefix cache: requests sharing a block-aligned prefix (same
+    # system prompt, earlier turns) reuse its KV instead of recomputing it.
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)

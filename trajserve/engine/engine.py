@@ -77,7 +77,8 @@ class LLMEngine:
 
         cc = config.cache
         self.num_blocks = num_blocks_for(cc, mc, self.dtype, self.device)
-        self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark)
+        self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
+                                 enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
@@ -99,7 +100,7 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Validate and queue. Raises ValueError (naming the limit) before
         anything is allocated; requests already in flight are unaffected."""
         params = params or SamplingParams()
@@ -107,7 +108,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
+            text, ids = None, list(prompt)
+            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+            if bad is not None:
+                raise ValueError(f"prompt token ids must be integers, got {bad!r}")
         self._validate_prompt(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
@@ -120,7 +124,7 @@ class LLMEngine:
         cap = min(self.max_model_len, self.kv.token_capacity)
         now = time.monotonic()
         seqs = [Request(sid, ids, self._seq_params(params, i), cap,
-                        frozenset(self.tokenizer.eos_token_ids), arrival_time=now)
+                        frozenset(self.tokenizer.eos_token_ids), arrival_time=now, cache_salt=cache_salt)
                 for i, sid in enumerate(seq_ids)]
         group = _Group(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
                        [0] * params.n)
@@ -267,16 +271,28 @@ class LLMEngine:
         comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                   c.logprobs, c.delta_text, list(c.delta_token_ids))
                  for c in group.completions]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished, metrics)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished, metrics,
+                             num_cached_tokens=max(s.num_cached_tokens for s in group.seqs))
 
     def _release(self, seq: Request) -> None:
         self._seq_to_group.pop(seq.request_id, None)
         self.sampler.release(seq.request_id)
 
     # ----------------------------------------------------------------- metrics
+    def invalidate(self, prefix_tokens: str | list[int] | None = None, cache_salt: str | None = None) -> int:
+        """Drop cached state under a token prefix (or a whole salt): when a file
+        an agent read changes, KV derived from its old text must not be served."""
+        if isinstance(prefix_tokens, str):
+            prefix_tokens = self.tokenizer.encode(prefix_tokens)
+        return self.kv.invalidate(prefix_tokens, cache_salt)
+
     def metrics(self) -> dict:
+        radix = self.kv.radix
         return {
             "U_KV": self.kv.usage(),
+            "H_prefix": self.scheduler.prefix_hit_rate,
+            "cached_blocks": radix.num_cached_blocks if radix else 0,
+            "evicted_blocks": radix.num_evicted_blocks if radix else 0,
             "num_blocks": self.kv.num_blocks,
             "free_blocks": self.kv.pool.num_free,
             "running": len(self.scheduler.running),

@@ -49,6 +49,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    cache_salt: str | None = None  # tenant: requests share cached state only within a salt
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     # Timing (monotonic seconds): TTFT and inter-token times.
     first_token_time: float | None = None
     last_token_time: float | None = None

@@ -61,9 +61,17 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
+        # H_prefix (eq. 2, kv-cache-management) = cached / prompt tokens at admission.
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """H_prefix = sum S_match / sum S_prompt   (eq. 2, kv-cache-management)."""
+        return self.num_cached_prompt_tokens / self.num_prompt_tokens if self.num_prompt_tokens else 0.0
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,12 +100,19 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
-            total = req.num_computed_tokens + n
-            if not self.kv.can_admit(req.request_id, total):
+            # Radix match: the cached block-aligned prefix needs no compute.
+            hit = self.kv.match(req.request_id, req.all_token_ids, req.cache_salt)
+            start = hit.num_tokens if hit else req.num_computed_tokens
+            n = min(req.num_tokens - start, budget, cap)
+            if not (self.kv.can_admit(req.request_id, start + n, hit)
+                    and self.kv.allocate_slots(req.request_id, start + n, hit)):
                 break  # FCFS: the head waits, so big prompts are not starved
             self.waiting.popleft()
-            self.kv.allocate_slots(req.request_id, total)
+            if req.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
+                req.num_cached_tokens = start
+                self.num_prompt_tokens += req.num_prompt_tokens
+                self.num_cached_prompt_tokens += start
+            req.num_computed_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self._add_chunk(out, req, n, scheduled)
@@ -121,7 +136,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req.request_id)
+        # Its computed blocks go to the prefix cache: the recompute may hit them.
+        self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -144,6 +160,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens = chunk.end
+            self.kv.cache_computed(req.request_id, req.all_token_ids, chunk.end, req.cache_salt)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -163,4 +180,4 @@ class Scheduler:
                 self.waiting.remove(req)
             except ValueError:
                 pass
-        self.kv.free(req.request_id)
+        self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)

@@ -1,21 +1,43 @@
-"""KVCacheManager: the only owner of block tables and the block pool.
+"""KVCacheManager: the only owner of block tables, the block pool and the
+radix prefix cache.
 
-The scheduler asks it for room (allocate_slots) and returns room (free); it
-never touches blocks itself. Works on token counts and block ids only, so the
-simulator can drive it without tensors.
+The scheduler asks it for a request's cached prefix (match), for room
+(allocate_slots), tells it when blocks fill (cache_computed) and returns room
+(release). It never touches blocks itself. Works on token ids and block ids
+only, so the simulator can drive it without tensors.
+
+Reference counting (DESIGN.md invariant): pool.ref_counts[b] = number of
+block tables holding b + 1 if a radix node stores b. A cached block whose
+tables all let go stays in the tree (evictable) until the pool runs short.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
 from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.block_table import BlockTable, blocks_for
+from trajserve.kv.radix_cache import BlockKey, MatchResult, RadixCache, RadixNode
+
+
+@dataclass(slots=True)
+class _PrefixState:
+    """What one request has in the radix tree."""
+    namespace: Hashable
+    keys: list[BlockKey] = field(default_factory=list)  # keys of its blocks stored in the tree
+    node: RadixNode | None = None  # locked end of that path
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
+                 enable_prefix_caching: bool = False, model_id: Hashable = "") -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.tables: dict[str, BlockTable] = {}
         self.watermark_blocks = int(watermark * num_blocks)
+        self.radix = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+        self.model_id = model_id
+        self._prefix: dict[str, _PrefixState] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -26,38 +48,137 @@ class KVCacheManager:
         return self.pool.num_blocks * self.block_size
 
     def usage(self) -> float:
-        """U_KV = N_allocated_blocks / N_total_blocks   (eq. 8, kv-cache-management)."""
+        """U_KV = N_allocated_blocks / N_total_blocks   (eq. 8, kv-cache-management).
+        Cached blocks no request holds count as allocated (they are reclaimable)."""
         return self.pool.num_used / self.pool.num_blocks
+
+    @property
+    def num_reclaimable(self) -> int:
+        return self.radix.num_evictable_blocks if self.radix is not None else 0
 
     def table(self, request_id: str) -> BlockTable:
         return self.tables[request_id]
 
-    def can_admit(self, request_id: str, num_tokens: int) -> bool:
-        """Admission keeps a watermark of free blocks for running decodes."""
-        need = self._needed(request_id, num_tokens)
-        return need + self.watermark_blocks <= self.pool.num_free
+    # ---------------------------------------------------------------- prefix
+    def namespace(self, cache_salt: str | None) -> Hashable:
+        # Everything besides the tokens that determines the KV state.
+        return (self.model_id, cache_salt)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold num_tokens tokens. False (and no
-        change) when the pool is short."""
-        need = self._needed(request_id, num_tokens)
-        if need > self.pool.num_free:
-            return False
+    def match(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> MatchResult | None:
+        """Cached block-aligned prefix for a request that holds no blocks yet.
+        At least one token is left out: its logits give the next token."""
+        if self.radix is None or request_id in self.tables or len(token_ids) <= self.block_size:
+            return None
+        keys = self.radix.block_keys(token_ids[: len(token_ids) - 1])
+        hit = self.radix.match_blocks(self.namespace(cache_salt), keys)
+        return hit if hit.num_tokens else None
+
+    def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
+                       cache_salt: str | None) -> None:
+        """Store the request's newly filled blocks in the tree, so a request
+        with the same prefix hits while this one is still running."""
+        if self.radix is None:
+            return
         table = self.tables.get(request_id)
         if table is None:
-            table = self.tables[request_id] = BlockTable(self.block_size)
+            return
+        st = self._prefix.get(request_id)
+        if st is None:
+            st = self._prefix[request_id] = _PrefixState(self.namespace(cache_salt))
+        full = min(num_computed // self.block_size, len(table))
+        have = len(st.keys)
+        if full <= have:
+            return
+        B = self.block_size
+        st.keys.extend(self.radix.block_keys(token_ids[have * B: full * B]))
+        res = self.radix.insert_blocks(st.namespace, st.keys, table.block_ids[:full])
+        for idx, cached in res.duplicates:
+            # Same tokens computed twice (two requests raced): keep the tree's
+            # block, drop ours, so both requests share one copy.
+            self.pool.incref([cached])
+            self.pool.free([table.block_ids[idx]])
+            table.block_ids[idx] = cached
+        self.radix.lock(res.node)
+        if st.node is not None:
+            self.radix.unlock(st.node)
+        st.node = res.node
+
+    # ------------------------------------------------------------ allocation
+    def can_admit(self, request_id: str, num_tokens: int, hit: MatchResult | None = None) -> bool:
+        """Admission keeps a watermark of free blocks for running decodes."""
+        have = len(hit.block_ids) if hit else 0
+        need = max(0, self._needed(request_id, num_tokens) - have)
+        # Reclaimable blocks the hit itself uses are not reclaimable for it.
+        avail = self.pool.num_free + max(0, self.num_reclaimable - have)
+        return need + self.watermark_blocks <= avail
+
+    def allocate_slots(self, request_id: str, num_tokens: int, hit: MatchResult | None = None) -> bool:
+        """Grow the request's table to hold num_tokens tokens, starting from
+        the cached prefix `hit` for a new request. Evicts cold cached blocks
+        when the free list is short. False (and no change) when the pool is
+        short even so."""
+        table = self.tables.get(request_id)
+        new_table = table is None
+        if new_table:
+            table = BlockTable(self.block_size)
+            if hit is not None and hit.block_ids:
+                self.radix.lock(hit.last_node)  # pin before evicting
+                self.pool.incref(hit.block_ids)
+                table.block_ids = list(hit.block_ids)
+                self._prefix[request_id] = _PrefixState(hit.last_node.namespace,
+                                                        self._keys_of(hit.last_node), hit.last_node)
+        need = table.blocks_needed(num_tokens)
+        if need > self.pool.num_free and self.radix is not None:
+            self.radix.evict(need - self.pool.num_free)
+        if need > self.pool.num_free:
+            if new_table:
+                self._drop(request_id, table)
+            return False
+        self.tables[request_id] = table
         if need:
             table.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def free(self, request_id: str) -> None:
+    def release(self, request_id: str, token_ids: list[int] | None = None, num_computed: int = 0,
+                cache_salt: str | None = None) -> None:
+        """Free a finished or preempted request's blocks; with token_ids, its
+        computed full blocks go to the prefix cache first."""
+        if token_ids is not None:
+            self.cache_computed(request_id, token_ids, num_computed, cache_salt)
         table = self.tables.pop(request_id, None)
         if table is not None:
-            # Free in reverse so the tail (least likely to be shared later)
-            # is reused first.
-            self.pool.free(table.block_ids[::-1])
+            self._drop(request_id, table)
+
+    def free(self, request_id: str) -> None:
+        self.release(request_id)
+
+    def _drop(self, request_id: str, table: BlockTable) -> None:
+        st = self._prefix.pop(request_id, None)
+        if st is not None and st.node is not None:
+            self.radix.unlock(st.node)
+        # Reverse: the tail (least likely to be shared) is reused first.
+        self.pool.free(table.block_ids[::-1])
+
+    def _keys_of(self, node: RadixNode) -> list[BlockKey]:
+        keys: list[BlockKey] = []
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        for n in reversed(path):
+            keys.extend(n.key)
+        return keys
 
     def _needed(self, request_id: str, num_tokens: int) -> int:
         table = self.tables.get(request_id)
         have = len(table) if table is not None else 0
         return max(0, blocks_for(num_tokens, self.block_size) - have)
+
+    def clear_cache(self) -> int:
+        """Drop every cached block no request uses."""
+        return self.radix.clear() if self.radix is not None else 0
+
+    def invalidate(self, prefix_tokens: list[int] | None = None, cache_salt: str | None = None) -> int:
+        if self.radix is None:
+            return 0
+        return self.radix.invalidate(self.namespace(cache_salt), prefix_tokens)

@@ -28,20 +28,23 @@ TARGETS = {
 
 
 def weight_bytes(model) -> int:
-    seen, total = set(), 0
-    tensors = [model.embed, model.lm_head, model.norm]
+    """Bytes of weights one decode step reads: every layer's matrices and
+    norms plus the LM head (the embedding table is only gathered, B rows)."""
+    total = model.lm_head.nbytes + model.norm.numel() * model.norm.element_size()
     for L in model.layers:
-        tensors += [getattr(L, s) for s in L.__slots__ if getattr(L, s, None) is not None]
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
+        total += L.qkv.nbytes + L.o.nbytes + L.gate_up.nbytes + L.down.nbytes
+        for t in (L.in_norm, L.post_norm, L.q_norm, L.k_norm):
+            if t is not None:
+                total += t.numel() * t.element_size()
     return total
 
 
 def decode_run(engine, batch: int, context: int, steps: int, rng: random.Random) -> dict:
     vocab = engine.model_config.vocab_size
-    sp = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+    # Early requests decode while later ones still prefill: leave them room
+    # to keep decoding through the measured steps.
+    prefill_steps = -(-batch * context // engine.scheduler.config.max_num_batched_tokens)
+    sp = SamplingParams(max_tokens=steps + prefill_steps + 4, temperature=0, ignore_eos=True)
     ids = [engine.add_request([rng.randrange(vocab) for _ in range(context)], sp) for _ in range(batch)]
     sched = engine.scheduler
     # Prefill everything and take one warm-up decode step.
@@ -53,7 +56,7 @@ def decode_run(engine, batch: int, context: int, steps: int, rng: random.Random)
         t = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t)
-        assert engine.last_step.num_seqs == batch, "not every sequence was in the decode batch"
+        assert engine.last_step.num_seqs == batch, f"{engine.last_step.num_seqs} of {batch} sequences in the decode batch"
         fwd.append(engine.last_step.forward)
     for rid in ids:
         engine.abort_request(rid)
@@ -90,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # The pool must hold the largest batch.
-    need_tokens = max(batches) * (args.context + args.decode_steps + 8) + args.prefill_tokens + 64
+    longest = args.context + args.decode_steps + 8 + max(batches) * args.context // args.max_num_batched_tokens
+    need_tokens = max(batches) * (longest + args.block_size) + args.prefill_tokens + 64
     if args.num_blocks is None and args.kv_cache_memory is None:
         args.num_blocks = need_tokens // args.block_size + 64
     llm = make_llm(args)

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 
 from trajserve.config import ModelConfig
 from trajserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from trajserve.model.linear import Linear, use_onednn
 from trajserve.model.rope import apply_rope, cos_sin_table
 
 
 class Layer:
-    __slots__ = ("qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "down_w", "in_norm", "post_norm", "q_norm", "k_norm")
+    __slots__ = ("qkv", "o", "gate_up", "down", "in_norm", "post_norm", "q_norm", "k_norm")
 
 
 class LlamaModel:
@@ -33,23 +34,29 @@ class LlamaModel:
         def w(name: str, cast: torch.dtype = dtype) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=cast).contiguous()
 
+        mk = use_onednn(self.device, dtype)
+
+        def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear:
+            # Fused projections (q|k|v, gate|up): one matmul instead of several;
+            # dispatch cost dominates at small batch.
+            wt = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            b = torch.cat([w(n) for n in bias]) if bias else None
+            return Linear(wt, b, mk)
+
         self.embed = w("model.embed_tokens.weight")
         self.norm = w("model.norm.weight", torch.float32)
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = lin("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
         self.layers: list[Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             L = Layer()
-            # Fused projections: one matmul for q|k|v and one for gate|up
-            # halve the per-layer op count (dispatch cost dominates small batches).
-            L.qkv_w = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous()
-            L.qkv_b = (torch.cat([w(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-                       if c.attention_bias else None)
-            L.o_w = w(p + "self_attn.o_proj.weight")
+            L.qkv = lin(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                        bias=tuple(p + f"self_attn.{x}_proj.bias" for x in "qkv") if c.attention_bias else ())
             # Some Llama/Qwen3 checkpoints with attention_bias also bias o_proj.
-            L.o_b = w(p + "self_attn.o_proj.bias") if p + "self_attn.o_proj.bias" in weights else None
-            L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
-            L.down_w = w(p + "mlp.down_proj.weight")
+            o_bias = p + "self_attn.o_proj.bias"
+            L.o = lin(p + "self_attn.o_proj.weight", bias=(o_bias,) if o_bias in weights else ())
+            L.gate_up = lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            L.down = lin(p + "mlp.down_proj.weight")
             L.in_norm = w(p + "input_layernorm.weight", torch.float32)
             L.post_norm = w(p + "post_attention_layernorm.weight", torch.float32)
             L.q_norm = w(p + "self_attn.q_norm.weight", torch.float32) if c.qk_norm else None
@@ -72,7 +79,7 @@ class LlamaModel:
         sin = self.sin[positions].to(self.dtype)
         for L, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = self._rms(x, L.in_norm)
-            qkv = F.linear(h, L.qkv_w, L.qkv_b)
+            qkv = L.qkv(h)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, c.num_kv_heads, c.head_dim)
             if L.q_norm is not None:
@@ -83,10 +90,10 @@ class LlamaModel:
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
             write_kv(k, v, k_cache, v_cache, meta)
             a = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            x = x + F.linear(a.reshape(T, self.q_size), L.o_w, L.o_b)
+            x = x + L.o(a.reshape(T, self.q_size))
             h = self._rms(x, L.post_norm)
-            gu = F.linear(h, L.gate_up_w)
+            gu = L.gate_up(h)
             inter = gu.shape[-1] // 2
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], L.down_w)
+            x = x + L.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         x = self._rms(x[sample_rows], self.norm)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()

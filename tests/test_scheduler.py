@@ -145,3 +145,59 @@ def test_random_workloads_finish_exactly(specs, block_size, budget, cap, max_seq
     for r in reqs:
         assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
     assert kv.pool.num_free == kv.num_blocks and not kv.tables
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    specs=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 40), st.integers(1, 20)), min_size=1, max_size=8),
+    block_size=st.sampled_from([1, 4, 16]),
+    budget=st.integers(4, 96),
+    spare_blocks=st.integers(0, 20),
+)
+def test_prefix_cache_under_pressure_keeps_outputs_and_refcounts(specs, block_size, budget, spare_blocks):
+    """Requests share prefixes of random lengths; a small pool forces eviction
+    and preemption. Outputs equal the stand-in model's, and every block's
+    refcount = block tables holding it + 1 if the radix tree stores it."""
+    shared = [7 + (j * 13) % 97 for j in range(60)]
+    prompts = [shared[:s] + [(i * 17 + j) % VOCAB for j in range(u)] for i, (s, u, _) in enumerate(specs)]
+    biggest = max(blocks_for(len(p) + m, block_size) for p, (_, _, m) in zip(prompts, specs))
+    kv = KVCacheManager(biggest + spare_blocks, block_size, 0.0, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_prefill_chunk=budget), kv)
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), 10**9)
+            for i, (p, (_, _, m)) in enumerate(zip(prompts, specs))]
+    for r in reqs:
+        sched.add(r)
+
+    def check(out):
+        refs = Counter(b for t in kv.tables.values() for b in t.block_ids)
+        for node in kv.radix.iter_nodes():
+            refs.update(node.block_ids)
+        for b in range(kv.num_blocks):
+            assert kv.pool.ref_counts[b] == refs.get(b, 0), f"block {b}"
+
+    drive(sched, kv, check)
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+    assert not kv.tables
+    kv.clear_cache()
+    assert kv.pool.num_free == kv.num_blocks
+    kv.pool.check()
+
+
+def test_later_requests_hit_blocks_of_earlier_ones():
+    shared = [7 + (j * 13) % 97 for j in range(48)]
+    prompts = [shared + [(i * 17 + j) % VOCAB for j in range(5)] for i in range(4)]
+    kv = KVCacheManager(40, 4, 0.0, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_prefill_chunk=32), kv)
+    reqs = make_requests([(1, 1)] * 4)
+    for r, p in zip(reqs, prompts):
+        r.prompt_token_ids = r.all_token_ids = list(p)
+        r.sampling_params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        sched.add(r)
+    drive(sched, kv)
+    # The budget admits the first request alone; the second arrives while its
+    # blocks are half computed, the rest after all 12 shared blocks are cached.
+    assert [r.num_cached_tokens for r in reqs] == [0, 32, 48, 48]
+    assert sched.prefix_hit_rate == (32 + 48 + 48) / (4 * 53)  # eq. 2
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, 10)

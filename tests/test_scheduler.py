@@ -189,10 +189,9 @@ def test_later_requests_hit_blocks_of_earlier_ones():
     prompts = [shared + [(i * 17 + j) % VOCAB for j in range(5)] for i in range(4)]
     kv = KVCacheManager(40, 4, 0.0, enable_prefix_caching=True)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_prefill_chunk=32), kv)
-    reqs = make_requests([(1, 1)] * 4)
-    for r, p in zip(reqs, prompts):
-        r.prompt_token_ids = r.all_token_ids = list(p)
-        r.sampling_params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), 10**9)
+            for i, p in enumerate(prompts)]
+    for r in reqs:
         sched.add(r)
     drive(sched, kv)
     # The budget admits the first request alone; the second arrives while its

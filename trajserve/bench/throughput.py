@@ -71,8 +71,8 @@ def prefill_run(engine, tokens: int, repeats: int, rng: random.Random) -> dict:
     vocab = engine.model_config.vocab_size
     times = []
     for _ in range(repeats + 1):  # first run is warm-up
-        rid = engine.add_request([rng.randrange(vocab) for _ in range(tokens)],
-                                 SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        engine.add_request([rng.randrange(vocab) for _ in range(tokens)],
+                           SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         t = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()

@@ -24,7 +24,7 @@ from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
 from trajserve.model.sampler import Sampler
-from trajserve.model.tokenizer import load_tokenizer
+from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from trajserve.sampling import SamplingParams
 
@@ -56,6 +56,7 @@ class _Group:
     completions: list[CompletionOutput]
     arrival_time: float
     stop_scan: list[int] = field(default_factory=list)  # text length already scanned for stops
+    detoks: list[IncrementalDetokenizer] = field(default_factory=list)  # one per completion
 
 
 class LLMEngine:
@@ -127,7 +128,7 @@ class LLMEngine:
                         frozenset(self.tokenizer.eos_token_ids), arrival_time=now, cache_salt=cache_salt)
                 for i, sid in enumerate(seq_ids)]
         group = _Group(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
-                       [0] * params.n)
+                       [0] * params.n, [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)])
         self.groups[rid] = group
         for i, s in enumerate(seqs):
             self._seq_to_group[s.request_id] = (group, i)
@@ -194,7 +195,8 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         t3 = time.perf_counter()
         ids = batch.sample_ids
-        params = [self._seq_to_group[r][0].seqs[self._seq_to_group[r][1]].sampling_params for r in ids]
+        by_id = {c.request.request_id: c.request for c in sched.chunks}
+        params = [by_id[r].sampling_params for r in ids]
         tokens, logprobs = self.sampler.sample(logits, ids, params)
         t4 = time.perf_counter()
         now = time.monotonic()
@@ -235,10 +237,13 @@ class LLMEngine:
         """Update text and delta; finish on a stop string."""
         comp, seq = group.completions[i], group.seqs[i]
         sp = seq.sampling_params
-        text = self.tokenizer.decode(comp.token_ids)
-        if text.endswith("\ufffd") and not seq.status.finished:
-            comp.delta_text = ""  # wait for the rest of a multi-byte character
-            return
+        # Decodes only the new ids (plus a small window); a split multi-byte
+        # character is held back until it completes or the sequence ends.
+        detok = group.detoks[i]
+        detok.extend(comp.delta_token_ids)
+        if seq.status.finished:
+            detok.flush()
+        text = detok.text
         if sp.stop:
             # Only text added since the last scan (plus an overlap) can hold a new stop.
             start = max(0, group.stop_scan[i] - max(map(len, sp.stop)) + 1)

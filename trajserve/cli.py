@@ -107,6 +107,12 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    from trajserve.bench.agent import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trajserve", description="A serving engine for AI agents")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -136,6 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print only JSON")
     add_engine_args(t)
     t.set_defaults(func=cmd_bench_throughput)
+
+    a = bsub.add_parser("agent", help="multi-turn agent replay: TTFT and prefix hit rate, cached vs uncached")
+    a.add_argument("--trajectories", type=int, default=8)
+    a.add_argument("--turns", type=int, default=10)
+    a.add_argument("--preamble-tokens", type=int, default=1500, help="shared system + tool definitions")
+    a.add_argument("--tool-min-tokens", type=int, default=100)
+    a.add_argument("--tool-max-tokens", type=int, default=600)
+    a.add_argument("--reply-tokens", type=int, default=24, help="max tokens of each model reply")
+    a.add_argument("--uncached-trajectories", type=int, default=2,
+                   help="trajectories re-run with the cache emptied before each request")
+    a.add_argument("--pool-fractions", default="1.0,0.75,0.5,0.35,0.25",
+                   help="pool sizes for the hit-rate sweep, as fractions of the working set")
+    a.add_argument("--json", action="store_true", help="print only JSON")
+    add_engine_args(a)
+    a.set_defaults(func=cmd_bench_agent)
     return p
 
 

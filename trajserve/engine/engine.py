@@ -18,7 +18,7 @@ from trajserve.engine.dtype import resolve_dtype
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.request import Request, RequestStatus
-from trajserve.engine.scheduler import Scheduler
+from trajserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.model.llama import LlamaModel
@@ -87,6 +87,9 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
+        # n > 1: the prompt is prefilled once; when its first token is sampled
+        # the other n - 1 sequences fork from it (no second prefill).
+        self._pending_fork: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self.last_step = StepStats()
         m_token = mc.kv_bytes_per_token(self.dtype.itemsize)
@@ -132,8 +135,51 @@ class LLMEngine:
         self.groups[rid] = group
         for i, s in enumerate(seqs):
             self._seq_to_group[s.request_id] = (group, i)
-            self.scheduler.add(s)
+        self.scheduler.add(seqs[0])
+        if len(seqs) > 1:
+            self._pending_fork[seqs[0].request_id] = seqs[1:]
         return rid
+
+    def fork(self, request_id: str, n: int = 1, params: SamplingParams | None = None) -> list[str]:
+        """Branch an in-flight request into n new requests that continue from
+        its tokens so far, sharing its KV blocks copy-on-write (spec
+        "通过写时复制分支实现零复制审慎推理"). The parent goes on; each child is
+        an ordinary request (its own id, output, abort) whose output starts
+        with the parent's tokens so far. `params` default to the parent's; a
+        seed is varied per child as for n > 1."""
+        group = self.groups.get(request_id)
+        if group is None:
+            raise ValueError(f"fork: no request {request_id!r} in flight")
+        if len(group.seqs) != 1:
+            raise ValueError(f"fork: request {request_id!r} has n={len(group.seqs)} sequences; "
+                             "fork works on n=1 requests")
+        if n < 1:
+            raise ValueError(f"fork: n must be >= 1, got {n}")
+        parent, pcomp = group.seqs[0], group.completions[0]
+        params = params or parent.sampling_params
+        params.validate()
+        if params.n != 1:
+            raise ValueError(f"fork: child params must have n=1, got n={params.n}")
+        now = time.monotonic()
+        children, ids = [], []
+        for j in range(n):
+            cid = f"{request_id}.fork{next(self._ids)}"
+            child = Request(cid, parent.prompt_token_ids, self._seq_params(params, j + 1),
+                            parent.max_total_tokens, parent.eos_token_ids, arrival_time=now,
+                            cache_salt=parent.cache_salt, first_token_time=parent.first_token_time,
+                            last_token_time=parent.last_token_time)
+            detok = IncrementalDetokenizer(self.tokenizer)
+            detok.extend(pcomp.token_ids)
+            comp = CompletionOutput(0, pcomp.text, list(pcomp.token_ids), logprobs=(
+                list(pcomp.logprobs) if pcomp.logprobs is not None else None))
+            g = _Group(cid, group.prompt, group.prompt_token_ids, [child], [comp], now,
+                       list(group.stop_scan), [detok])
+            self.groups[cid] = g
+            self._seq_to_group[cid] = (g, 0)
+            children.append(child)
+            ids.append(cid)
+        self.scheduler.fork(parent, children)
+        return ids
 
     @staticmethod
     def _seq_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -165,6 +211,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return
+        self._pending_fork.pop(group.seqs[0].request_id, None)
         for i, s in enumerate(group.seqs):
             if not s.status.finished:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ABORTED)
@@ -195,6 +242,8 @@ class LLMEngine:
             torch.cuda.synchronize(self.device)
         t3 = time.perf_counter()
         ids = batch.sample_ids
+        if self._pending_fork:
+            logits, ids = self._fork_samples(sched, logits, ids)
         by_id = {c.request.request_id: c.request for c in sched.chunks}
         params = [by_id[r].sampling_params for r in ids]
         tokens, logprobs = self.sampler.sample(logits, ids, params)
@@ -206,6 +255,26 @@ class LLMEngine:
         st.prepare, st.forward, st.sample, st.update = t2 - t1, t3 - t2, t4 - t3, t5 - t4
         self.last_step = st
         return outputs
+
+    def _fork_samples(self, sched: SchedulerOutput, logits: torch.Tensor, ids: list[str]
+                      ) -> tuple[torch.Tensor, list[str]]:
+        """n > 1: a prompt whose prefill just ended forks into its other
+        sequences; each samples its first token from the same logits row and
+        joins this step's chunks so update() advances it like the parent."""
+        rows, out_ids = list(range(len(ids))), list(ids)
+        chunks = {c.request.request_id: c for c in sched.chunks}
+        for i, rid in enumerate(ids):
+            children = self._pending_fork.pop(rid, None)
+            if children is None:
+                continue
+            pc = chunks[rid]
+            self.scheduler.fork(pc.request, children)
+            for child in children:
+                sched.chunks.append(ScheduledChunk(child, pc.start, pc.num_tokens,
+                                                   self.kv.table(child.request_id).block_ids))
+                rows.append(i)
+                out_ids.append(child.request_id)
+        return logits[rows], out_ids
 
     def _make_outputs(self, seq_ids: list[str], logprobs: list, now: float) -> list[RequestOutput]:
         touched: dict[str, _Group] = {}
@@ -303,4 +372,5 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "cow_copies": self.kv.num_cow_copies,
         }

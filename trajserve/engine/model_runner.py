@@ -24,6 +24,8 @@ class PreparedBatch:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows whose logits are sampled
     sample_ids: list[str]  # request of each sampled row
+    copy_src: torch.Tensor | None = None  # copy-on-write: blocks to copy before the forward
+    copy_dst: torch.Tensor | None = None
 
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -85,11 +87,25 @@ class ModelRunner:
             meta.pair_seq = self._tensor(pair_seq)
             meta.pair_block = self._tensor(np.concatenate(dec_tables))
             meta.pair_mask = self._tensor((starts[:, None] + self._in_block[None, :]) < ctx[:, None])
-        return PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
-                             self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids)
+        batch = PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
+                              self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids)
+        if out.copies:
+            cp = np.asarray(out.copies, dtype=np.int64)
+            batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])
+        return batch
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """pool[dst] = pool[src] in every layer. All sources are read before
+        any destination is written, so a block freed and reused as a
+        destination in the same step still gives its old content."""
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
 
     def run(self, batch: PreparedBatch) -> torch.Tensor:
         """Float32 logits [len(batch.sample_ids), vocab]."""
+        if batch.copy_src is not None:
+            self.copy_blocks(batch.copy_src, batch.copy_dst)
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                                   batch.sample_rows)
 

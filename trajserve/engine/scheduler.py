@@ -44,6 +44,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Copy-on-write block copies (src, dst) to run before the forward.
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -105,7 +107,7 @@ class Scheduler:
             start = hit.num_tokens if hit else req.num_computed_tokens
             n = min(req.num_tokens - start, budget, cap)
             if not (self.kv.can_admit(req.request_id, start + n, hit)
-                    and self.kv.allocate_slots(req.request_id, start + n, hit)):
+                    and self.kv.allocate_slots(req.request_id, start + n, hit, write_from=start)):
                 break  # FCFS: the head waits, so big prompts are not starved
             self.waiting.popleft()
             if req.status is RequestStatus.WAITING:  # first admission, not a resume after preemption
@@ -117,10 +119,12 @@ class Scheduler:
             self.running.append(req)
             self._add_chunk(out, req, n, scheduled)
             budget -= n
+        out.copies = self.kv.take_copies()
         return out
 
     def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
-        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
+                                         write_from=req.num_computed_tokens):
             victim = self._pick_victim(scheduled)
             self._preempt(victim, out)
             if victim is req:
@@ -150,6 +154,24 @@ class Scheduler:
         out.chunks.append(
             ScheduledChunk(req, req.num_computed_tokens, n, self.kv.table(req.request_id).block_ids)
         )
+
+    def fork(self, parent: Request, children: list[Request]) -> None:
+        """Children continue from the parent's state (tokens and computed KV),
+        sharing its blocks copy-on-write. They join as the newest running
+        requests, so they are the first preempted. A parent without blocks
+        (waiting) gives children that queue behind it like new prompts."""
+        for child in children:
+            child.all_token_ids = list(parent.all_token_ids)
+            child.num_cached_tokens = parent.num_cached_tokens
+            if parent.status is RequestStatus.RUNNING and parent.request_id in self.kv.tables:
+                self.kv.fork(parent.request_id, child.request_id)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.num_computed_tokens = 0
+                child.status = RequestStatus.WAITING
+                self.waiting.append(child)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish and free.

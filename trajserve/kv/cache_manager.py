@@ -9,6 +9,14 @@ only, so the simulator can drive it without tensors.
 Reference counting (DESIGN.md invariant): pool.ref_counts[b] = number of
 block tables holding b + 1 if a radix node stores b. A cached block whose
 tables all let go stays in the tree (evictable) until the pool runs short.
+
+Copy-on-write (spec "通过写时复制分支实现零复制审慎推理"): `fork` gives a child
+table the parent's block ids (refcount + 1, no KV copied). A block is written
+only by a table that holds it alone; before a step writes into a shared block
+(in practice the partially filled tail of a fork), allocate_slots gives the
+writer a fresh block and queues a (src, dst) copy that the executor runs
+before the step's forward. Full blocks are never written again, so they stay
+shared for the life of every branch.
 """
 from __future__ import annotations
 
@@ -38,6 +46,9 @@ class KVCacheManager:
         self.radix = RadixCache(self.pool, block_size) if enable_prefix_caching else None
         self.model_id = model_id
         self._prefix: dict[str, _PrefixState] = {}
+        # (src, dst) block copies the executor must run before the next forward.
+        self._copies: list[tuple[int, int]] = []
+        self.num_cow_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -112,11 +123,13 @@ class KVCacheManager:
         avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         return need + self.watermark_blocks <= avail
 
-    def allocate_slots(self, request_id: str, num_tokens: int, hit: MatchResult | None = None) -> bool:
+    def allocate_slots(self, request_id: str, num_tokens: int, hit: MatchResult | None = None,
+                       write_from: int | None = None) -> bool:
         """Grow the request's table to hold num_tokens tokens, starting from
-        the cached prefix `hit` for a new request. Evicts cold cached blocks
-        when the free list is short. False (and no change) when the pool is
-        short even so."""
+        the cached prefix `hit` for a new request, and make every block that
+        positions [write_from, num_tokens) touch private to it (copy-on-write).
+        Evicts cold cached blocks when the free list is short. False (and no
+        change) when the pool is short even so."""
         table = self.tables.get(request_id)
         new_table = table is None
         if new_table:
@@ -127,17 +140,62 @@ class KVCacheManager:
                 table.block_ids = list(hit.block_ids)
                 self._prefix[request_id] = _PrefixState(hit.last_node.namespace,
                                                         self._keys_of(hit.last_node), hit.last_node)
-        need = table.blocks_needed(num_tokens)
-        if need > self.pool.num_free and self.radix is not None:
-            self.radix.evict(need - self.pool.num_free)
+        shared = self._shared_blocks(table, write_from, num_tokens)
+        need = table.blocks_needed(num_tokens) + len(shared)
+        # Low-water mark: evict cold cached blocks as soon as this allocation
+        # would leave fewer than watermark_blocks free, so the free list keeps
+        # room for running decodes.
+        short = need + self.watermark_blocks - self.pool.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
         if need > self.pool.num_free:
             if new_table:
                 self._drop(request_id, table)
             return False
         self.tables[request_id] = table
-        if need:
-            table.block_ids.extend(self.pool.allocate(need))
+        for idx in shared:
+            src = table.block_ids[idx]
+            dst = self.pool.allocate(1)[0]
+            # src keeps its other holders, so this never frees it; the copy
+            # runs before the forward, ahead of any write to dst or src.
+            self.pool.free([src])
+            table.block_ids[idx] = dst
+            self._copies.append((src, dst))
+            self.num_cow_copies += 1
+        if table.blocks_needed(num_tokens):
+            table.block_ids.extend(self.pool.allocate(table.blocks_needed(num_tokens)))
         return True
+
+    def _shared_blocks(self, table: BlockTable, write_from: int | None, num_tokens: int) -> list[int]:
+        """Indices of existing blocks the write [write_from, num_tokens) lands
+        in that another table (or the tree) also holds."""
+        if write_from is None or not table.block_ids:
+            return []
+        B = self.block_size
+        end = min(len(table), blocks_for(num_tokens, B))
+        return [i for i in range(write_from // B, end) if self.pool.ref_counts[table.block_ids[i]] > 1]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write copies, oldest first; the caller runs them
+        before the step's forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child's table references every block of the parent's (no KV
+        copy); the first write into a shared block copies that block only."""
+        if child_id in self.tables:
+            raise ValueError(f"fork: {child_id!r} already has a block table")
+        parent = self.tables[parent_id]
+        child = BlockTable(self.block_size)
+        child.block_ids = list(parent.block_ids)
+        self.pool.incref(child.block_ids)
+        self.tables[child_id] = child
+        st = self._prefix.get(parent_id)
+        if st is not None:
+            if st.node is not None:
+                self.radix.lock(st.node)
+            self._prefix[child_id] = _PrefixState(st.namespace, list(st.keys), st.node)
 
     def release(self, request_id: str, token_ids: list[int] | None = None, num_computed: int = 0,
                 cache_salt: str | None = None) -> None:

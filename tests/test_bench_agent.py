@@ -1,0 +1,36 @@
+"""`trajserve bench agent` end to end on a small workload, and its oracle and
+model-free replay on their own."""
+import json
+
+from test_cli import trajserve
+from trajserve.bench.oracle import PrefixOracle
+
+
+def test_oracle_counts_leading_computed_blocks():
+    o = PrefixOracle(4)
+    assert o.reusable(list(range(20))) == 0
+    o.add(list(range(10)))  # blocks [0..3], [4..7]; 8, 9 are a partial block
+    assert o.num_blocks == 2
+    assert o.reusable(list(range(20))) == 8
+    assert o.reusable(list(range(9))) == 8
+    assert o.reusable(list(range(8))) == 4  # the last prompt token is always computed
+    assert o.reusable([0, 1, 2, 3, 9, 9, 9, 9, 9]) == 4
+    assert o.reusable([1, 1, 2, 3, 4, 5, 6, 7, 8]) == 0  # a block counts only under its own prefix
+
+
+def test_bench_agent_small_run():
+    r = trajserve("bench", "agent", "--json", "--dtype", "float32", "--trajectories", "3", "--turns", "3",
+                  "--preamble-tokens", "150", "--tool-min-tokens", "20", "--tool-max-tokens", "60",
+                  "--reply-tokens", "4", "--uncached-trajectories", "1", "--pool-fractions", "1,0.1",
+                  timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert len(res["per_turn"]) == 3 and len(res["requests"]) == 9
+    assert res["uncached_outputs_identical"] and res["replay_matches_engine"]
+    # The preamble is shared from the second request on, the history from turn 2 on.
+    assert res["requests"][0]["cached_tokens"] == 0
+    assert all(r["cached_tokens"] >= 144 for r in res["requests"][1:])
+    assert res["targets"]["hit_rate_over_oracle"]["met"]
+    assert all(t["ttft_uncached_ms"] is not None for t in res["per_turn"])
+    assert res["pool_sweep"][0]["hit_rate"] > 0.5
+    assert "skipped" in res["pool_sweep"][1]  # 10% of the working set cannot hold a request

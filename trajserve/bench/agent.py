@@ -1,0 +1,210 @@
+"""`trajserve bench agent`: multi-turn agent replay on the real engine.
+
+N trajectories x T turns share a system + tool preamble; every turn appends
+the model's (greedy) reply and a tool result of random length, and the
+whole conversation is sent again, as agent harnesses do. Requests run one at
+a time, turn-major (every trajectory's turn t before any turn t + 1), so
+trajectories compete for the pool the way concurrent agents' histories do.
+
+Three phases, one process:
+  1. cached: the engine with the radix prefix cache; per request the TTFT,
+     the tokens served from the cache, and the oracle (the most block-aligned
+     tokens any cache could have reused, bench/oracle.py);
+  2. uncached: the same prompts for the first K trajectories with the cache
+     emptied before each request; TTFT per turn, and the greedy replies must
+     be the ones phase 1 produced;
+  3. pool sweep: the recorded requests replayed through the real scheduler
+     and KV manager (no model, bench/replay.py) at pools smaller than the
+     working set: hit rate vs pool size. The replay at phase 1's pool size
+     must reproduce phase 1's per-request hits exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+from trajserve.bench.agent_workload import preamble, task, tool_result
+from trajserve.bench.common import command_line, machine_info
+from trajserve.bench.oracle import PrefixOracle
+from trajserve.bench.replay import replay
+from trajserve.kv.block_table import blocks_for
+from trajserve.sampling import SamplingParams
+
+TARGETS = {
+    "hit_rate_over_oracle": (">=", 0.99),
+    "ttft_cached_over_uncached_turn3plus": ("<=", 0.2),
+}
+
+
+def run_one(engine, ids: list[int], sp: SamplingParams):
+    rid = engine.add_request(ids, sp)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+    raise AssertionError(f"request {rid} did not finish")
+
+
+def cached_phase(engine, args, rng: random.Random) -> tuple[list[dict], PrefixOracle]:
+    tok = engine.tokenizer
+    pre = preamble(tok, args.preamble_tokens)
+    convs = [[{"role": "system", "content": pre}, {"role": "user", "content": task(i)}]
+             for i in range(args.trajectories)]
+    sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0)
+    oracle = PrefixOracle(engine.kv.block_size)
+    records: list[dict] = []
+    for turn in range(1, args.turns + 1):
+        for i, conv in enumerate(convs):
+            if turn > 1:
+                n = rng.randint(args.tool_min_tokens, args.tool_max_tokens)
+                conv.append({"role": "user", "content": "Tool output:\n" + tool_result(tok, rng, n)})
+            ids = tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+            out = run_one(engine, ids, sp)
+            comp = out.outputs[0]
+            records.append({"turn": turn, "trajectory": i, "prompt_tokens": len(ids),
+                            "cached_tokens": out.num_cached_tokens, "oracle_tokens": oracle.reusable(ids),
+                            "ttft_s": out.metrics.ttft, "prompt_ids": ids, "output_ids": list(comp.token_ids)})
+            oracle.add(ids + list(comp.token_ids[:-1]))  # the last sampled token is never computed
+            conv.append({"role": "assistant", "content": comp.text})
+    return records, oracle
+
+
+def uncached_phase(engine, records: list[dict], k: int) -> list[dict]:
+    sp_base = SamplingParams(temperature=0)
+    out = []
+    for r in records:
+        if r["trajectory"] >= k:
+            continue
+        engine.kv.clear_cache()
+        res = run_one(engine, r["prompt_ids"], SamplingParams(max_tokens=len(r["output_ids"]),
+                                                             temperature=sp_base.temperature))
+        assert res.num_cached_tokens == 0
+        out.append({"turn": r["turn"], "trajectory": r["trajectory"], "ttft_s": res.metrics.ttft,
+                    "same_output": list(res.outputs[0].token_ids) == r["output_ids"]})
+    return out
+
+
+def per_turn(records: list[dict], uncached: list[dict]) -> list[dict]:
+    rows = []
+    for turn in sorted({r["turn"] for r in records}):
+        rs = [r for r in records if r["turn"] == turn]
+        us = [u["ttft_s"] for u in uncached if u["turn"] == turn]
+        c = statistics.median(r["ttft_s"] for r in rs)
+        u = statistics.median(us) if us else None
+        prompt = sum(r["prompt_tokens"] for r in rs)
+        rows.append({"turn": turn, "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in rs),
+                     "hit_rate": sum(r["cached_tokens"] for r in rs) / prompt,
+                     "oracle_hit_rate": sum(r["oracle_tokens"] for r in rs) / prompt,
+                     "ttft_cached_ms": c * 1e3, "ttft_uncached_ms": None if u is None else u * 1e3,
+                     "ttft_ratio": None if u is None else c / u})
+    return rows
+
+
+def pool_sweep(engine, records: list[dict], working_set: int, fractions: list[float]) -> list[dict]:
+    reqs = [(r["prompt_ids"], r["output_ids"]) for r in records]
+    B = engine.kv.block_size
+    wm = engine.config.cache.watermark
+    biggest = max(blocks_for(len(p) + len(o), B) for p, o in reqs)
+    rows = []
+    for f in fractions:
+        n = int(working_set * f)
+        if n < biggest + int(wm * n) + 1:
+            rows.append({"fraction": f, "num_blocks": n, "skipped": f"below the largest request ({biggest} blocks)"})
+            continue
+        res = replay(reqs, n, B, engine.config.scheduler, wm)
+        rows.append({"fraction": f, "num_blocks": n, "hit_rate": res.hit_rate,
+                     "evicted_blocks": res.evicted_blocks, "preemptions": res.preemptions})
+    return rows
+
+
+def default_pool_blocks(args) -> int:
+    """Room for every trajectory's whole history (an upper bound on the
+    working set), so phase 1 measures the cache, not eviction."""
+    per_traj = args.preamble_tokens + 200 + args.turns * (args.tool_max_tokens + args.reply_tokens + 64)
+    return args.trajectories * blocks_for(per_traj, args.block_size) + 64
+
+
+def check(value: float, rule: tuple[str, float]) -> bool:
+    op, limit = rule
+    return value >= limit if op == ">=" else value <= limit
+
+
+def run(args: argparse.Namespace) -> int:
+    from trajserve.cli import make_llm
+
+    if not 1 <= args.tool_min_tokens <= args.tool_max_tokens:
+        raise ValueError(f"tool result range [{args.tool_min_tokens}, {args.tool_max_tokens}] is empty")
+    if args.num_blocks is None and args.kv_cache_memory is None:
+        args.num_blocks = default_pool_blocks(args)
+    if not args.prefix_caching:
+        raise ValueError("bench agent measures the prefix cache: drop --no-prefix-caching")
+    engine = make_llm(args).engine
+    rng = random.Random(args.seed)
+
+    records, oracle = cached_phase(engine, args, rng)
+    uncached = uncached_phase(engine, records, min(args.uncached_trajectories, args.trajectories))
+    turns = per_turn(records, uncached)
+    fractions = [float(f) for f in args.pool_fractions.split(",")]
+    sweep = pool_sweep(engine, records, oracle.num_blocks, fractions)
+    check_replay = replay([(r["prompt_ids"], r["output_ids"]) for r in records], engine.num_blocks,
+                          engine.kv.block_size, engine.config.scheduler, engine.config.cache.watermark)
+
+    prompt = sum(r["prompt_tokens"] for r in records)
+    cached = sum(r["cached_tokens"] for r in records)
+    ideal = sum(r["oracle_tokens"] for r in records)
+    late = [t["ttft_ratio"] for t in turns if t["turn"] >= 3 and t["ttft_ratio"] is not None]
+    derived = {"hit_rate_over_oracle": cached / ideal if ideal else 1.0}
+    if late:
+        derived["ttft_cached_over_uncached_turn3plus"] = max(late)
+    result = {
+        "command": command_line(), "machine": machine_info(), "dtype": str(engine.dtype).removeprefix("torch."),
+        "trajectories": args.trajectories, "turns": args.turns, "preamble_tokens": args.preamble_tokens,
+        "tool_tokens": [args.tool_min_tokens, args.tool_max_tokens], "reply_tokens": args.reply_tokens,
+        "block_size": engine.kv.block_size, "num_blocks": engine.num_blocks,
+        "working_set_blocks": oracle.num_blocks,
+        "hit_rate": cached / prompt, "oracle_hit_rate": ideal / prompt,
+        "uncached_outputs_identical": all(u["same_output"] for u in uncached),
+        "replay_matches_engine": check_replay.cached_tokens == [r["cached_tokens"] for r in records],
+        "per_turn": turns, "pool_sweep": sweep,
+        "targets": {k: {"value": v, "rule": " ".join(map(str, TARGETS[k])), "met": check(v, TARGETS[k])}
+                    for k, v in derived.items()},
+        "requests": [{k: v for k, v in r.items() if not k.endswith("_ids")} for r in records],
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print_report(result)
+    return 0
+
+
+def print_report(res: dict) -> None:
+    m = res["machine"]
+    print(f"\n{res['command']}")
+    print(f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), dtype {res['dtype']}")
+    print(f"{res['trajectories']} trajectories x {res['turns']} turns, preamble {res['preamble_tokens']} tokens, "
+          f"tool results {res['tool_tokens'][0]}-{res['tool_tokens'][1]} tokens, replies <= {res['reply_tokens']}; "
+          f"pool {res['num_blocks']} blocks of {res['block_size']}, working set {res['working_set_blocks']} blocks\n")
+    print(f"{'turn':>4} {'prompt':>7} {'hit':>7} {'oracle':>7} {'TTFT cached':>12} {'uncached':>9} {'ratio':>6}")
+    for t in res["per_turn"]:
+        unc = f"{t['ttft_uncached_ms']:>7.0f}ms" if t["ttft_uncached_ms"] is not None else f"{'-':>9}"
+        ratio = f"{t['ttft_ratio']:>6.3f}" if t["ttft_ratio"] is not None else f"{'-':>6}"
+        print(f"{t['turn']:>4} {t['prompt_tokens_median']:>7.0f} {t['hit_rate'] * 100:>6.1f}% "
+              f"{t['oracle_hit_rate'] * 100:>6.1f}% {t['ttft_cached_ms']:>10.0f}ms {unc} {ratio}")
+    print(f"\nall turns: hit rate {res['hit_rate'] * 100:.2f}%, oracle {res['oracle_hit_rate'] * 100:.2f}%; "
+          f"greedy replies identical without the cache: {res['uncached_outputs_identical']}; "
+          f"model-free replay reproduces the engine's hits: {res['replay_matches_engine']}\n")
+    print("hit rate vs pool size (replay of the same requests):")
+    print(f"{'blocks':>7} {'of WS':>6} {'hit':>7} {'vs oracle':>9} {'evicted':>8} {'preempt':>8}")
+    for s in res["pool_sweep"]:
+        if "skipped" in s:
+            print(f"{s['num_blocks']:>7} {s['fraction'] * 100:>5.0f}%  skipped: {s['skipped']}")
+            continue
+        print(f"{s['num_blocks']:>7} {s['fraction'] * 100:>5.0f}% {s['hit_rate'] * 100:>6.1f}% "
+              f"{s['hit_rate'] / res['oracle_hit_rate']:>9.3f} {s['evicted_blocks']:>8} {s['preemptions']:>8}")
+    print()
+    for k, t in res["targets"].items():
+        print(f"target {k}: {t['value']:.3g} ({t['rule']}) {'met' if t['met'] else 'NOT met'}")
+    print("\nJSON:")
+    print(json.dumps({k: v for k, v in res.items() if k != "requests"}))

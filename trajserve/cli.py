@@ -107,9 +107,28 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def cmd_bench_agent(args: argparse.Namespace) -> int:
-    from trajserve.bench.agent import run
+def cmd_serve(args: argparse.Namespace) -> int:
+    from trajserve.server.serve import serve
 
+    return serve(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from trajserve.bench.serve import run
+
+    return run(args)
+
+
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    defaults = dict(trajectories=(8, 12), turns=(10, 4), preamble_tokens=(1500, 600), tool_min_tokens=(100, 50),
+                    tool_max_tokens=(600, 200), reply_tokens=(24, 16))
+    for k, (plain, waits) in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, waits if args.tool_waits else plain)
+    if args.tool_waits:
+        from trajserve.bench.agent_waits import run
+    else:
+        from trajserve.bench.agent import run
     return run(args)
 
 
@@ -131,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the file's stem)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="admission queue limit; a request beyond it gets 429 with Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body cap (413 above it)")
+    add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("throughput", help="decode/prefill throughput, bandwidth floor, step breakdown")
@@ -144,12 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_bench_throughput)
 
     a = bsub.add_parser("agent", help="multi-turn agent replay: TTFT and prefix hit rate, cached vs uncached")
-    a.add_argument("--trajectories", type=int, default=8)
-    a.add_argument("--turns", type=int, default=10)
-    a.add_argument("--preamble-tokens", type=int, default=1500, help="shared system + tool definitions")
-    a.add_argument("--tool-min-tokens", type=int, default=100)
-    a.add_argument("--tool-max-tokens", type=int, default=600)
-    a.add_argument("--reply-tokens", type=int, default=24, help="max tokens of each model reply")
+    a.add_argument("--tool-waits", action="store_true",
+                   help="concurrent agents with tool pauses: keep / drop / host / break-even policy side by side")
+    a.add_argument("--trajectories", type=int, default=None, help="default 8 (--tool-waits: 12)")
+    a.add_argument("--turns", type=int, default=None, help="default 10 (--tool-waits: 4 after the first)")
+    a.add_argument("--preamble-tokens", type=int, default=None, help="shared system + tool definitions; "
+                   "default 1500 (--tool-waits: 600)")
+    a.add_argument("--tool-min-tokens", type=int, default=None, help="default 100 (--tool-waits: 50)")
+    a.add_argument("--tool-max-tokens", type=int, default=None, help="default 600 (--tool-waits: 200)")
+    a.add_argument("--reply-tokens", type=int, default=None, help="max tokens of each reply; default 24 "
+                   "(--tool-waits: 16)")
+    a.add_argument("--wait-scale", type=float, default=0.1, help="--tool-waits: multiply the wait mix by this")
+    a.add_argument("--pool-fraction", type=float, default=0.5,
+                   help="--tool-waits: pool as a fraction of all trajectories' final histories")
+    a.add_argument("--host-bytes", type=int, default=2 * 2**30, help="--tool-waits: host tier capacity")
+    a.add_argument("--policies", default="keep,drop,host,policy", help="--tool-waits: policies to compare")
     a.add_argument("--uncached-trajectories", type=int, default=2,
                    help="trajectories re-run with the cache emptied before each request")
     a.add_argument("--pool-fractions", default="1.0,0.75,0.5,0.35,0.25",
@@ -157,6 +195,30 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print only JSON")
     add_engine_args(a)
     a.set_defaults(func=cmd_bench_agent)
+
+    v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
+    v.add_argument("--base-url", default="http://127.0.0.1:8000")
+    v.add_argument("--model", default=None, help="default: the server's first model")
+    v.add_argument("--dataset", choices=["random", "shared-prefix", "agent"], default="random")
+    v.add_argument("--num-prompts", type=int, default=64, help="requests (agent: trajectories)")
+    v.add_argument("--input-len", type=int, default=256, help="prompt tokens (agent: tool-result words)")
+    v.add_argument("--output-len", type=int, default=64)
+    v.add_argument("--prefix-len", type=int, default=512, help="shared-prefix / agent preamble length")
+    v.add_argument("--turns", type=int, default=4, help="agent: turns per trajectory")
+    v.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    v.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
+    v.add_argument("--max-concurrency", type=int, default=None)
+    v.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:200")
+    v.add_argument("--timeout", type=float, default=600)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", action="store_true", help="print only JSON")
+    v.set_defaults(func=cmd_bench_serve)
+
+    from trajserve.plan.cli import add_plan_parser  # arithmetic only: imports no torch
+    add_plan_parser(sub.add_parser("plan", help="closed-form capacity: how many trajectories fit a node"))
+    from trajserve.sim.cli import add_calibrate_parser, add_simulate_parser  # imports no torch
+    add_simulate_parser(sub.add_parser("simulate", help="the real scheduler + KV cache on a cost model: latency, hit rate, U_KV"))
+    add_calibrate_parser(sub.add_parser("calibrate", help="measure this machine's engine; write a hardware profile for simulate"))
     return p
 
 

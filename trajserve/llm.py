@@ -37,6 +37,7 @@ class LLM:
                                              max_model_len=max_model_len, seed=seed,
                                              num_threads=num_threads, cache=cache, scheduler=sched))
         self.tokenizer = self.engine.tokenizer
+        self._sessions = None
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -78,6 +79,22 @@ class LLM:
                             return
         finally:
             self.engine.abort_request(rid)  # no-op when finished; frees blocks if the caller stopped early
+
+    def open_session(self, prompt: Messages | str | list[int], cache_salt: str | None = None,
+                     session_id: str | None = None):
+        """An agent session (engine/session.py): generate a turn, pause for a
+        tool (keep / host / disk / drop by the keep policy), resume with the
+        observation, fork, close."""
+        if self._sessions is None:
+            from trajserve.engine.session import SessionManager
+
+            self._sessions = SessionManager(self.engine)
+        return self._sessions.open(prompt, cache_salt, session_id)
+
+    @property
+    def sessions(self):
+        """The SessionManager (None until the first open_session)."""
+        return self._sessions
 
     def _encode_chat(self, text: str) -> list[int]:
         # The template already holds any BOS/special tokens as text.

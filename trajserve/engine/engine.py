@@ -278,6 +278,14 @@ class LLMEngine:
 
     def _make_outputs(self, seq_ids: list[str], logprobs: list, now: float) -> list[RequestOutput]:
         touched: dict[str, _Group] = {}
+        for rid in seq_ids:
+            group = self._seq_to_group[rid][0]
+            if group.request_id not in touched:
+                touched[group.request_id] = group
+                # A completion this step did not advance (finished, or
+                # preempted) must not repeat its last delta to a stream.
+                for c in group.completions:
+                    c.delta_text, c.delta_token_ids = "", []
         for rid, lp in zip(seq_ids, logprobs):
             group, i = self._seq_to_group[rid]
             seq = group.seqs[i]
@@ -291,7 +299,6 @@ class LLMEngine:
             if seq.status.finished and comp.finish_reason is None:
                 comp.finish_reason = seq.status.value
                 comp.stop_reason = seq.stop_reason
-            touched[group.request_id] = group
         outs = []
         for group in touched.values():
             finished = all(c.finish_reason is not None for c in group.completions)

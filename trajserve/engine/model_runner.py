@@ -102,6 +102,22 @@ class ModelRunner:
             k.index_copy_(0, dst, k.index_select(0, src))
             v.index_copy_(0, dst, v.index_select(0, src))
 
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """KV of these blocks as [n, layers, 2, kv_heads, block_size, head_dim] on
+        the host (for the host and disk tiers)."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        out = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                           for k, v in self.kv_caches], dim=1)
+        return out.cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of read_blocks: load saved KV into these device blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, idx, data[:, layer, 0])
+            v.index_copy_(0, idx, data[:, layer, 1])
+
     def run(self, batch: PreparedBatch) -> torch.Tensor:
         """Float32 logits [len(batch.sample_ids), vocab]."""
         if batch.copy_src is not None:

@@ -84,8 +84,10 @@ class Scheduler:
         cap = self.config.max_prefill_chunk
         scheduled: set[str] = set()
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        # len(all_token_ids), not the num_tokens property: this runs per
+        # running request per step (the simulator's hot path).
+        decodes = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
         for req in decodes + prefills:
             if budget <= 0:
                 break
@@ -152,7 +154,7 @@ class Scheduler:
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, scheduled: set[str]) -> None:
         scheduled.add(req.request_id)
         out.chunks.append(
-            ScheduledChunk(req, req.num_computed_tokens, n, self.kv.table(req.request_id).block_ids)
+            ScheduledChunk(req, req.num_computed_tokens, n, self.kv.tables[req.request_id].block_ids)
         )
 
     def fork(self, parent: Request, children: list[Request]) -> None:
@@ -177,12 +179,15 @@ class Scheduler:
         """Advance computed tokens, append sampled tokens, finish and free.
         Returns the requests that finished this step."""
         finished = []
+        running = RequestStatus.RUNNING
+        cache_computed = self.kv.cache_computed
         for chunk in out.chunks:
             req = chunk.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # aborted while the step ran
-            req.num_computed_tokens = chunk.end
-            self.kv.cache_computed(req.request_id, req.all_token_ids, chunk.end, req.cache_salt)
+            end = chunk.start + chunk.num_tokens
+            req.num_computed_tokens = end
+            cache_computed(req.request_id, req.all_token_ids, end, req.cache_salt)
             token = sampled.get(req.request_id)
             if token is None:
                 continue

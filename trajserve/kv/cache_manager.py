@@ -49,6 +49,8 @@ class KVCacheManager:
         # (src, dst) block copies the executor must run before the next forward.
         self._copies: list[tuple[int, int]] = []
         self.num_cow_copies = 0
+        # request id -> (token list, length matched, its block keys): see match().
+        self._match_keys: dict[str, tuple[list[int], int, list[BlockKey]]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -80,7 +82,16 @@ class KVCacheManager:
         At least one token is left out: its logits give the next token."""
         if self.radix is None or request_id in self.tables or len(token_ids) <= self.block_size:
             return None
-        keys = self.radix.block_keys(token_ids[: len(token_ids) - 1])
+        n = len(token_ids) - 1
+        # A waiting head that cannot be admitted yet is matched again every
+        # step; its tokens do not change while it waits, so chunking them
+        # into block keys (the costly part for a long prompt) is done once.
+        memo = self._match_keys.get(request_id)
+        if memo is not None and memo[0] is token_ids and memo[1] == n:
+            keys = memo[2]
+        else:
+            keys = self.radix.block_keys(token_ids[:n])
+            self._match_keys[request_id] = (token_ids, n, keys)
         hit = self.radix.match_blocks(self.namespace(cache_salt), keys)
         return hit if hit.num_tokens else None
 
@@ -96,14 +107,26 @@ class KVCacheManager:
         st = self._prefix.get(request_id)
         if st is None:
             st = self._prefix[request_id] = _PrefixState(self.namespace(cache_salt))
-        full = min(num_computed // self.block_size, len(table))
+        full = num_computed // self.block_size
+        if full > len(table.block_ids):
+            full = len(table.block_ids)
         have = len(st.keys)
         if full <= have:
-            return
+            return  # the common case (no block filled this step): keep it cheap
         B = self.block_size
-        st.keys.extend(self.radix.block_keys(token_ids[have * B: full * B]))
-        res = self.radix.insert_blocks(st.namespace, st.keys, table.block_ids[:full])
+        new_keys = self.radix.block_keys(token_ids[have * B: full * B])
+        st.keys.extend(new_keys)
+        if st.node is not None and not st.node.detached:
+            # Our locked path ends at block `have` (locked nodes are never
+            # evicted, and a split keeps the lower node): insert only the new
+            # blocks below it, the same result as walking the whole path.
+            res = self.radix.insert_blocks(st.namespace, new_keys, table.block_ids[have:full], below=st.node)
+            offset = have
+        else:
+            res = self.radix.insert_blocks(st.namespace, st.keys, table.block_ids[:full])
+            offset = 0
         for idx, cached in res.duplicates:
+            idx += offset
             # Same tokens computed twice (two requests raced): keep the tree's
             # block, drop ours, so both requests share one copy.
             self.pool.incref([cached])
@@ -138,42 +161,57 @@ class KVCacheManager:
                 self.radix.lock(hit.last_node)  # pin before evicting
                 self.pool.incref(hit.block_ids)
                 table.block_ids = list(hit.block_ids)
-                self._prefix[request_id] = _PrefixState(hit.last_node.namespace,
-                                                        self._keys_of(hit.last_node), hit.last_node)
-        shared = self._shared_blocks(table, write_from, num_tokens)
-        need = table.blocks_needed(num_tokens) + len(shared)
+                memo = self._match_keys.get(request_id)
+                k = len(hit.block_ids)
+                # The hit's path keys are the first blocks of the keys match() walked.
+                if memo is not None and len(memo[2]) >= k and memo[2][k - 1] == hit.last_node.key[-1]:
+                    keys = memo[2][:k]
+                else:
+                    keys = self._keys_of(hit.last_node)
+                self._prefix[request_id] = _PrefixState(hit.last_node.namespace, keys, hit.last_node)
+        # Runs for every running request every step: the block arithmetic is
+        # inline (one pass, no helper calls) to keep the simulator fast.
+        B = self.block_size
+        ids = table.block_ids
+        have = len(ids)
+        end = -(-num_tokens // B)  # blocks_for(num_tokens, B)
+        grow = end - have if end > have else 0
+        # Existing blocks the write [write_from, num_tokens) lands in that
+        # another table (or the tree) also holds: they are copied on write.
+        shared = []
+        if write_from is not None and have:
+            rc = self.pool.ref_counts
+            for i in range(write_from // B, min(have, end)):
+                if rc[ids[i]] > 1:
+                    shared.append(i)
+        need = grow + len(shared)
         # Low-water mark: evict cold cached blocks as soon as this allocation
         # would leave fewer than watermark_blocks free, so the free list keeps
         # room for running decodes.
-        short = need + self.watermark_blocks - self.pool.num_free
+        free = self.pool.num_free
+        short = need + self.watermark_blocks - free
         if short > 0 and self.radix is not None:
             self.radix.evict(short)
-        if need > self.pool.num_free:
+            free = self.pool.num_free
+        if need > free:
             if new_table:
                 self._drop(request_id, table)
             return False
-        self.tables[request_id] = table
+        if new_table:
+            self.tables[request_id] = table
+            self._match_keys.pop(request_id, None)
         for idx in shared:
-            src = table.block_ids[idx]
+            src = ids[idx]
             dst = self.pool.allocate(1)[0]
             # src keeps its other holders, so this never frees it; the copy
             # runs before the forward, ahead of any write to dst or src.
             self.pool.free([src])
-            table.block_ids[idx] = dst
+            ids[idx] = dst
             self._copies.append((src, dst))
             self.num_cow_copies += 1
-        if table.blocks_needed(num_tokens):
-            table.block_ids.extend(self.pool.allocate(table.blocks_needed(num_tokens)))
+        if grow:
+            ids.extend(self.pool.allocate(grow))
         return True
-
-    def _shared_blocks(self, table: BlockTable, write_from: int | None, num_tokens: int) -> list[int]:
-        """Indices of existing blocks the write [write_from, num_tokens) lands
-        in that another table (or the tree) also holds."""
-        if write_from is None or not table.block_ids:
-            return []
-        B = self.block_size
-        end = min(len(table), blocks_for(num_tokens, B))
-        return [i for i in range(write_from // B, end) if self.pool.ref_counts[table.block_ids[i]] > 1]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies, oldest first; the caller runs them
@@ -203,6 +241,7 @@ class KVCacheManager:
         computed full blocks go to the prefix cache first."""
         if token_ids is not None:
             self.cache_computed(request_id, token_ids, num_computed, cache_salt)
+        self._match_keys.pop(request_id, None)
         table = self.tables.pop(request_id, None)
         if table is not None:
             self._drop(request_id, table)
@@ -240,3 +279,62 @@ class KVCacheManager:
         if self.radix is None:
             return 0
         return self.radix.invalidate(self.namespace(cache_salt), prefix_tokens)
+
+    # -------------------------------------------------------------- sessions
+    # A paused agent session's state is the radix path of its history. These
+    # keep it (pin), drop it from the device (evict_prefix), and bring blocks
+    # saved on a lower tier back into the tree (begin/commit_import).
+
+    def cached_prefix(self, token_ids: list[int], cache_salt: str | None) -> MatchResult | None:
+        """The device-resident full blocks of token_ids (all of them: no token
+        is left out for logits here)."""
+        if self.radix is None:
+            return None
+        return self.radix.match_blocks(self.namespace(cache_salt), self.radix.block_keys(token_ids))
+
+    def pin(self, token_ids: list[int], cache_salt: str | None) -> RadixNode | None:
+        hit = self.cached_prefix(token_ids, cache_salt)
+        if hit is None or not hit.block_ids:
+            return None
+        self.radix.lock(hit.last_node)
+        return hit.last_node
+
+    def unpin(self, node: RadixNode) -> None:
+        self.radix.unlock(node)
+
+    def evict_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
+        """Free the device blocks of this path no one else uses or branches from."""
+        hit = self.cached_prefix(token_ids, cache_salt)
+        return self.radix.evict_path(hit.last_node) if hit and hit.block_ids else 0
+
+    def begin_import(self, token_ids: list[int], cache_salt: str | None, num_blocks: int
+                     ) -> tuple[MatchResult, list[int]] | None:
+        """Fresh blocks for full blocks [hit, num_blocks) of token_ids, to be
+        filled from a lower tier; the device-resident hit is pinned meanwhile.
+        None when the pool has no room even after eviction."""
+        hit = self.cached_prefix(token_ids, cache_salt)
+        need = num_blocks - len(hit.block_ids)
+        if need <= 0:
+            return hit, []
+        self.radix.lock(hit.last_node)
+        short = need + self.watermark_blocks - self.pool.num_free
+        if short > 0:
+            self.radix.evict(short)
+        if need > self.pool.num_free:
+            self.radix.unlock(hit.last_node)
+            return None
+        return hit, self.pool.allocate(need)
+
+    def finish_import(self, token_ids: list[int], cache_salt: str | None, hit: MatchResult,
+                      new_ids: list[int], filled: int) -> None:
+        """The first `filled` imported blocks hold their KV now: the tree takes
+        them over; the rest (a block failed its checks) go back to the pool."""
+        if not new_ids:
+            return
+        self.pool.free(new_ids[filled:])
+        if filled:
+            keys = self.radix.block_keys(token_ids)[:len(hit.block_ids) + filled]
+            res = self.radix.insert_blocks(self.namespace(cache_salt), keys, hit.block_ids + new_ids[:filled])
+            assert not res.duplicates, "blocks appeared under a pinned path during an import"
+            self.pool.free(new_ids[:filled])  # the tree holds them now
+        self.radix.unlock(hit.last_node)

@@ -262,13 +262,22 @@ class RadixCache:
         return self.insert_blocks(namespace, self.block_keys(token_ids), block_ids)
 
     def insert_blocks(self, namespace: Hashable, keys: Sequence[BlockKey],
-                      block_ids: Sequence[int]) -> InsertResult:
-        """`insert` on keys from `block_keys`, one per block id."""
+                      block_ids: Sequence[int], below: RadixNode | None = None) -> InsertResult:
+        """`insert` on keys from `block_keys`, one per block id.
+
+        `below`: an attached node that ends exactly where `keys` begin (a
+        running request's own locked path, extended as its blocks fill).
+        The walk starts there instead of at the root, so growing a long
+        context by one block costs O(1 block), not O(context); the result
+        is the one a walk from the root over the whole path would give, and
+        duplicate indices are relative to `keys`."""
         if len(keys) != len(block_ids):
             raise ValueError(f"{len(keys)} block keys for {len(block_ids)} block ids")
+        if below is not None and below.detached:
+            raise ValueError("insert below a detached radix node: insert the whole path from the root")
         if not keys:
-            return InsertResult(self.match_blocks(namespace, []).last_node, 0, [])
-        root = self._root(namespace)
+            return InsertResult(below if below is not None else self.match_blocks(namespace, []).last_node, 0, [])
+        root = below if below is not None else self._root(namespace)
         blocks = keys if isinstance(keys, list) else list(keys)
         node, n, cached = self._walk(root, blocks)
         duplicates = [(i, c) for i, c in enumerate(cached) if c != block_ids[i]]
@@ -307,23 +316,41 @@ class RadixCache:
             _, stamp, node = heapq.heappop(heap)
             if stamp != node.heap_stamp or not self._evictable(node):
                 continue  # stale: locked, grew a child, refreshed or gone since
-            node.heap_stamp = -1
-            freed += self._drop_tree_refs(node.block_ids)
-            self.num_evicted_nodes += 1
-            self.num_evicted_blocks += len(node.block_ids)
-            self.num_cached_blocks -= len(node.block_ids)
-            self.num_evictable_blocks -= len(node.block_ids)
-            self._num_nodes -= 1
-            parent = node.parent
-            del parent.children[node.key[0]]
-            node.detached = True  # a handle to it must not be locked again
-            # Cascade: the parent is a candidate once its last child is gone.
-            if parent.parent is not None:
-                if not parent.children and parent.ref_count == 0:
-                    self._push(parent)
-            elif not parent.children and self._roots.get(parent.namespace) is parent:
-                del self._roots[parent.namespace]
+            freed += self._remove_leaf(node)
         self.num_freed_blocks += freed
+        return freed
+
+    def evict_path(self, node: RadixNode) -> int:
+        """Evict `node` and then its ancestors, deepest first, while each is a
+        dormant leaf: a session's own history leaves the device, while a
+        prefix other paths branch from (a shared preamble) or someone holds
+        stays. Returns blocks freed to the pool."""
+        freed = 0
+        while node.parent is not None and not node.detached and self._evictable(node):
+            parent = node.parent
+            freed += self._remove_leaf(node)
+            node = parent
+        self.num_freed_blocks += freed
+        return freed
+
+    def _remove_leaf(self, node: RadixNode) -> int:
+        """Take a dormant leaf out of the tree; returns blocks freed."""
+        node.heap_stamp = -1
+        freed = self._drop_tree_refs(node.block_ids)
+        self.num_evicted_nodes += 1
+        self.num_evicted_blocks += len(node.block_ids)
+        self.num_cached_blocks -= len(node.block_ids)
+        self.num_evictable_blocks -= len(node.block_ids)
+        self._num_nodes -= 1
+        parent = node.parent
+        del parent.children[node.key[0]]
+        node.detached = True  # a handle to it must not be locked again
+        # Cascade: the parent is a candidate once its last child is gone.
+        if parent.parent is not None:
+            if not parent.children and parent.ref_count == 0:
+                self._push(parent)
+        elif not parent.children and self._roots.get(parent.namespace) is parent:
+            del self._roots[parent.namespace]
         return freed
 
     # ------------------------------------------------------------ invalidation

@@ -1,0 +1,68 @@
+"""Run `trajserve serve` in a subprocess on an ephemeral 127.0.0.1 port."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+
+import httpx
+
+from test_cli import _command
+
+
+class ServerProcess:
+    def __init__(self, *args: str, startup_timeout: float = 180) -> None:
+        env = dict(os.environ)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.proc = subprocess.Popen([*_command(), "serve", "--port", "0", *args], stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True, env=env)
+        self.url = self._wait_for_port(startup_timeout)
+        deadline = time.monotonic() + startup_timeout
+        while True:  # the socket is bound before uvicorn listens on it
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError("server did not become healthy")
+            time.sleep(0.2)
+
+    def _wait_for_port(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("server exited:\n" + "".join(lines))
+                continue
+            lines.append(line)
+            m = re.search(r"serving \S+ on (http://\S+)", line)
+            if m:
+                return m.group(1)
+        raise RuntimeError("no 'serving' line:\n" + "".join(lines))
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()

@@ -1,0 +1,278 @@
+"""A live `trajserve serve` on 127.0.0.1, driven by the real `openai` client
+and by raw HTTP. Greedy outputs are compared with the in-process engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_util import ServerProcess
+from trajserve.sampling import SamplingParams
+
+MODEL = "smol"
+SYSTEM = ("You are a coding agent. Tools: read_file(path), write_file(path, text), run_tests(). "
+          "Explain the plan before calling a tool. ") * 4
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--dtype", "float32", "--num-blocks", "1024", "--served-model-name", MODEL)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def reference(engine, messages, max_tokens):
+    """Greedy tokens of the in-process float32 engine, the request alone."""
+    tok = engine.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    rid = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                return o.outputs[0]
+
+
+def wait_idle(server, timeout=60):
+    """No request runs or waits and every used block belongs to the prefix
+    cache (none leaked to a dead block table)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = (m["trajserve_num_requests_running"] == 0 and m["trajserve_num_requests_waiting"] == 0
+                and m["trajserve_kv_free_blocks"] + m["trajserve_kv_cached_blocks"] == m["trajserve_kv_blocks"])
+        if idle:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle: {m}")
+        time.sleep(0.2)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
+def test_chat_completion_matches_the_engine(client, engine_f32):
+    msgs = [{"role": "user", "content": "Name three prime numbers."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
+    ref = reference(engine_f32, msgs, 16)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streaming_chat_concatenates_to_the_full_text(client, engine_f32):
+    msgs = [{"role": "user", "content": "Write a haiku about caches."}]
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    ref = reference(engine_f32, msgs, 20)
+    assert "".join(parts) == ref.text
+    assert finish == ref.finish_reason
+    assert usage is not None and usage.completion_tokens == len(ref.token_ids)
+
+
+def test_n2_stop_and_seed(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a story."}],
+                                       n=2, max_tokens=12, temperature=1.0, seed=5)
+    assert [c.index for c in r.choices] == [0, 1]
+    again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a story."}],
+                                           n=2, max_tokens=12, temperature=1.0, seed=5)
+    assert [c.message.content for c in r.choices] == [c.message.content for c in again.choices]
+    c = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"])
+    assert c.choices[0].finish_reason == "stop"
+    assert " 7" not in c.choices[0].text and c.choices[0].text.strip().startswith("5")
+
+
+def test_second_turn_reports_cached_tokens(client):
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the files."}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Open main.py."}]
+    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0
+    assert cached >= first.usage.prompt_tokens - 16
+
+
+def test_completions_logprobs_and_batch(client):
+    r = client.completions.create(model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4,
+                                  temperature=0, logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+        assert all(v <= 0 for v in lp.token_logprobs)
+        # Greedy: the chosen token is the most likely one.
+        assert all(abs(max(t.values()) - v) < 1e-5 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+# --------------------------------------------------------------- bad input
+BAD = [
+    ("malformed JSON", "/v1/chat/completions", b'{"model": "smol", "messages": [', 400, "JSON"),
+    ("unknown model", "/v1/chat/completions",
+     {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "gpt-9"),
+    ("missing messages", "/v1/chat/completions", {"model": MODEL}, 422, "messages"),
+    ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 422, "messages"),
+    ("wrong type", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 422, "max_tokens"),
+    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+     422, "role"),
+    ("top_p out of range", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "top_p"),
+    ("max_tokens 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("prompt over the context", "/v1/completions", {"model": MODEL, "prompt": [1] * 9000}, 400, "8,192"),
+    ("token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "vocabulary"),
+    ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, client, name, path, body, status,
+                                                                    words):
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    r = httpx.post(server.url + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"]
+    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.choices[0].text
+
+
+def test_body_over_the_cap_is_413(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"x" * (9 * 2**20),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_prompt_larger_than_the_pool_is_400():
+    with ServerProcess("--dtype", "float32", "--num-blocks", "8", "--served-model-name", MODEL) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": [1] * 200}, timeout=60)
+        assert r.status_code == 400 and "KV pool" in r.json()["error"]["message"], r.text
+
+
+# ------------------------------------------------------------- concurrency
+def test_32_concurrent_streams_match_solo_runs_and_leave_the_pool_idle(server, engine_f32):
+    questions = [f"Task {i}: which file defines function number {i}?" for i in range(32)]
+    msgs = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+    async def one(m):
+        stream = await aclient.chat.completions.create(model=MODEL, messages=m, max_tokens=8, temperature=0,
+                                                       stream=True)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+
+    async def all_():
+        return await asyncio.gather(*(one(m) for m in msgs))
+
+    texts = asyncio.run(all_())
+    for m, text in zip(msgs, texts):
+        assert text == reference(engine_f32, m, 8).text
+    wait_idle(server)
+
+
+def test_client_disconnect_mid_stream_frees_its_blocks(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        got = [json.loads(x[6:]) for x in (next(lines) for _ in range(12)) if x.startswith("data: {")]
+        assert got
+        m = server.metrics()
+        assert m["trajserve_num_requests_running"] == 1
+    # Leaving the block closed the connection: the request is aborted, its blocks freed.
+    wait_idle(server, timeout=30)
+
+
+def test_full_admission_queue_is_429_with_retry_after():
+    with ServerProcess("--dtype", "float32", "--num-blocks", "256", "--max-num-seqs", "1", "--max-waiting", "1",
+                       "--served-model-name", MODEL) as s:
+        long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
+                "ignore_eos": True}
+
+        async def run():
+            async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:
+                first = asyncio.create_task(c.post("/v1/completions", json=long))
+                await asyncio.sleep(1.0)
+                second = asyncio.create_task(c.post("/v1/completions", json=long))
+                await asyncio.sleep(1.0)
+                third = await c.post("/v1/completions", json=long)
+                first.cancel()
+                second.cancel()
+                return third
+        third = asyncio.run(run())
+        assert third.status_code == 429, third.text
+        assert int(third.headers["retry-after"]) >= 1
+        assert "limit is 1" in third.json()["error"]["message"]
+
+
+# ------------------------------------------------------------- bench serve
+def test_bench_serve_shared_prefix_and_agent(server):
+    from test_cli import trajserve
+
+    r = trajserve("bench", "serve", "--base-url", server.url, "--dataset", "shared-prefix", "--num-prompts", "6",
+                  "--input-len", "16", "--output-len", "4", "--prefix-len", "96", "--request-rate", "20",
+                  "--goodput", "ttft:60000", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["successful_requests"] == 6 and res["failed_requests"] == 0
+    assert res["output_tokens"] == 6 * 4 and res["prompt_tokens"] == 6 * (96 + 16)
+    assert res["cached_prompt_tokens"] > 0  # the 96-token prefix is computed once
+    assert res["goodput"]["requests_per_s"] > 0 and res["ttft"]["p99_ms"] >= res["ttft"]["median_ms"]
+    r = trajserve("bench", "serve", "--base-url", server.url, "--dataset", "agent", "--num-prompts", "2",
+                  "--turns", "2", "--input-len", "24", "--output-len", "4", "--prefix-len", "60", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["successful_requests"] == 4 and res["cached_prompt_tokens"] > 0
+
+
+# ------------------------------------------------------------ agent sessions
+def test_session_pause_and_resume_through_the_extensions(server, client):
+    """A turn with tool_wait_s pauses the session under the keep policy; the
+    next turn with the same session_id resumes it and hits its history."""
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Run the tests."}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                           extra_body={"session_id": "agent-1", "tool_wait_s": 30.0,
+                                                       "tool": "run_tests"})
+    info = httpx.get(server.url + "/v1/sessions/agent-1").json()
+    assert info["state"] == "paused" and info["turns"] == 1
+    assert info["decision"]["decision"] in ("keep", "host", "disk", "drop") and info["decision"]["reason"]
+    assert info["num_tokens"] == first.usage.prompt_tokens + first.usage.completion_tokens
+    m = server.metrics()
+    assert m[f'trajserve_keep_decisions_total{{decision="{info["decision"]["decision"]}"}}'] >= 1
+    assert m["trajserve_sessions_paused"] >= 1 and 'trajserve_kv_tier_bytes{tier="host"}' in m
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Tool output: 3 passed."}]
+    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                            extra_headers={"X-Session-Id": "agent-1"})
+    info = httpx.get(server.url + "/v1/sessions/agent-1").json()
+    assert info["state"] == "idle" and info["turns"] == 2
+    if info["decision"]["decision"] != "drop":  # kept or reloaded: the history is served from cache
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    forks = httpx.post(server.url + "/v1/sessions/agent-1/fork", json={"n": 2}).json()["forks"]
+    assert len(forks) == 2 and httpx.get(server.url + f"/v1/sessions/{forks[0]}").json()["num_tokens"] == \
+        info["num_tokens"]
+    for sid in ["agent-1", *forks]:
+        assert httpx.delete(server.url + f"/v1/sessions/{sid}").json()["deleted"]
+    assert httpx.get(server.url + "/v1/sessions/agent-1").status_code == 404
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "tool_wait_s": 1.0})
+    assert r.status_code == 400 and "session_id" in r.json()["error"]["message"]
+    wait_idle(server)

@@ -1,0 +1,139 @@
+"""Agent sessions on the real model: a pause under every keep decision (keep,
+host, disk, drop) and a corrupted disk block all give the greedy tokens of a
+session that never paused; state leaves the device when the policy says so
+and comes back as cache hits."""
+import time
+
+import pytest
+
+from trajserve.engine.session import SessionManager, SessionState
+from trajserve.kv.keep_policy import Decision
+from trajserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SYSTEM = ("You are a coding agent working in a git repository. Tools: read_file(path), write_file(path, text), "
+          "run_tests(), grep(pattern). Think before each call and keep answers short. ") * 3
+OBS = "<|im_end|>\n<|im_start|>user\nTool output: 14 passed, 1 failed (test_cache_eviction).<|im_end|>\n" \
+      "<|im_start|>assistant\n"
+
+
+@pytest.fixture()
+def mgr(engine_f32, tmp_path):
+    engine_f32.kv.clear_cache()
+    m = SessionManager(engine_f32, disk_dir=str(tmp_path / "kv"))
+    yield m
+    for s in list(m.sessions.values()):
+        s.close()
+    engine_f32.kv.clear_cache()
+    assert engine_f32.kv.pool.num_free == engine_f32.kv.num_blocks
+    engine_f32.kv.pool.check()
+
+
+def messages(task: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+
+
+def two_turns(mgr, task: str, pause=None):
+    s = mgr.open(messages(task))
+    first = s.generate(GREEDY)
+    info = None
+    if pause is not None:
+        before = mgr.engine.kv.cached_prefix(s.history, None).num_tokens
+        d = s.pause(expected_wait_s=1.0, tool="run_tests", decision=pause)
+        after = mgr.engine.kv.cached_prefix(s.history, None).num_tokens
+        info = (d, before, after)
+    if s.state is SessionState.PAUSED:
+        s.resume(OBS)
+    else:
+        s.history.extend(mgr.engine.tokenizer.encode(OBS, add_special_tokens=False))
+    second = s.generate(GREEDY)
+    s.close()
+    return first, second, info
+
+
+@pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
+def test_pause_resume_under_each_decision_is_token_identical(mgr, decision):
+    task = f"Fix the failing test ({decision})."
+    ref_first, ref_second, _ = two_turns(mgr, task)
+    mgr.engine.kv.clear_cache()
+    first, second, (d, before, after) = two_turns(mgr, task, pause=decision)
+    assert d.decision is Decision(decision)
+    assert first.outputs[0].token_ids == ref_first.outputs[0].token_ids
+    assert second.outputs[0].token_ids == ref_second.outputs[0].token_ids
+    B = mgr.engine.kv.block_size
+    history_blocks = (len(first.prompt_token_ids) + len(first.outputs[0].token_ids) - 1) // B
+    assert before == history_blocks * B  # the whole computed history was cached on the device
+    if decision == "keep":
+        assert after == before
+        assert second.num_cached_tokens >= before
+    else:
+        assert after < before  # its own blocks left the device (the shared system prompt may stay)
+        if decision in ("host", "disk"):
+            assert second.num_cached_tokens >= before  # reloaded: the next turn hits all of it
+            assert mgr.stats.swap_in_bytes > 0 and mgr.stats.swap_out_bytes > 0
+        else:
+            assert second.num_cached_tokens <= after + B
+
+
+def test_corrupted_disk_block_is_recomputed_not_served(mgr):
+    task = "Explain the failing test."
+    _, ref_second, _ = two_turns(mgr, task)
+    mgr.engine.kv.clear_cache()
+    s = mgr.open(messages(task))
+    s.generate(GREEDY)
+    s.pause(decision="disk")
+    assert s.saved_blocks > 4
+    bad = 3
+    path = mgr.disk.path(mgr._key(s, bad))
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x40  # one bit of one value of one block
+    path.write_bytes(raw)
+    s.resume(OBS)
+    out = s.generate(GREEDY)
+    assert mgr.disk.num_corrupt == 1
+    B = mgr.engine.kv.block_size
+    # Blocks before the corrupt one came back from disk; it and every later one were recomputed.
+    assert out.num_cached_tokens == bad * B
+    assert out.outputs[0].token_ids == ref_second.outputs[0].token_ids
+
+
+def test_expired_keep_lease_moves_state_down_a_tier(mgr):
+    s = mgr.open(messages("Run the linter."))
+    s.generate(GREEDY)
+    s.pause(decision="keep")
+    assert s.tier is Decision.KEEP and s.pin is not None
+    s.lease_deadline = time.monotonic()  # the lease has run out
+    mgr.tick()
+    assert s.tier is not Decision.KEEP and s.pin is None
+    assert mgr.stats.lease_demotions == 1
+    s.resume(OBS)
+    s.generate(GREEDY)
+
+
+def test_forks_share_the_history_and_continue_like_the_parent(mgr):
+    s = mgr.open(messages("Pick a file to open."))
+    s.generate(GREEDY)
+    B = mgr.engine.kv.block_size
+    computed = (len(s.history) - 1) // B * B  # full blocks of the history the first turn computed
+    kids = s.fork(2)
+    assert [k.history for k in kids] == [s.history] * 2
+    for k in [s, *kids]:
+        k.history.extend(mgr.engine.tokenizer.encode(OBS, add_special_tokens=False))
+    outs = [k.generate(GREEDY) for k in [*kids, s]]
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    assert all(o.num_cached_tokens >= computed for o in outs)
+
+
+def test_session_misuse_is_a_clear_error(mgr):
+    s = mgr.open(messages("hi"))
+    with pytest.raises(ValueError, match="not paused"):
+        s.resume(OBS)
+    s.generate(SamplingParams(max_tokens=2, temperature=0))
+    s.pause(decision="drop")
+    with pytest.raises(ValueError, match="paused for a tool"):
+        s.generate(GREEDY)
+    with pytest.raises(ValueError, match="already paused"):
+        s.pause()
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.generate(GREEDY)

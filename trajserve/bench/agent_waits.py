@@ -1,0 +1,195 @@
+"""`trajserve bench agent --tool-waits`: concurrent agents that pause for tools.
+
+N trajectories run at once on the real engine; after each turn the agent
+runs a tool whose wait is drawn from a mix (short 0.05-0.5 s, medium 1-5 s,
+long 10-30 s, times --wait-scale for this CPU), then sends the next turn.
+While it waits, its session is paused under one of four policies:
+
+    keep     always keep the state pinned in the pool
+    drop     always drop it (recompute on resume)
+    host     always offload it to host memory
+    policy   the break-even keep policy (kv/keep_policy.py)
+
+The pool is sized so that keeping every paused state does not fit: when a
+turn cannot be admitted because pinned state fills the pool, the oldest
+pinned state is dropped (the engine's stand-in for an out-of-memory
+failure), counted as `oom_drops`. The same seeded workload runs under each
+policy in turn, in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from trajserve.bench.agent_workload import preamble, task, tool_result
+from trajserve.bench.common import command_line, machine_info
+from trajserve.engine.session import SessionManager, SessionState
+from trajserve.kv.keep_policy import Decision
+from trajserve.kv.block_table import blocks_for
+from trajserve.sampling import SamplingParams
+
+WAIT_MIX = {"grep": (0.05, 0.5), "build": (1.0, 5.0), "pytest": (10.0, 30.0)}  # seconds, before scaling
+POLICIES = ("keep", "drop", "host", "policy")
+
+
+@dataclass
+class Trajectory:
+    index: int
+    turns: list[tuple[list[int], str, float]]  # per turn: observation tokens, tool, wait (s)
+    session_id: str = ""
+    turn: int = 0
+    resume_at: float | None = None
+    request_id: str | None = None
+    prompt: list[int] = field(default_factory=list)
+    done: bool = False
+
+
+def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[tuple[list[int], str, float]]]]:
+    pre = preamble(tok, args.preamble_tokens)
+    trajs = []
+    for i in range(args.trajectories):
+        turns = []
+        for t in range(args.turns):
+            tool = rng.choice(list(WAIT_MIX))
+            lo, hi = WAIT_MIX[tool]
+            text = tool_result(tok, rng, rng.randint(args.tool_min_tokens, args.tool_max_tokens))
+            obs = f"<|im_end|>\n<|im_start|>user\nTool {tool} output:\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            turns.append((tok.encode(obs, add_special_tokens=False), tool, rng.uniform(lo, hi) * args.wait_scale))
+        first = tok.encode(tok.apply_chat_template([{"role": "system", "content": pre},
+                                                   {"role": "user", "content": task(i)}]), add_special_tokens=False)
+        trajs.append((first, turns))
+    return trajs
+
+
+def run_policy(engine, workload, policy: str, args) -> dict:
+    engine.kv.clear_cache()
+    mgr = SessionManager(engine, host_bytes=args.host_bytes)
+    m_block = mgr.block_bytes
+    sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
+    trajs = [Trajectory(i, turns) for i, (_, turns) in enumerate(workload)]
+    firsts = [f for f, _ in workload]
+    outs_by_rid: dict[str, Trajectory] = {}
+    resumed_ttft, all_ttft = [], []
+    held_gbs = 0.0  # device GB*s held by paused sessions
+    oom_drops = 0
+    gen_tokens = 0
+    start = last = time.monotonic()
+
+    def submit(t: Trajectory, prompt: list[int]) -> None:
+        s = mgr.before_turn(t.session_id, None)
+        t.prompt = prompt
+        t.request_id = engine.add_request(prompt, sp)
+        outs_by_rid[t.request_id] = t
+        assert s is mgr.sessions[t.session_id]
+
+    for t in trajs:
+        t.session_id = f"agent-{t.index}"
+        submit(t, firsts[t.index])
+    while not all(t.done for t in trajs):
+        mgr.tick()  # kept state whose lease ran out moves down a tier
+        now = time.monotonic()
+        dt, last = now - last, now
+        held_gbs += dt * sum(mgr.engine.kv.cached_prefix(s.history, None).num_tokens // engine.kv.block_size
+                             * m_block for s in mgr.sessions.values()
+                             if s.state is SessionState.PAUSED and s.tier is Decision.KEEP) / 1e9
+        for t in trajs:
+            if t.resume_at is not None and now >= t.resume_at:
+                t.resume_at = None
+                s = mgr.sessions[t.session_id]
+                mgr.resume(s)
+                obs = t.turns[t.turn - 1][0]
+                submit(t, s.history + obs)
+        if not engine.has_unfinished_requests():
+            nxt = min((t.resume_at for t in trajs if t.resume_at is not None), default=now)
+            time.sleep(max(0.0, min(nxt - now, 0.05)))
+            continue
+        outs = engine.step()
+        if engine.last_step.num_seqs == 0:
+            # Nothing could be admitted: pinned paused state fills the pool.
+            victim = min((s for s in mgr.sessions.values() if s.pin is not None), key=lambda s: s.paused_at,
+                         default=None)
+            if victim is None:
+                raise RuntimeError("the pool cannot hold one turn: make it larger")
+            mgr.engine.kv.unpin(victim.pin)
+            victim.pin = None
+            mgr.engine.kv.evict_prefix(victim.history, None)
+            victim.tier = Decision.DROP
+            oom_drops += 1
+            continue
+        for out in outs:
+            if not out.finished or out.request_id not in outs_by_rid:
+                continue
+            t = outs_by_rid.pop(out.request_id)
+            gen_tokens += len(out.outputs[0].token_ids)
+            all_ttft.append(out.metrics.ttft)
+            if t.turn > 0:
+                resumed_ttft.append(out.metrics.ttft)
+            s = mgr.sessions[t.session_id]
+            if t.turn >= len(t.turns):
+                mgr.after_turn(s, t.prompt, out)
+                mgr.close(s)
+                t.done = True
+                continue
+            _, tool, wait = t.turns[t.turn]
+            forced = None if policy == "policy" else policy
+            mgr.after_turn(s, t.prompt, out, tool_wait_s=None, tool=tool, decision=forced)
+            t.turn += 1
+            t.resume_at = time.monotonic() + wait
+    makespan = time.monotonic() - start
+    st = mgr.metrics()
+    q = statistics.quantiles(resumed_ttft, n=100) if len(resumed_ttft) >= 2 else [resumed_ttft[0]] * 99
+    return {"policy": policy, "makespan_s": makespan, "turns": len(all_ttft),
+            "throughput_tok_s": gen_tokens / makespan, "turns_per_s": len(all_ttft) / makespan,
+            "ttft_resumed_p50_ms": statistics.median(resumed_ttft) * 1e3, "ttft_resumed_p99_ms": q[98] * 1e3,
+            "paused_kv_gbs": held_gbs, "bytes_moved": st["swap_out_bytes"] + st["swap_in_bytes"],
+            "recomputed_tokens": st["recomputed_tokens"], "oom_drops": oom_drops,
+            "decisions": st["keep_decisions"], "preemptions": engine.scheduler.num_preemptions}
+
+
+def run(args: argparse.Namespace) -> int:
+    from trajserve.cli import make_llm
+
+    if args.num_blocks is None and args.kv_cache_memory is None:
+        # Room for the active turns, not for every paused history as well.
+        per_traj = args.preamble_tokens + 100 + args.turns * (args.tool_max_tokens + args.reply_tokens + 40)
+        args.num_blocks = int(args.trajectories * blocks_for(per_traj, args.block_size) * args.pool_fraction)
+    engine = make_llm(args).engine
+    rng = random.Random(args.seed)
+    workload = build_workload(engine.tokenizer, args, rng)
+    policies = [p for p in args.policies.split(",")]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from {', '.join(POLICIES)}")
+    results = []
+    for p in policies:
+        preempt0 = engine.scheduler.num_preemptions
+        r = run_policy(engine, workload, p, args)
+        r["preemptions"] -= preempt0
+        results.append(r)
+    res = {"command": command_line(), "machine": machine_info(), "trajectories": args.trajectories,
+           "turns": args.turns + 1, "wait_scale": args.wait_scale, "num_blocks": engine.num_blocks,
+           "block_size": engine.kv.block_size, "results": results}
+    by = {r["policy"]: r for r in results}
+    if "policy" in by and "keep" in by:
+        res["policy_over_keep_throughput"] = by["policy"]["throughput_tok_s"] / by["keep"]["throughput_tok_s"]
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(f"\n{res['command']}")
+    print(f"{args.trajectories} agents x {args.turns + 1} turns, waits x{args.wait_scale}, "
+          f"pool {engine.num_blocks} blocks of {engine.kv.block_size}\n")
+    print(f"{'policy':>7} {'makespan':>9} {'tok/s':>7} {'TTFT p50':>9} {'p99':>8} {'paused GB*s':>11} "
+          f"{'moved MB':>9} {'recomp':>7} {'oom':>4}  decisions")
+    for r in results:
+        print(f"{r['policy']:>7} {r['makespan_s']:>8.1f}s {r['throughput_tok_s']:>7.2f} "
+              f"{r['ttft_resumed_p50_ms']:>7.0f}ms {r['ttft_resumed_p99_ms']:>6.0f}ms {r['paused_kv_gbs']:>11.3f} "
+              f"{r['bytes_moved'] / 1e6:>9.1f} {r['recomputed_tokens']:>7} {r['oom_drops']:>4}  {r['decisions']}")
+    if "policy_over_keep_throughput" in res:
+        print(f"\nbreak-even policy / always-keep throughput: {res['policy_over_keep_throughput']:.2f}x")
+    print("\nJSON:")
+    print(json.dumps(res))
+    return 0

@@ -1,0 +1,83 @@
+"""`trajserve plan`: closed-form capacity for a model on an accelerator node."""
+from __future__ import annotations
+
+import argparse
+
+from trajserve.plan.catalog import device_names, get_device, get_model, model_names
+from trajserve.plan.kv_format import FORMATS
+from trajserve.plan.units import parse_bytes
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(float(t)) for t in text.replace("_", "").split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one token count")
+    return values
+
+
+def add_plan_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help=f"{' | '.join(model_names())}, a config.json / HF directory, or a .gguf file")
+    p.add_argument("--gpu", required=True, help=" | ".join(device_names()))
+    p.add_argument("--num-gpus", type=int, default=None, help="devices in all (default tp*pp: one replica)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (divides the heads)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (divides the layers)")
+    p.add_argument("--context", type=_ints, default=(8192, 32768, 131072),
+                   help="context tokens per trajectory, comma-separated (default 8192,32768,131072)")
+    p.add_argument("--output-tokens", type=int, default=0, help="tokens each trajectory generates (K_avg)")
+    share = p.add_mutually_exclusive_group()
+    share.add_argument("--shared-prefix", type=int, default=0,
+                       help="tokens of a prefix every trajectory shares, stored once (S_shared, eq. 7)")
+    share.add_argument("--shared-fraction", type=float, default=None,
+                       help="share sigma of each context that is common to all trajectories")
+    p.add_argument("--headroom", type=float, default=0.1, help="free share of the KV pool kept (default 0.1)")
+    p.add_argument("--kv-dtype", default="bf16", help=" | ".join(FORMATS))
+    p.add_argument("--weight-dtype", default=None, help=f"{' | '.join(FORMATS)} (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--reserve", default="4.5GB", help="activations + runtime per device (default 4.5GB)")
+    p.add_argument("--gpu-memory", default=None, help="override the device memory, e.g. 80GB or 80GiB")
+    p.add_argument("--params", type=float, default=None, help="override the parameter count, e.g. 70e9")
+    p.add_argument("--mfu", type=float, default=0.45, help="prefill FLOP efficiency for recompute times")
+    p.add_argument("--hit-prob", type=float, default=0.5, help="p_h for the shared prefix's retention value")
+    p.add_argument("--dram-cost-ratio", type=float, default=0.0,
+                   help="mu_DRAM/mu_HBM for the break-even wait (0: memory-bound limit)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write concurrency vs context to this file")
+    p.set_defaults(func=cmd_plan)
+
+
+def request_from(args: argparse.Namespace):
+    import dataclasses
+
+    from trajserve.plan.planner import PlanRequest
+
+    model = get_model(args.model)
+    if args.params is not None:
+        if args.params <= 0:
+            raise ValueError(f"--params must be > 0, got {args.params}")
+        model = dataclasses.replace(model, params=int(args.params), weight_bytes=None)
+    return PlanRequest(
+        model=model, device=get_device(args.gpu), contexts=args.context, num_gpus=args.num_gpus,
+        tp=args.tp, pp=args.pp, output_tokens=args.output_tokens, shared_prefix=args.shared_prefix,
+        shared_fraction=args.shared_fraction, headroom=args.headroom, kv_dtype=args.kv_dtype,
+        weight_dtype=args.weight_dtype, block_size=args.block_size,
+        reserve_bytes=parse_bytes(args.reserve, "--reserve"),
+        memory_bytes=parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
+        mfu=args.mfu, hit_prob=args.hit_prob, dram_cost_ratio=args.dram_cost_ratio)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from trajserve.plan.planner import plan
+    from trajserve.plan.report import to_json, to_text
+
+    req = request_from(args)
+    result = plan(req)
+    print(to_json(result) if args.json else to_text(result))
+    if args.plot:
+        from trajserve.plan.plot import plot
+
+        plot(req, args.plot)
+    return 0

@@ -1,0 +1,114 @@
+"""Parameter counts from a model's shapes, and reading a model's shapes from a
+Hugging Face config.json or a GGUF file (metadata only, no weights).
+
+Three counts matter and the spec uses each:
+  total params        -> resident weights (eq. 4, kv-cache-management)
+  matmul params       -> prefill FLOPs, 2 N per token (projections of every
+                         layer; the embedding lookup is not a matmul and the
+                         LM head runs on the last prompt token only)
+  decode-read params  -> bytes one decode step reads: everything but the
+                         input embedding (inference-optimization 8.2.1: D_w)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from trajserve.config import ModelConfig
+
+
+def _layer_matmul_params(c: ModelConfig) -> int:
+    q = c.hidden_size * c.num_heads * c.head_dim
+    kv = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
+    o = c.num_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down (SwiGLU)
+    return q + kv + o + mlp
+
+
+def _layer_other_params(c: ModelConfig) -> int:
+    norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    bias = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim if c.attention_bias else 0
+    return norms + bias
+
+
+def matmul_params(c: ModelConfig) -> int:
+    return c.num_layers * _layer_matmul_params(c)
+
+
+def embedding_params(c: ModelConfig) -> int:
+    return c.vocab_size * c.hidden_size
+
+
+def lm_head_params(c: ModelConfig) -> int:
+    return embedding_params(c)  # tied or not, the head multiplies by a vocab x hidden matrix
+
+
+def total_params(c: ModelConfig) -> int:
+    head = 0 if c.tie_word_embeddings else lm_head_params(c)
+    return (c.num_layers * (_layer_matmul_params(c) + _layer_other_params(c))
+            + embedding_params(c) + head + c.hidden_size)  # + final norm
+
+
+def decode_read_params(c: ModelConfig) -> int:
+    """Parameters a decode step streams from memory: all but the embedding
+    table (only one row per token is read). A tied head is read as the head."""
+    other = total_params(c) - embedding_params(c)
+    return other + (lm_head_params(c) if c.tie_word_embeddings else 0)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_hf_config(path: str | Path) -> tuple[ModelConfig, str]:
+    """A config.json (or a directory holding one) -> (shapes, dtype name).
+
+    Lenient on purpose: planning needs shapes, not a model the engine can
+    run, so any decoder with the usual fields is accepted. Mixture-of-experts
+    and sliding-window configs are refused: their KV and FLOPs need terms the
+    planner does not have.
+    """
+    p = Path(path).expanduser()
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise ValueError(f"model {str(path)!r}: no such config.json (or directory containing one)")
+    try:
+        raw = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"model config {str(f)!r} is not valid JSON: {e}") from None
+    raw = raw.get("text_config", raw)  # multimodal wrappers nest the decoder
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in raw]
+    if missing:
+        raise ValueError(f"model config {str(f)!r} lacks {', '.join(missing)}")
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if raw.get(key):
+            raise ValueError(f"model config {str(f)!r} is mixture-of-experts ({key}={raw[key]}); "
+                             "the planner supports dense decoders only")
+    if raw.get("use_sliding_window") or raw.get("layer_types"):
+        raise ValueError(f"model config {str(f)!r} uses sliding-window/hybrid layers; "
+                         "the planner supports full attention in every layer only")
+    hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    model_type = str(raw.get("model_type", "llama"))
+    cfg = ModelConfig(
+        architecture=model_type,
+        vocab_size=int(raw.get("vocab_size", 0)),
+        hidden_size=hidden,
+        intermediate_size=int(raw.get("intermediate_size", 4 * hidden)),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        name=str(raw.get("_name_or_path") or f.parent.name),
+    )
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    return cfg, dtype
+
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """GGUF metadata through the engine's own reader (no tensor data is read)."""
+    from trajserve.model.loader import load_model_config  # imports torch: only when a GGUF is asked for
+
+    return load_model_config(str(path))

@@ -1,0 +1,400 @@
+"""OpenAI-compatible HTTP API over an AsyncEngine (FastAPI).
+
+    GET  /health                 200 while the engine loop runs, else 503
+    GET  /v1/models
+    POST /v1/completions         prompt: text, token ids, or a list of texts
+    POST /v1/chat/completions    the model's chat template
+    GET  /metrics                Prometheus
+
+Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}:
+400 bad JSON or values out of range (the message names the field and the
+limit), 404 unknown model, 413 body over the cap, 422 wrong types or missing
+fields, 429 admission queue full (with Retry-After), 503 engine down.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from trajserve.engine.memory import bytes_per_block
+from trajserve.outputs import CompletionOutput, RequestOutput
+from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from trajserve.server.metrics import ServerMetrics
+from trajserve.engine.session import SessionBusy, SessionManager
+from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+    engine = aengine.engine
+    tok = engine.tokenizer
+    metrics = ServerMetrics(lambda: aengine.snapshot,
+                            bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype))
+    aengine.on_finished = metrics.observe
+    # Touched only on the engine thread (through aengine.call / submit).
+    sessions = SessionManager(engine) if engine.kv.radix is not None else None
+    if sessions is not None:
+        aengine.extra_metrics = lambda: {"sessions": sessions.metrics()}
+    app = FastAPI(title="trajserve", docs_url=None, redoc_url=None)
+    app.state.engine = aengine
+    app.state.sessions = sessions
+
+    # ---------------------------------------------------------------- errors
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        errs = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errs):
+            return error_response(400, f"request body is not valid JSON: {errs[0].get('msg')}")
+        first = errs[0]
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+        return error_response(422, f"{loc or 'body'}: {first.get('msg')}{more}", param=loc or None)
+
+    @app.middleware("http")
+    async def _body_cap(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return error_response(413, f"request body has {int(size):,} bytes; the limit is {max_body_bytes:,}")
+        return await call_next(request)
+
+    # ---------------------------------------------------------------- plain
+    @app.get("/health")
+    async def health():
+        if not aengine.alive:
+            return error_response(503, "engine loop is not running", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
+            "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------ completion
+    def check_model(model: str | None) -> None:
+        if model is not None and model != served_model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}`",
+                           param="model", code="model_not_found")
+
+    def sampling(req, max_tokens, default_max, logprobs):
+        try:
+            return req.sampling_params(max_tokens, default_max, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def start(prompt, sp, salt, request: Request, stream: bool) -> AsyncIterator[RequestOutput]:
+        """Queue the request now (so bad input fails before a stream starts)
+        and return its output iterator."""
+        try:
+            gen = aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected)
+            first = await anext(gen)
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_error",
+                           headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error") from None
+        except ValueError as e:
+            code = "context_length_exceeded" if "tokens" in str(e) else None
+            raise APIError(400, str(e), param="messages" if code else None, code=code) from None
+
+        async def chained():
+            yield first
+            async for out in gen:
+                yield out
+        return chained()
+
+    # -------------------------------------------------------------- sessions
+    async def begin_session(req, request: Request, n_prompts: int = 1):
+        sid = req.session_id or request.headers.get("x-session-id")
+        if sid is None:
+            if req.tool_wait_s is not None:
+                raise APIError(400, "tool_wait_s needs a session_id (field or X-Session-Id header)",
+                               param="tool_wait_s")
+            return None
+        if sessions is None:
+            raise APIError(400, "sessions keep their state in the prefix cache, which this server runs without",
+                           param="session_id")
+        if req.n != 1 or n_prompts != 1:
+            raise APIError(400, "a session turn takes one prompt and n=1", param="session_id")
+        try:
+            return await aengine.call(lambda _: sessions.before_turn(sid, req.cache_salt))
+        except SessionBusy as e:
+            raise APIError(409, str(e), param="session_id") from None
+
+    def end_session(sess, final: RequestOutput | None, req) -> None:
+        if sess is not None:
+            aengine.submit(lambda _: sessions.after_turn(sess, final.prompt_token_ids if final else [], final,
+                                                         req.tool_wait_s, req.tool))
+
+    async def session_stream(outs, sess, req):
+        final = None
+        try:
+            async for out in outs:
+                final = out
+                yield out
+        finally:
+            end_session(sess, final, req)
+
+    def get_session(session_id: str):
+        s = sessions.sessions.get(session_id) if sessions is not None else None
+        if s is None:
+            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+        return s
+
+    @app.get("/v1/sessions/{session_id}")
+    async def session_info(session_id: str):
+        return await aengine.call(lambda _: sessions.describe(get_session(session_id)))
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def session_close(session_id: str):
+        await aengine.call(lambda _: sessions.close(get_session(session_id)))
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    @app.post("/v1/sessions/{session_id}/fork")
+    async def session_fork(session_id: str, body: ForkRequest | None = None):
+        n = body.n if body is not None else 1
+
+        def fork(_):
+            try:
+                return [c.session_id for c in sessions.fork(get_session(session_id), n)]
+            except ValueError as e:
+                raise APIError(409 if "paused" in str(e) else 400, str(e)) from None
+        return {"id": session_id, "forks": await aengine.call(fork)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        sp = sampling(req, req.max_tokens, 16, req.logprobs)
+        prompts = _prompts(req.prompt)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream and len(prompts) != 1:
+            raise APIError(400, f"stream=true takes one prompt, got {len(prompts)}; send one request per prompt",
+                           param="prompt")
+        sess = await begin_session(req, request, len(prompts))
+        if req.stream:
+            try:
+                outs = await start(prompts[0], sp, req.cache_salt, request, True)
+            except APIError:
+                end_session(sess, None, req)
+                raise
+            return _sse(_completion_chunks(session_stream(outs, sess, req), rid, created, served_model_name, req,
+                                           tok))
+
+        async def one(p):
+            final = None
+            try:
+                final = await _last(await start(p, sp, req.cache_salt, request, False))
+                return final
+            finally:
+                end_session(sess, final, req)
+
+        try:  # all prompts run in the same batches; a failure cancels (aborts) the rest
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(one(p)) for p in prompts]
+        except ExceptionGroup as eg:
+            raise next((e for e in eg.exceptions if isinstance(e, APIError)), eg.exceptions[0]) from None
+        finals = [t.result() for t in tasks]
+        if any(f is None for f in finals):
+            return Response(status_code=499)  # client went away
+        choices = []
+        for i, final in enumerate(finals):
+            for c in final.outputs:
+                choices.append({"index": i * sp.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
+                                "logprobs": _completion_logprobs(c.token_ids, c.logprobs, tok)
+                                if req.logprobs is not None else None})
+        return {"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
+                "choices": choices, "usage": _usage(finals)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        try:
+            text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           **({"tools": req.tools} if req.tools else {}))
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
+            raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
+        ids = tok.encode(text, add_special_tokens=False)
+        # Without max_tokens a reply may fill the context, as OpenAI's API allows.
+        sp = sampling(req, req.requested_max_tokens, max(1, engine.max_model_len - len(ids)),
+                      (req.top_logprobs or 0) if req.logprobs else None)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        sess = await begin_session(req, request)
+        try:
+            outs = await start(ids, sp, req.cache_salt, request, req.stream)
+        except APIError:
+            end_session(sess, None, req)
+            raise
+        if req.stream:
+            return _sse(_chat_chunks(session_stream(outs, sess, req), rid, created, served_model_name, req, tok))
+        final = None
+        try:
+            final = await _last(outs)
+        finally:
+            end_session(sess, final, req)
+        if final is None:
+            return Response(status_code=499)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c.token_ids, c.logprobs, tok) if req.logprobs else None,
+                    "finish_reason": c.finish_reason} for c in final.outputs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
+                "choices": choices, "usage": _usage([final])}
+
+    return app
+
+
+# --------------------------------------------------------------- helpers
+def _prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty: at least 1 token is required", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)
+
+
+async def _last(outs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    final = None
+    async for out in outs:
+        final = out
+    return final if final is not None and final.finished else None
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(f.prompt_token_ids) for f in finals)
+    completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
+
+
+def _token_str(tok, t: int) -> str:
+    return tok.decode([t], skip_special_tokens=False)
+
+
+def _completion_logprobs(ids: list[int], lps, tok) -> dict | None:
+    if lps is None:
+        return None
+    tokens = [_token_str(tok, t) for t in ids]
+    offsets, pos = [], 0
+    for s in tokens:
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
+            "top_logprobs": [{_token_str(tok, a): v for a, v in alts.items()} for _, alts in lps],
+            "text_offset": offsets}
+
+
+def _chat_logprobs(ids: list[int], lps, tok) -> dict | None:
+    if lps is None:
+        return None
+    content = []
+    for t, (lp, alts) in zip(ids, lps):
+        s = _token_str(tok, t)
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": _token_str(tok, a), "logprob": v,
+                                          "bytes": list(_token_str(tok, a).encode())} for a, v in alts.items()]})
+    return {"content": content}
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _new_logprobs(c: CompletionOutput, sent: dict[int, int]) -> tuple[list[int], list] | None:
+    if c.logprobs is None:
+        return None
+    k = sent.get(c.index, 0)
+    sent[c.index] = len(c.logprobs)
+    return c.token_ids[k:len(c.logprobs)], c.logprobs[k:]
+
+
+async def _completion_chunks(outs, rid, created, model, req: CompletionRequest, tok) -> AsyncIterator[dict]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sent: dict[int, int] = {}
+    final = None
+    async for out in outs:
+        final = out
+        for c in out.outputs:
+            if not c.delta_token_ids:
+                continue
+            new = _new_logprobs(c, sent)
+            lp = _completion_logprobs(*new, tok) if new and req.logprobs is not None else None
+            chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                     "choices": [{"index": c.index, "text": c.delta_text, "logprobs": lp,
+                                  "finish_reason": c.finish_reason}]}
+            if include_usage:
+                chunk["usage"] = None
+            yield chunk
+    if include_usage and final is not None:
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": _usage([final])}
+
+
+async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, tok) -> AsyncIterator[dict]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    sent: dict[int, int] = {}
+    started: set[int] = set()
+    final = None
+
+    def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
+        d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if include_usage:
+            d["usage"] = None
+        return d
+
+    async for out in outs:
+        final = out
+        for c in out.outputs:
+            if c.index not in started:
+                started.add(c.index)
+                yield chunk(c.index, {"role": "assistant", "content": ""}, None)
+            if not c.delta_token_ids:
+                continue
+            new = _new_logprobs(c, sent)
+            lp = _chat_logprobs(*new, tok) if new and req.logprobs else None
+            if c.delta_text or lp:
+                yield chunk(c.index, {"content": c.delta_text}, None, lp)
+            if c.finished:
+                yield chunk(c.index, {}, c.finish_reason)
+    if include_usage and final is not None:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": _usage([final])}

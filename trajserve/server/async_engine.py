@@ -1,0 +1,208 @@
+"""AsyncEngine: the synchronous LLMEngine on its own thread, fed from asyncio.
+
+Every engine call (add, abort, fork, step) runs on the engine thread, between
+steps, so nothing races the scheduler and an abort frees blocks only after
+the step in flight that reads them has finished. Handlers submit closures to
+an inbox and await results; each request's outputs come back on its own
+asyncio.Queue via call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from trajserve.engine.engine import LLMEngine
+from trajserve.outputs import RequestOutput
+from trajserve.sampling import SamplingParams
+
+log = logging.getLogger("trajserve.server")
+
+
+class QueueFull(RuntimeError):
+    """The admission queue is at its limit; the client should retry later."""
+
+    def __init__(self, waiting: int, limit: int, retry_after_s: float) -> None:
+        super().__init__(f"the admission queue holds {waiting} requests, its limit is {limit}; retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        # (fn, loop, future): fn(engine) runs on the engine thread; the future
+        # (None for fire-and-forget jobs) gets its result on the caller's loop.
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = False
+        self._error: BaseException | None = None
+        # Read by /metrics from other threads: replaced whole, never mutated.
+        self.snapshot: dict[str, Any] = engine.metrics()
+        self.on_finished: Callable[[RequestOutput], None] | None = None
+        # More figures for the snapshot, computed on the engine thread.
+        self.extra_metrics: Callable[[], dict] | None = None
+        self._thread = threading.Thread(target=self._run, name="trajserve-engine", daemon=True)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ---------------------------------------------------------- engine calls
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Awaitable[Any]:
+        """Run fn(engine) on the engine thread between steps; await its result."""
+        if not self.alive:
+            raise EngineDead(f"the engine loop stopped: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put((fn, loop, fut))
+        self._wake.set()
+        return fut
+
+    async def add(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+                  request_id: str | None = None) -> tuple[str, asyncio.Queue]:
+        """Queue a request; returns its id and the queue its outputs arrive on.
+        Raises ValueError (bad input) or QueueFull before anything is queued."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def add(engine: LLMEngine) -> str:
+            waiting = len(engine.scheduler.waiting)
+            if waiting >= self.max_waiting:
+                raise QueueFull(waiting, self.max_waiting, retry_after_s=1.0)
+            rid = engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt)
+            self._streams[rid] = _Stream(loop, q)
+            return rid
+
+        return await self.call(add), q
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+                       is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step until it finishes. Leaving
+        early (client gone, generator closed) aborts it and frees its blocks."""
+        rid, q = await self.add(prompt, params, cache_salt)
+        finished = False
+        try:
+            while True:
+                if is_disconnected is None:
+                    out = await q.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(q.get(), timeout=0.5)
+                    except TimeoutError:
+                        if await is_disconnected():
+                            return
+                        continue
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> None:
+        """Run fn(engine) on the engine thread, without waiting for it."""
+        self._inbox.put((fn, None, None))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        def job(engine: LLMEngine) -> None:
+            self._streams.pop(request_id, None)
+            engine.abort_request(request_id)
+        self._inbox.put((job, None, None))
+        self._wake.set()
+
+    # ------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop:
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    self._refresh_snapshot()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outs = engine.step()
+                for out in outs:
+                    st = self._streams.get(out.request_id)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                        if self.on_finished is not None:
+                            self.on_finished(out)
+                    if st is not None:
+                        st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
+                self._refresh_snapshot()
+        except BaseException as e:  # noqa: BLE001 - every waiting client must hear of it
+            self._error = e
+            log.exception("engine loop failed")
+            for st in self._streams.values():
+                st.loop.call_soon_threadsafe(st.queue.put_nowait, EngineDead(f"engine loop failed: {e!r}"))
+            self._streams.clear()
+            while True:  # callers blocked on call() must not hang
+                try:
+                    _, loop, fut = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if fut is not None:
+                    loop.call_soon_threadsafe(_set_exception, fut, EngineDead(f"engine loop failed: {e!r}"))
+
+    def _refresh_snapshot(self) -> None:
+        snap = self.engine.metrics()
+        if self.extra_metrics is not None:
+            snap.update(self.extra_metrics())
+        self.snapshot = snap
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                fn, loop, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                res = fn(self.engine)
+            except Exception as e:  # bad input: handed to the awaiting handler
+                if fut is None:
+                    raise
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                if fut is not None:
+                    loop.call_soon_threadsafe(_set_result, fut, res)
+
+
+def _set_result(fut: asyncio.Future, res: Any) -> None:
+    if not fut.done():
+        fut.set_result(res)
+
+
+def _set_exception(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

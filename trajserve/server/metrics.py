@@ -1,0 +1,100 @@
+"""Prometheus metrics for `trajserve serve`: latency histograms observed as
+requests finish (on the engine thread; prometheus_client is thread-safe),
+and engine gauges read at scrape time from the engine's latest snapshot."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from trajserve.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+# snapshot key -> (metric name, help, kind)
+GAUGES = {
+    "U_KV": ("trajserve_kv_usage_ratio", "U_KV = allocated / total KV blocks (eq. 8)", "gauge"),
+    "H_prefix": ("trajserve_prefix_hit_ratio", "H_prefix = cached / prompt tokens since start (eq. 2)", "gauge"),
+    "num_blocks": ("trajserve_kv_blocks", "KV blocks in the device pool", "gauge"),
+    "free_blocks": ("trajserve_kv_free_blocks", "KV blocks on the free list", "gauge"),
+    "cached_blocks": ("trajserve_kv_cached_blocks", "KV blocks held by the radix prefix cache", "gauge"),
+    "running": ("trajserve_num_requests_running", "sequences in the running batch", "gauge"),
+    "waiting": ("trajserve_num_requests_waiting", "sequences in the admission queue", "gauge"),
+    "evicted_blocks": ("trajserve_kv_evicted_blocks", "blocks evicted from the prefix cache", "counter"),
+    "preemptions": ("trajserve_preemptions", "sequences preempted (recompute)", "counter"),
+    "cow_copies": ("trajserve_kv_cow_copies", "copy-on-write block copies", "counter"),
+}
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict], bytes_per_block: int) -> None:
+        self._snapshot = snapshot
+        self._bytes_per_block = bytes_per_block
+
+    def collect(self) -> Iterator:
+        snap = self._snapshot()
+        for key, (name, doc, kind) in GAUGES.items():
+            if key not in snap:
+                continue
+            fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc)
+            fam.add_metric([], float(snap[key]))
+            yield fam
+        tier = GaugeMetricFamily("trajserve_kv_tier_bytes", "KV bytes in use per tier", labels=["tier"])
+        used = snap.get("num_blocks", 0) - snap.get("free_blocks", 0)
+        tier.add_metric(["device"], float(used * self._bytes_per_block))
+        sess = snap.get("sessions")
+        if sess is not None:
+            tier.add_metric(["host"], float(sess["host_bytes"]))
+            tier.add_metric(["disk"], float(sess["disk_bytes"]))
+        yield tier
+        if sess is None:
+            return
+        keep = CounterMetricFamily("trajserve_keep_decisions", "tool-pause decisions by kind", labels=["decision"])
+        for kind in ("keep", "host", "disk", "drop"):
+            keep.add_metric([kind], float(sess["keep_decisions"].get(kind, 0)))
+        yield keep
+        for key, name, doc in (("swap_out_bytes", "trajserve_kv_swap_out_bytes", "bytes copied to host / disk"),
+                               ("swap_in_bytes", "trajserve_kv_swap_in_bytes", "bytes reloaded to the device"),
+                               ("corrupt_blocks", "trajserve_kv_corrupt_blocks", "disk blocks that failed checks"),
+                               ("lease_demotions", "trajserve_keep_lease_demotions", "kept states moved down")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], float(sess[key]))
+            yield c
+        for key, name, doc in (("sessions", "trajserve_sessions", "open agent sessions"),
+                               ("paused", "trajserve_sessions_paused", "sessions waiting for a tool")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(sess[key]))
+            yield g
+
+
+class ServerMetrics:
+    def __init__(self, snapshot: Callable[[], dict], bytes_per_block: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("trajserve_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("trajserve_inter_token_latency_seconds", "time between output tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("trajserve_e2e_request_latency_seconds", "arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("trajserve_requests", "finished requests", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("trajserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("trajserve_cached_prompt_tokens", "prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.generation_tokens = Counter("trajserve_generation_tokens", "generated tokens", registry=r)
+        r.register(_SnapshotCollector(snapshot, bytes_per_block))
+
+    def observe(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for dt in m.inter_token_times:
+            self.itl.observe(dt)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        for c in out.outputs:
+            self.requests.labels(c.finish_reason or "unknown").inc()
+            self.generation_tokens.inc(len(c.token_ids))
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.cached_tokens.inc(out.num_cached_tokens)

@@ -1,0 +1,105 @@
+"""OpenAI request bodies (pydantic) and their mapping to SamplingParams.
+
+Fields the OpenAI API defines and trajserve does not use are accepted and
+ignored (clients send them routinely); wrong types and missing required
+fields are 422s; values outside their range are 400s naming the field and
+its limit (SamplingParams.validate)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trajserve.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    ignore_eos: bool = False  # extension (vLLM)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Agent / tenant extensions.
+    cache_salt: str | None = Field(default=None, description="requests share cached KV only within one salt")
+    session_id: str | None = Field(default=None, description="pins a trajectory (or header X-Session-Id)")
+    tool_wait_s: float | None = Field(default=None, ge=0, description="a tool pause follows this turn: "
+                                      "the session's state waits where the keep policy puts it")
+    tool: str | None = Field(default=None, description="the tool about to run (its wait history informs the policy)")
+
+    def sampling_params(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        sp = SamplingParams(
+            n=self.n, max_tokens=default_max if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=logprobs)
+        sp.validate()
+        return sp
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    n: int = Field(default=1, ge=1, le=64)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        # Chat templates of small models know system/user/assistant; a
+        # developer message is a system message there.
+        role = "system" if self.role == "developer" else self.role
+        d = {"role": role, "content": content or ""}
+        if self.name:
+            d["name"] = self.name
+        if self.tool_call_id:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

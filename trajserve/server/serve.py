@@ -1,0 +1,48 @@
+"""`trajserve serve`: load the engine, start its loop thread, run uvicorn.
+
+The socket is bound before uvicorn starts so `--port 0` works: the line
+"trajserve serving <model> on http://HOST:PORT" (stderr) names the port."""
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from pathlib import Path
+
+log = logging.getLogger("trajserve.server")
+
+
+def served_name(model_path: str) -> str:
+    p = Path(model_path)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from trajserve.cli import make_llm
+    from trajserve.server.app import build_app
+    from trajserve.server.async_engine import AsyncEngine
+
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
+    engine = make_llm(args).engine
+    name = args.served_model_name or served_name(engine.model_path)
+    aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    aengine.start()
+    app = build_app(aengine, name, max_body_bytes=args.max_body_bytes)
+    host, port = sock.getsockname()[:2]
+    print(f"trajserve serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        aengine.shutdown()
+    return 0

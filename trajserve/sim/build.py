@@ -1,0 +1,59 @@
+"""Assemble one simulation: hardware + model -> cost model, KV pool size,
+and a fresh Scheduler / KVCacheManager / CostModelRunner per run."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trajserve.config import SchedulerConfig
+from trajserve.engine.scheduler import Scheduler
+from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.plan.catalog import DeviceSpec, ModelSpec
+from trajserve.plan.planner import PlanRequest, plan
+from trajserve.sim.cost_model import CostModel
+from trajserve.sim.executor import CostModelRunner
+from trajserve.sim.hardware import Hardware, ModelCost
+from trajserve.sim.simulator import Simulator
+from trajserve.sim.tokens import TokenSource
+
+
+@dataclass(slots=True)
+class SimSetup:
+    hw: Hardware
+    model: ModelCost
+    num_blocks: int
+    block_size: int
+    scheduler: SchedulerConfig
+    watermark: float = 0.01
+    prefix_caching: bool = True
+    pool_source: str = ""
+
+    @property
+    def cost(self) -> CostModel:
+        return CostModel(self.hw, self.model)
+
+    def simulator(self, num_blocks: int | None = None, *, max_concurrency: int | None = None,
+                  progress: bool = False, desc: str = "simulate") -> tuple[Simulator, TokenSource]:
+        """A fresh control plane (empty pool and cache) on this hardware."""
+        n = num_blocks if num_blocks is not None else self.num_blocks
+        kv = KVCacheManager(n, self.block_size, self.watermark, enable_prefix_caching=self.prefix_caching,
+                            model_id=self.model.name)
+        sched = Scheduler(self.scheduler, kv)
+        tokens = TokenSource(self.block_size)
+        runner = CostModelRunner(self.cost, self.block_size)
+        return Simulator(sched, runner, tokens, max_concurrency=max_concurrency, progress=progress,
+                         desc=desc), tokens
+
+
+def pool_blocks_from_memory(spec: ModelSpec, device: DeviceSpec, tp: int, block_size: int, kv_dtype: str,
+                            weight_dtype: str | None, reserve_bytes: float,
+                            memory_bytes: float | None = None) -> tuple[int, str]:
+    """KV blocks of one TP replica: eqs. 3-5 (kv-cache-management) through
+    trajserve.plan, no headroom (the engine keeps its own watermark)."""
+    p = plan(PlanRequest(model=spec, device=device, contexts=(block_size,), tp=tp, kv_dtype=kv_dtype,
+                         weight_dtype=weight_dtype, block_size=block_size, reserve_bytes=reserve_bytes,
+                         memory_bytes=memory_bytes, headroom=0.0))
+    blocks = p.token_capacity // block_size
+    why = (f"eqs. 3-5: {p.memory_per_device / 1e9:.1f} GB - weights {p.weights_per_device / 1e9:.1f} GB - "
+           f"reserve {p.reserve_per_device / 1e9:.1f} GB = {p.kv_pool_per_device / 1e9:.1f} GB KV per device, "
+           f"{p.block_bytes_device / 1024:.0f} KiB per block")
+    return blocks, why

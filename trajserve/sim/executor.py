@@ -1,0 +1,60 @@
+"""CostModelRunner: the executor the simulator puts where the engine has its
+ModelRunner. It receives the same SchedulerOutput and, instead of running
+the model, returns how long the step would take (sim/cost_model.py)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trajserve.engine.scheduler import SchedulerOutput
+from trajserve.sim.cost_model import CostModel, StepCost
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    compute_bound_steps: int = 0
+    compute_s: float = 0.0     # sum over steps of the compute term
+    memory_s: float = 0.0      # ... of the memory term
+    overhead_s: float = 0.0
+    copy_s: float = 0.0
+    transfer_s: float = 0.0
+    tokens: int = 0
+    flops: float = 0.0
+
+
+class CostModelRunner:
+    def __init__(self, cost: CostModel, block_size: int) -> None:
+        self.cost = cost
+        self.block_size = block_size
+        self.stats = RunnerStats()
+        self.last = StepCost()
+
+    def execute(self, out: SchedulerOutput, transfers: Sequence[tuple[int, str]] = ()) -> float:
+        """Seconds the step takes. `transfers`: (blocks, "host" | "nvme") tier
+        moves that must finish before the forward (a keep policy's reloads)."""
+        n = pairs = kv = sampled = 0
+        for c in out.chunks:
+            k, h = c.num_tokens, c.start
+            n += k
+            pairs += k * h + k * (k + 1) // 2  # N_pair (inference-optimization 8.2.3)
+            kv += h + k
+            if h + k == len(c.request.all_token_ids):  # chunk reaches the end: its logits are sampled
+                sampled += 1
+        step = self.cost.step(n, pairs, kv, len(out.chunks), sampled, len(out.copies), self.block_size)
+        extra = sum(self.cost.transfer_time(b, self.block_size, link) for b, link in transfers)
+        st = self.stats
+        st.steps += 1
+        st.compute_bound_steps += step.compute_bound
+        st.compute_s += step.compute_s
+        st.memory_s += step.memory_s
+        st.overhead_s += step.overhead_s
+        st.copy_s += step.copy_s
+        st.transfer_s += extra
+        st.tokens += n
+        st.flops += step.flops
+        total = step.total_s + extra
+        st.busy_s += total
+        self.last = step
+        return total

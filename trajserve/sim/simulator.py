@@ -1,0 +1,301 @@
+"""Discrete-event simulation: the engine's own Scheduler and KVCacheManager
+(with its radix cache) stepped on a virtual clock by a CostModelRunner.
+
+Loop (one iteration = one engine step):
+
+    arrivals with time <= clock enter the scheduler's queue
+    idle (nothing queued or running): jump the clock to the next arrival
+    out = scheduler.schedule()           same code as LLMEngine.step()
+    clock += runner.execute(out)          cost model instead of the forward
+    scheduler.update(out, sampled, clock) placeholder tokens, fixed lengths
+    finished calls: record metrics; the session's next call arrives after its wait
+
+A call that arrives while a step runs waits for the step to end, as in the
+engine. Sampled tokens are fresh ids (or a replayed output list), so the
+next turn's prompt, which repeats them, hits the cache exactly as a real
+conversation would. Requests finish by length (ignore_eos).
+
+Memory: the scheduler only ever looks at the head of its waiting queue, and
+admits at most max_num_seqs requests per step, so arrived calls wait in a
+light queue here and are turned into token lists only while the scheduler
+holds fewer than max_num_seqs waiting ones. Admission is the same as
+queueing everything at once; a trace with a long backlog just does not hold
+10^8 tokens in Python lists.
+"""
+from __future__ import annotations
+
+import gc
+import heapq
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from trajserve.engine.request import Request
+from trajserve.engine.scheduler import Scheduler, SchedulerOutput
+from trajserve.kv.block_table import blocks_for
+from trajserve.sampling import SamplingParams
+from trajserve.sim.executor import CostModelRunner
+from trajserve.sim.tokens import TokenSource
+from trajserve.sim.workload import Call, Session
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Per step, after it ends: U_KV (eq. 8, kv-cache-management), the share
+    of the pool held only by the prefix cache (evictable), queue sizes."""
+    t: array = field(default_factory=lambda: array("d"))
+    u_kv: array = field(default_factory=lambda: array("d"))
+    cached: array = field(default_factory=lambda: array("d"))
+    running: array = field(default_factory=lambda: array("i"))
+    waiting: array = field(default_factory=lambda: array("i"))
+
+
+@dataclass(slots=True)
+class Records:
+    """One entry per finished sequence (a call, or a fork branch)."""
+    name: list[str] = field(default_factory=list)
+    turn: array = field(default_factory=lambda: array("i"))
+    arrival: array = field(default_factory=lambda: array("d"))
+    first_token: array = field(default_factory=lambda: array("d"))
+    finish: array = field(default_factory=lambda: array("d"))
+    prompt_tokens: array = field(default_factory=lambda: array("q"))
+    cached_tokens: array = field(default_factory=lambda: array("q"))
+    output_tokens: array = field(default_factory=lambda: array("q"))
+    preemptions: array = field(default_factory=lambda: array("i"))
+    branch: array = field(default_factory=lambda: array("b"))  # 1: a fork child (no admission of its own)
+    itl: array = field(default_factory=lambda: array("d"))     # all inter-token times, concatenated
+
+    def add(self, req: Request, turn: int, branch: bool, now: float) -> None:
+        self.name.append(req.request_id)
+        self.turn.append(turn)
+        self.arrival.append(req.arrival_time)
+        self.first_token.append(req.first_token_time if req.first_token_time is not None else now)
+        self.finish.append(now)
+        self.prompt_tokens.append(req.num_prompt_tokens)
+        self.cached_tokens.append(req.num_cached_tokens)
+        self.output_tokens.append(req.num_output_tokens)
+        self.preemptions.append(req.num_preemptions)
+        self.branch.append(branch)
+        self.itl.extend(req.inter_token_times)
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def col(self, name: str) -> np.ndarray:
+        return np.array(getattr(self, name))
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: Records
+    timeline: Timeline
+    num_blocks: int
+    block_size: int
+    end_time: float             # virtual clock when the last call finished
+    steps: int
+    hit_rate: float             # H_prefix, eq. 2 (kv-cache-management), over admitted calls
+    preemptions: int
+    evicted_blocks: int
+    cow_copies: int
+    rejected: list[str]         # calls whose prompt cannot fit the pool at all
+    runner: CostModelRunner
+    wall_s: float               # real seconds the simulation took
+
+
+class Simulator:
+    def __init__(self, sched: Scheduler, runner: CostModelRunner, tokens: TokenSource, *,
+                 max_concurrency: int | None = None, progress: bool = False, desc: str = "simulate",
+                 on_step: Callable[[float, float, SchedulerOutput], None] | None = None) -> None:
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max concurrency must be >= 1, got {max_concurrency}")
+        self.sched, self.kv, self.runner, self.tokens = sched, sched.kv, runner, tokens
+        self.max_concurrency = max_concurrency
+        self.progress, self.desc = progress, desc
+        self.on_step = on_step  # (step start, step end, what ran): tests and tracing
+        # A request alone can always finish: cap its length at the pool (as the engine does).
+        self.cap = self.kv.token_capacity
+        self._params: dict[int, SamplingParams] = {}
+
+    def run(self, sessions: Sequence[Session]) -> SimResult:
+        # The radix tree holds millions of block-key tuples; with the cyclic
+        # GC on, the tuples each step creates trigger full collections that
+        # scan all of them (a third of a Mooncake replay's time). Nothing
+        # here builds reference cycles that must be reclaimed mid-run.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(sessions)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _run(self, sessions: Sequence[Session]) -> SimResult:
+        t_wall = time.perf_counter()
+        sched, kv, runner = self.sched, self.kv, self.runner
+        pool = kv.pool
+        B, nb = kv.block_size, kv.num_blocks
+        fresh = self.tokens.fresh_one
+        feed_limit = sched.config.max_num_seqs
+        gate = self.max_concurrency
+        on_step = self.on_step
+
+        events: list[tuple[float, int, Session]] = []
+        for i, s in enumerate(sessions):
+            if s.calls:
+                events.append((s.next_arrival(0.0), i, s))
+        heapq.heapify(events)
+        seq = len(sessions)
+        arrived: deque[tuple[float, Session]] = deque()
+        live: dict[str, tuple[Session, Call, bool]] = {}
+        forced: dict[str, list[int]] = {}
+        fork_on_first: dict[str, int] = {}
+        rec, tl = Records(), Timeline()
+        rejected: list[str] = []
+        inflight = 0
+        idle_rounds = 0
+        clock = 0.0
+        total = sum(len(s.calls) * (1 + max((c.fork for c in s.calls), default=0)) for s in sessions)
+        bar = tqdm(total=total, desc=self.desc, unit="call", disable=not self.progress, leave=False,
+                   mininterval=0.5)
+
+        while True:
+            while events and events[0][0] <= clock:
+                t, _, s = heapq.heappop(events)
+                arrived.append((t, s))
+            while arrived and len(sched.waiting) < feed_limit and (gate is None or inflight < gate):
+                t, s = arrived.popleft()
+                remaining = len(s.calls) - s.next
+                # Behind a concurrency gate the client sends when a slot frees.
+                req = self._materialize(s, t if gate is None else max(t, clock), live, forced, fork_on_first)
+                if req is None:
+                    rejected.append(f"{s.name}#{s.next}")
+                    bar.update(remaining)
+                    continue
+                sched.add(req)
+                inflight += 1
+            if not sched.has_unfinished():
+                if arrived:
+                    continue
+                if not events:
+                    break
+                clock = max(clock, events[0][0])
+                continue
+
+            if not tl.t:  # the pool before the first step, so a plot starts at the first arrival
+                tl.t.append(clock)
+                tl.u_kv.append(pool.num_used / nb)
+                tl.cached.append(kv.num_reclaimable / nb)
+                tl.running.append(0)
+                tl.waiting.append(len(sched.waiting) + len(arrived))
+            out = sched.schedule()
+            if out.is_empty:
+                if out.preempted and idle_rounds < 1000:
+                    # Every running request was preempted: nothing ran, no
+                    # time passed; the engine simply schedules again.
+                    idle_rounds += 1
+                    continue
+                if events:
+                    clock = max(clock, events[0][0])
+                    continue
+                raise RuntimeError("simulation stalled: requests queued but none can be scheduled "
+                                   f"({len(sched.waiting)} waiting, {len(sched.running)} running)")
+            idle_rounds = 0
+            start = clock
+            clock += runner.execute(out)
+            if on_step is not None:
+                on_step(start, clock, out)
+
+            sampled: dict[str, int] = {}
+            for c in out.chunks:
+                req = c.request
+                if c.start + c.num_tokens == len(req.all_token_ids):
+                    rid = req.request_id
+                    outs = forced.get(rid) if forced else None
+                    n = req.num_output_tokens
+                    sampled[rid] = outs[n] if outs is not None and n < len(outs) else fresh()
+            finished = sched.update(out, sampled, clock)
+
+            if fork_on_first:
+                for c in out.chunks:
+                    k = fork_on_first.get(c.request.request_id)
+                    if k is not None and c.request.num_output_tokens == 1:
+                        inflight += self._fork(c.request, k, live, forced, fork_on_first)
+            for req in finished:
+                rid = req.request_id
+                s, call, is_branch = live.pop(rid)
+                forced.pop(rid, None)
+                fork_on_first.pop(rid, None)
+                rec.add(req, call.turn, is_branch, clock)
+                inflight -= 1
+                s.history = req.all_token_ids
+                s.next += 1
+                if s.next < len(s.calls):
+                    heapq.heappush(events, (s.next_arrival(clock), seq, s))
+                    seq += 1
+                else:
+                    s.history = []
+            if finished:
+                bar.update(len(finished))
+            tl.t.append(clock)
+            tl.u_kv.append(pool.num_used / nb)
+            tl.cached.append(kv.num_reclaimable / nb)
+            tl.running.append(len(sched.running))
+            tl.waiting.append(len(sched.waiting) + len(arrived))
+        bar.close()
+        radix = kv.radix
+        return SimResult(records=rec, timeline=tl, num_blocks=nb, block_size=B, end_time=clock,
+                         steps=runner.stats.steps, hit_rate=sched.prefix_hit_rate,
+                         preemptions=sched.num_preemptions,
+                         evicted_blocks=radix.num_evicted_blocks if radix else 0,
+                         cow_copies=kv.num_cow_copies, rejected=rejected, runner=runner,
+                         wall_s=time.perf_counter() - t_wall)
+
+    # ---------------------------------------------------------------- private
+    def _params_for(self, n: int) -> SamplingParams:
+        sp = self._params.get(n)
+        if sp is None:
+            sp = self._params[n] = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return sp
+
+    def _materialize(self, s: Session, arrival: float, live: dict, forced: dict, fork_on_first: dict
+                     ) -> Request | None:
+        call = s.calls[s.next]
+        prompt = call.prompt(s.history)
+        s.history = []
+        kv = self.kv
+        if not prompt or blocks_for(len(prompt) + 1, kv.block_size) + kv.watermark_blocks > kv.num_blocks:
+            # The engine refuses such a prompt (400); its session cannot go on.
+            s.next = len(s.calls)
+            return None
+        n_out = max(1, call.output_len)
+        if call.fork:
+            n_out = max(2, n_out)  # branches need a token of their own after the shared first one
+        rid = f"{s.name}#{s.next}"
+        req = Request(rid, prompt, self._params_for(n_out), self.cap, arrival_time=arrival,
+                      cache_salt=call.cache_salt)
+        live[rid] = (s, call, False)
+        if call.output_ids is not None:
+            forced[rid] = call.output_ids
+        if call.fork:
+            fork_on_first[rid] = call.fork
+        return req
+
+    def _fork(self, parent: Request, k: int, live: dict, forced: dict, fork_on_first: dict) -> int:
+        rid = parent.request_id
+        del fork_on_first[rid]
+        s, call, _ = live[rid]
+        children = [Request(f"{rid}.b{j + 1}", parent.prompt_token_ids, parent.sampling_params,
+                            parent.max_total_tokens, arrival_time=parent.arrival_time,
+                            cache_salt=parent.cache_salt, first_token_time=parent.first_token_time,
+                            last_token_time=parent.last_token_time) for j in range(k)]
+        self.sched.fork(parent, children)
+        for j, child in enumerate(children):
+            live[child.request_id] = (s.branch(f"b{j + 1}"), call, True)
+            if rid in forced:
+                forced[child.request_id] = forced[rid]
+        return k

@@ -88,14 +88,20 @@ class Scheduler:
         # running request per step (the simulator's hot path).
         decodes = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+        running = RequestStatus.RUNNING
+        tables = self.kv.tables
+        allocate = self.kv.allocate_slots
         for req in decodes + prefills:
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this step
-            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
-            if self._allocate_or_preempt(req, n, scheduled, out):
-                self._add_chunk(out, req, n, scheduled)
+            c = req.num_computed_tokens
+            n = min(len(req.all_token_ids) - c, budget, cap)
+            if allocate(req.request_id, c + n, None, c) or self._preempt_until_fits(req, n, scheduled, out):
+                # _add_chunk, inline: once per running request per step.
+                scheduled.add(req.request_id)
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, tables[req.request_id].block_ids))
                 budget -= n
 
         # Nothing was preempted this step: a request preempted now must not be
@@ -124,14 +130,17 @@ class Scheduler:
         out.copies = self.kv.take_copies()
         return out
 
-    def _allocate_or_preempt(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
-        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
-                                         write_from=req.num_computed_tokens):
+    def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """allocate_slots just failed for req: preempt the newest request not
+        in this step (req itself last) and retry, until req fits or is out."""
+        while True:
             victim = self._pick_victim(scheduled)
             self._preempt(victim, out)
             if victim is req:
                 return False
-        return True
+            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
+                                      write_from=req.num_computed_tokens):
+                return True
 
     def _pick_victim(self, scheduled: set[str]) -> Request:
         """Newest running request not already in this step's batch."""
@@ -141,7 +150,7 @@ class Scheduler:
         raise AssertionError("pool exhausted by requests already scheduled this step")
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
+        _remove_identical(self.running, req)
         # Its computed blocks go to the prefix cache: the recompute may hit them.
         self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
         req.num_computed_tokens = 0
@@ -181,13 +190,20 @@ class Scheduler:
         finished = []
         running = RequestStatus.RUNNING
         cache_computed = self.kv.cache_computed
+        B = self.kv.block_size
         for chunk in out.chunks:
             req = chunk.request
             if req.status is not running:
                 continue  # aborted while the step ran
-            end = chunk.start + chunk.num_tokens
+            start = chunk.start
+            end = start + chunk.num_tokens
             req.num_computed_tokens = end
-            cache_computed(req.request_id, req.all_token_ids, end, req.cache_salt)
+            # Only a chunk that fills a block has something for the prefix
+            # cache: every block before `start` was cached when the step that
+            # computed it ended (or came from the cache at admission), so a
+            # chunk inside one block would find nothing new (most decodes).
+            if end // B != start // B:
+                cache_computed(req.request_id, req.all_token_ids, end, req.cache_salt)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -200,11 +216,17 @@ class Scheduler:
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+        if not _remove_identical(self.running, req):
+            _remove_identical(self.waiting, req)
         self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
+
+
+def _remove_identical(seq: list[Request] | deque[Request], req: Request) -> bool:
+    """Remove `req` itself from seq. `list.remove` would compare with the
+    dataclass __eq__ (every field, token lists included) against each
+    request before it: O(running) Python calls per finish."""
+    for i, r in enumerate(seq):
+        if r is req:
+            del seq[i]
+            return True
+    return False

@@ -154,6 +154,17 @@ class KVCacheManager:
         Evicts cold cached blocks when the free list is short. False (and no
         change) when the pool is short even so."""
         table = self.tables.get(request_id)
+        if table is not None and write_from is not None:
+            # Fast path (most decode steps): the write stays in the table's
+            # last block, which no one else holds: nothing to allocate or
+            # copy, only the low-water eviction below with need = 0.
+            ids = table.block_ids
+            if (ids and num_tokens <= len(ids) * self.block_size
+                    and write_from // self.block_size == len(ids) - 1 and self.pool.ref_counts[ids[-1]] == 1):
+                short = self.watermark_blocks - self.pool.num_free
+                if short > 0 and self.radix is not None:
+                    self.radix.evict(short)
+                return True
         new_table = table is None
         if new_table:
             table = BlockTable(self.block_size)

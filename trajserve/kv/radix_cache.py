@@ -311,9 +311,10 @@ class RadixCache:
         popped once, so the amortised cost is O(log h) per evicted node.
         """
         freed = 0
-        heap = self._heap
-        while freed < num_blocks and heap:
-            _, stamp, node = heapq.heappop(heap)
+        # Not a local alias: a cascade's _push may compact self._heap into a
+        # new list mid-loop, and entries pushed there must still be seen.
+        while freed < num_blocks and self._heap:
+            _, stamp, node = heapq.heappop(self._heap)
             if stamp != node.heap_stamp or not self._evictable(node):
                 continue  # stale: locked, grew a child, refreshed or gone since
             freed += self._remove_leaf(node)
@@ -528,11 +529,11 @@ class RadixCache:
             heapq.heapify(self._heap)
 
     def _drop_tree_refs(self, block_ids: list[int]) -> int:
-        """pool.free the tree's reference; count blocks that hit the free list."""
-        rc = self.pool.ref_counts
-        freed = sum(1 for b in block_ids if rc[b] == 1)
+        """pool.free the tree's reference; count blocks that hit the free list
+        (a node's block ids are distinct, so that is the growth of the list)."""
+        before = self.pool.num_free
         self.pool.free(block_ids)
-        return freed
+        return self.pool.num_free - before
 
     def _invalidation_roots(self, root: RadixNode, prefix: Sequence[int]) -> list[RadixNode]:
         B = self.block_size

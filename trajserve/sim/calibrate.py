@@ -47,6 +47,8 @@ class Step:
     seconds: float
     chunks: list[tuple[int, int]]  # (new tokens, cached tokens) per sequence
     sampled: int
+    size: int = 0    # the run's chunk size (prefill) or batch (decode)
+    context: int = 0  # cached tokens before the chunk (prefill) or the prompt length (decode)
 
 
 def model_cost_of(engine) -> ModelCost:
@@ -80,7 +82,7 @@ def measure_prefill(engine, chunk: int, tokens: int, rng: random.Random) -> list
         dt = time.perf_counter() - t
         n = engine.last_step.num_tokens
         if n:
-            steps.append(Step("prefill", dt, [(n, done)], 1 if done + n == tokens else 0))
+            steps.append(Step("prefill", dt, [(n, done)], 1 if done + n == tokens else 0, chunk, done))
             done += n
     engine.abort_request(rid)
     return steps
@@ -112,7 +114,7 @@ def measure_decode(engine, batch: int, context: int, steps: int, rng: random.Ran
         if engine.last_step.num_seqs != batch:
             raise RuntimeError(f"decode batch of {engine.last_step.num_seqs}, expected {batch}: pool too small?")
         if i >= warm:
-            out.append(Step("decode", dt, [(1, h) for h in ctx], batch))
+            out.append(Step("decode", dt, [(1, h) for h in ctx], batch, batch, context))
     for rid in ids:
         engine.abort_request(rid)
     return out
@@ -186,8 +188,13 @@ def calibrate(engine, quick: bool = False, seed: int = 0, log=print) -> dict:
         f"disk write (fsync) {disk / 1e9:.2f} GB/s")
 
     terms = work_terms(steps, model)
+    # Each configuration counts once: (decode, batch, prompt) or (prefill,
+    # chunk, 512-token band of context), whatever its number of steps.
+    groups = [(s.kind, s.size, s.context if s.kind == "decode" else s.context // 512) for s in steps]
+    count = {g: groups.count(g) for g in set(groups)}
     fit = fit_steps(terms["t"], terms["n_seq"], terms["f_mm"], terms["f_att"], terms["d_w"], terms["d_kv"],
-                    memory_bound_first=np.array([s.kind == "decode" for s in steps]), b_min=1.0 / read_bw)
+                    memory_bound_first=np.array([s.kind == "decode" for s in steps]), b_min=1.0 / read_bw,
+                    weights=[1.0 / count[g] for g in groups])
     if fit.a_mm <= 0:
         raise RuntimeError(f"calibration could not separate compute from memory time (fit {fit}); "
                            "run without --quick for more points")
@@ -214,8 +221,8 @@ def calibrate(engine, quick: bool = False, seed: int = 0, log=print) -> dict:
                    "memory_fraction": cfg.cache.memory_fraction, "threads": _threads()},
         "fit": {"median_abs_rel_error": float(np.median(abs_err)), "max_abs_rel_error": float(abs_err.max()),
                 "steps": len(steps), "compute_bound_steps": int(fit.compute_bound.sum())},
-        "measurements": [{"kind": s.kind, "seconds": s.seconds, "new_tokens": sum(c for c, _ in s.chunks),
-                          "context": max(h for _, h in s.chunks), "sequences": len(s.chunks),
+        "measurements": [{"kind": s.kind, "size": s.size, "context": s.context, "seconds": s.seconds,
+                          "new_tokens": sum(c for c, _ in s.chunks), "sequences": len(s.chunks),
                           "predicted": float(p)} for s, p in zip(steps, fit.predicted)],
     }
 
@@ -233,13 +240,17 @@ def _threads() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve a shared 2-core box
+    # No OMP_WAIT_POLICY here: spinning vs sleeping OpenMP threads changes a
+    # CPU decode step by ~30%, so the profile must be taken under the same
+    # setting (and threads) as the engine it is meant to predict.
     from trajserve.llm import LLM
 
     log = (lambda *a, **k: None) if args.json else (lambda msg: print(msg, flush=True))
-    # Room for the largest decode batch at the longest context, plus prefill prompts.
+    # Room for the prefill prompt, or for the decode prompt (shared through the
+    # prefix cache) plus each sequence's tail and decoded tokens.
     plan = QUICK if args.quick else DEFAULT
-    need = max(plan["batches"]) * (max(plan["contexts"]) // 16 + 4) + plan["prefill_tokens"] // 16 + 256
+    per_seq = -(-(16 + plan["decode_steps"] + 8) // 16) + 1
+    need = max(plan["prefill_tokens"], max(plan["contexts"])) // 16 + max(plan["batches"]) * per_seq + 64
     llm = LLM(args.model, device=args.device, dtype=args.dtype, num_blocks=need, block_size=16,
               max_num_seqs=max(64, max(plan["batches"])), max_num_batched_tokens=512, num_threads=args.threads)
     profile = calibrate(llm.engine, args.quick, log=log)
@@ -271,12 +282,12 @@ def print_profile(p: dict, path: str) -> None:
           f"over {f['steps']} steps ({f['compute_bound_steps']} compute-bound)\n")
     rows: dict[tuple, list] = {}
     for m in p["measurements"]:
-        key = (m["kind"], m["sequences"] if m["kind"] == "decode" else m["new_tokens"], m["context"])
-        rows.setdefault(key, []).append((m["seconds"], m["predicted"]))
-    print(f"{'step':<8} {'seqs/chunk':>10} {'context':>8} {'measured ms':>12} {'model ms':>9} {'error':>7}")
+        if m["kind"] == "prefill" and m["context"] % 512:
+            continue  # small chunks run dozens of steps: the table shows one per 512 tokens of context
+        rows.setdefault((m["kind"], m["size"], m["context"]), []).append((m["seconds"], m["predicted"]))
+    print("medians per configuration (decode: batch, prompt length; prefill: chunk, cached tokens before it)")
+    print(f"{'step':<8} {'batch/chunk':>11} {'context':>8} {'measured ms':>12} {'model ms':>9} {'error':>7}")
     for (kind, n, ctx), v in sorted(rows.items()):
-        if kind == "prefill" and ctx % 512 and n < 128:
-            continue  # a 32-token chunk has 64 steps: show every 16th
         meas = statistics.median(x for x, _ in v)
         pred = statistics.median(y for _, y in v)
-        print(f"{kind:<8} {n:>10} {ctx:>8} {meas * 1e3:>12.1f} {pred * 1e3:>9.1f} {(pred / meas - 1) * 100:>6.1f}%")
+        print(f"{kind:<8} {n:>11} {ctx:>8} {meas * 1e3:>12.1f} {pred * 1e3:>9.1f} {(pred / meas - 1) * 100:>6.1f}%")

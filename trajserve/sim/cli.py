@@ -185,12 +185,19 @@ def sessions_factory(args: argparse.Namespace):
                                    branching=args.branching, branch_turn=args.branch_turn, rate=args.rate,
                                    burstiness=args.burstiness, seed=args.seed)
         spec.validate()
-        return lambda tokens: synthetic.agent_sessions(spec, tokens), f"agent ({spec})"
+        wait = f", tool wait {spec.tool_wait}" if spec.turns > 1 else ""
+        fork = f", turn {spec.branch_turn} forks into {spec.branching}" if spec.branching > 1 else ""
+        return (lambda tokens: synthetic.agent_sessions(spec, tokens),
+                f"agent: {spec.trajectories} trajectories x {spec.turns} turns at {spec.rate:g}/s, preamble "
+                f"{spec.preamble_tokens} + task {spec.task_tokens} tokens, tool results {spec.tool_min_tokens}-"
+                f"{spec.tool_max_tokens}, replies {spec.reply_tokens}{wait}{fork}")
     if args.workload == "chat":
         spec = synthetic.ChatSpec(num_requests=args.num_requests or 1000, input_len=args.input_len,
                                   output_len=args.output_len, prefix_len=args.prefix_len, rate=args.rate,
                                   burstiness=args.burstiness, seed=args.seed)
-        return lambda tokens: synthetic.chat_sessions(spec, tokens), f"chat ({spec})"
+        return (lambda tokens: synthetic.chat_sessions(spec, tokens),
+                f"chat: {spec.num_requests} requests at {spec.rate:g}/s (burstiness {spec.burstiness:g}), "
+                f"{spec.input_len} prompt tokens ({spec.prefix_len} shared), {spec.output_len} output")
     if args.workload == "mooncake":
         path = Path(args.trace) if args.trace else trace_dir / "mooncake" / "conversation_trace.jsonl"
         if not path.is_file():

@@ -30,19 +30,23 @@ class CostModelRunner:
         self.block_size = block_size
         self.stats = RunnerStats()
         self.last = StepCost()
+        # Requests whose chunk reached their last token in the last step: the
+        # rows a model would sample (the simulator gives them their token).
+        self.sampled: list = []
 
     def execute(self, out: SchedulerOutput, transfers: Sequence[tuple[int, str]] = ()) -> float:
         """Seconds the step takes. `transfers`: (blocks, "host" | "nvme") tier
         moves that must finish before the forward (a keep policy's reloads)."""
-        n = pairs = kv = sampled = 0
+        n = pairs = kv = 0
+        rows = self.sampled = []
         for c in out.chunks:
             k, h = c.num_tokens, c.start
             n += k
             pairs += k * h + k * (k + 1) // 2  # N_pair (inference-optimization 8.2.3)
             kv += h + k
             if h + k == len(c.request.all_token_ids):  # chunk reaches the end: its logits are sampled
-                sampled += 1
-        step = self.cost.step(n, pairs, kv, len(out.chunks), sampled, len(out.copies), self.block_size)
+                rows.append(c.request)
+        step = self.cost.step(n, pairs, kv, len(out.chunks), len(rows), len(out.copies), self.block_size)
         extra = sum(self.cost.transfer_time(b, self.block_size, link) for b, link in transfers)
         st = self.stats
         st.steps += 1

@@ -66,11 +66,15 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_steps(t, n_seq, f_mm, f_att, d_w, d_kv, memory_bound_first, b_min: float = 0.0,
-              max_iter: int = 50) -> StepFit:
+              weights=None, max_iter: int = 50) -> StepFit:
+    """weights: per step (default 1), e.g. 1 / steps in its configuration so
+    a chunk size that takes 64 steps does not outvote a decode batch that
+    takes 8."""
     t, n_seq, f_mm, f_att, d_w, d_kv = (np.asarray(x, dtype=float) for x in (t, n_seq, f_mm, f_att, d_w, d_kv))
     if t.size < len(PARAMS) or (t <= 0).any():
         raise ValueError(f"need at least {len(PARAMS)} positive step times to fit, got {t.size}")
-    w = 1.0 / t  # relative error
+    # Least squares on relative error: row i scaled by sqrt(weight) / t_i.
+    w = np.sqrt(np.ones_like(t) if weights is None else np.asarray(weights, dtype=float)) / t
     compute = ~np.asarray(memory_bound_first, dtype=bool)
     best: tuple[float, StepFit] | None = None
     seen: set[bytes] = set()
@@ -85,7 +89,7 @@ def fit_steps(t, n_seq, f_mm, f_att, d_w, d_kv, memory_bound_first, b_min: float
         x[4:] += b_min
         fit = StepFit(*x, iterations=it)
         pred = fit.predict(n_seq, f_mm, f_att, d_w, d_kv)
-        err = float(np.sum(((pred - t) / t) ** 2))
+        err = float(np.sum(((pred - t) * w) ** 2))
         if best is None or err < best[0]:
             best = (err, fit)
         comp_side, mem_side = fit.sides(f_mm, f_att, d_w, d_kv)

@@ -139,7 +139,7 @@ class Simulator:
         sched, kv, runner = self.sched, self.kv, self.runner
         pool = kv.pool
         B, nb = kv.block_size, kv.num_blocks
-        fresh = self.tokens.fresh_one
+        fresh, reserve = self.tokens.fresh_one, self.tokens.reserve
         feed_limit = sched.config.max_num_seqs
         gate = self.max_concurrency
         on_step = self.on_step
@@ -159,7 +159,7 @@ class Simulator:
         inflight = 0
         idle_rounds = 0
         clock = 0.0
-        total = sum(len(s.calls) * (1 + max((c.fork for c in s.calls), default=0)) for s in sessions)
+        total = sum(_calls_in(s.calls) for s in sessions)
         bar = tqdm(total=total, desc=self.desc, unit="call", disable=not self.progress, leave=False,
                    mininterval=0.5)
 
@@ -169,11 +169,11 @@ class Simulator:
                 arrived.append((t, s))
             while arrived and len(sched.waiting) < feed_limit and (gate is None or inflight < gate):
                 t, s = arrived.popleft()
-                remaining = len(s.calls) - s.next
+                remaining, name = len(s.calls) - s.next, f"{s.name}#{s.next}"
                 # Behind a concurrency gate the client sends when a slot frees.
                 req = self._materialize(s, t if gate is None else max(t, clock), live, forced, fork_on_first)
                 if req is None:
-                    rejected.append(f"{s.name}#{s.next}")
+                    rejected.append(name)
                     bar.update(remaining)
                     continue
                 sched.add(req)
@@ -194,9 +194,11 @@ class Simulator:
                 tl.waiting.append(len(sched.waiting) + len(arrived))
             out = sched.schedule()
             if out.is_empty:
-                if out.preempted and idle_rounds < 1000:
-                    # Every running request was preempted: nothing ran, no
-                    # time passed; the engine simply schedules again.
+                if idle_rounds < 100:
+                    # Nothing ran (every running request was preempted, or
+                    # an admission failed after evicting part of what it
+                    # needed): no time passes and, as the engine's caller
+                    # does, we schedule again; the state has changed.
                     idle_rounds += 1
                     continue
                 if events:
@@ -211,13 +213,16 @@ class Simulator:
                 on_step(start, clock, out)
 
             sampled: dict[str, int] = {}
-            for c in out.chunks:
-                req = c.request
-                if c.start + c.num_tokens == len(req.all_token_ids):
-                    rid = req.request_id
-                    outs = forced.get(rid) if forced else None
+            if forced:
+                for req in runner.sampled:
+                    outs = forced.get(req.request_id)
                     n = req.num_output_tokens
-                    sampled[rid] = outs[n] if outs is not None and n < len(outs) else fresh()
+                    sampled[req.request_id] = outs[n] if outs is not None and n < len(outs) else fresh()
+            else:
+                tok = reserve(len(runner.sampled))
+                for req in runner.sampled:
+                    sampled[req.request_id] = tok
+                    tok -= 1
             finished = sched.update(out, sampled, clock)
 
             if fork_on_first:
@@ -299,3 +304,12 @@ class Simulator:
             if rid in forced:
                 forced[child.request_id] = forced[rid]
         return k
+
+
+def _calls_in(calls: list[Call]) -> int:
+    """Sequences a session runs: a fork of k multiplies every later call by k + 1."""
+    n, width = 0, 1
+    for c in calls:
+        width *= 1 + c.fork
+        n += width
+    return n

@@ -37,6 +37,12 @@ class TokenSource:
         self._next_fresh -= 1
         return t
 
+    def reserve(self, n: int) -> int:
+        """Take n fresh ids at once: they are start, start - 1, ..., start - n + 1."""
+        start = self._next_fresh
+        self._next_fresh -= n
+        return start
+
     def hash_prompt(self, hash_ids: list[int], trace_block: int, num_tokens: int) -> list[int]:
         """The prompt of a trace request: its hash blocks, cut to num_tokens
         (Mooncake's last id covers a partial block), then fresh tokens for

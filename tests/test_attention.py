@@ -1,6 +1,5 @@
 """Paged attention vs a dense causal reference on random shapes."""
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 

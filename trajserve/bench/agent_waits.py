@@ -80,11 +80,10 @@ def run_policy(engine, workload, policy: str, args) -> dict:
     start = last = time.monotonic()
 
     def submit(t: Trajectory, prompt: list[int]) -> None:
-        s = mgr.before_turn(t.session_id, None)
+        mgr.before_turn(t.session_id, None)
         t.prompt = prompt
         t.request_id = engine.add_request(prompt, sp)
         outs_by_rid[t.request_id] = t
-        assert s is mgr.sessions[t.session_id]
 
     for t in trajs:
         t.session_id = f"agent-{t.index}"
@@ -93,8 +92,9 @@ def run_policy(engine, workload, policy: str, args) -> dict:
         mgr.tick()  # kept state whose lease ran out moves down a tier
         now = time.monotonic()
         dt, last = now - last, now
-        held_gbs += dt * sum(mgr.engine.kv.cached_prefix(s.history, None).num_tokens // engine.kv.block_size
-                             * m_block for s in mgr.sessions.values()
+        # A kept session's device bytes: its pinned path (what cached_prefix finds).
+        held_gbs += dt * sum(len(engine.kv.cached_prefix(s.history, None).block_ids) * m_block
+                             for s in mgr.sessions.values()
                              if s.state is SessionState.PAUSED and s.tier is Decision.KEEP) / 1e9
         for t in trajs:
             if t.resume_at is not None and now >= t.resume_at:

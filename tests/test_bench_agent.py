@@ -34,3 +34,25 @@ def test_bench_agent_small_run():
     assert all(t["ttft_uncached_ms"] is not None for t in res["per_turn"])
     assert res["pool_sweep"][0]["hit_rate"] > 0.5
     assert "skipped" in res["pool_sweep"][1]  # 10% of the working set cannot hold a request
+
+
+def test_bench_tool_waits_small_run_with_trace_waits():
+    """Four policies over the same agents, waits drawn from the Claude Code
+    traces: every policy gives the same greedy replies, and each policy's
+    decisions are what it says it does."""
+    r = trajserve("bench", "agent", "--tool-waits", "--json", "--dtype", "float32", "--trajectories", "3",
+                  "--turns", "2", "--preamble-tokens", "64", "--tool-min-tokens", "10", "--tool-max-tokens", "30",
+                  "--reply-tokens", "3", "--wait-trace", "claude-code", "--wait-scale", "0.002",
+                  "--pool-fraction", "0.6", timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["wait_source"] == "claude-code" and len(res["waits_s"]) == 3 * 2
+    assert all(0 <= w <= 300 * 0.002 for w in res["waits_s"])
+    assert res["replies_identical_across_policies"]
+    by = {x["policy"]: x for x in res["results"]}
+    assert set(by) == {"keep", "drop", "host", "policy"}
+    for x in by.values():
+        assert x["turns"] == 3 * 3 and x["makespan_s"] > 0
+    assert set(by["keep"]["decisions"]) == {"keep"} and set(by["drop"]["decisions"]) == {"drop"}
+    assert by["host"]["bytes_moved"] > 0 and by["drop"]["bytes_moved"] == 0
+    assert by["drop"]["recomputed_tokens"] > 0

@@ -280,6 +280,7 @@ def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference
     eng = LLMEngine(EngineConfig(dtype="float32",
                                  cache=CacheConfig(block_size=B, num_blocks=num_blocks, **cache_off())))
     eng.scheduler.config.max_prefill_chunk = eng.scheduler.config.max_num_batched_tokens = 64
+    eng.scheduler.ceiling_blocks = num_blocks  # no admission ceiling: this tests preemption
     preempted_at: list[tuple[str, int]] = []  # (request, output tokens it had)
     orig_preempt = eng.scheduler._preempt
 

@@ -80,7 +80,9 @@ def test_budget_chunk_cap_and_decode_first():
 def test_preemption_recompute_gives_identical_output():
     # 6 requests that each need ~5 blocks at the end, a pool of 12: preemption is forced.
     kv = KVCacheManager(12, 8, 0.0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_prefill_chunk=64), kv)
+    # Ceiling off: admit everything and let the pool run short (this tests preemption).
+    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, max_prefill_chunk=64,
+                                      admission_ceiling=1.0), kv)
     reqs = make_requests([(20, 20)] * 6)
     for r in reqs:
         sched.add(r)
@@ -93,7 +95,8 @@ def test_preemption_recompute_gives_identical_output():
 
 def test_preempts_newest_first():
     kv = KVCacheManager(6, 4, 0.0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_prefill_chunk=100), kv)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_prefill_chunk=100,
+                                      admission_ceiling=1.0), kv)
     # 38 tokens each would not fit the 24-token pool even alone: the engine
     # caps a request at the pool's capacity, so it finishes with "length".
     a, b, c = make_requests([(8, 30), (8, 30), (7, 30)], max_total_tokens=kv.token_capacity)

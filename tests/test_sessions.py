@@ -22,8 +22,8 @@ def mgr(engine_f32, tmp_path):
     engine_f32.kv.clear_cache()
     m = SessionManager(engine_f32, disk_dir=str(tmp_path / "kv"))
     yield m
-    for s in list(m.sessions.values()):
-        s.close()
+    m.shutdown()
+    assert engine_f32.kv.reclaimer is None
     engine_f32.kv.clear_cache()
     assert engine_f32.kv.pool.num_free == engine_f32.kv.num_blocks
     engine_f32.kv.pool.check()
@@ -83,6 +83,7 @@ def test_corrupted_disk_block_is_recomputed_not_served(mgr):
     s.generate(GREEDY)
     s.pause(decision="disk")
     assert s.saved_blocks > 4
+    mgr.flush()  # the write runs on the I/O thread
     bad = 3
     path = mgr.disk.path(mgr._key(s, bad))
     raw = bytearray(path.read_bytes())
@@ -137,3 +138,14 @@ def test_session_misuse_is_a_clear_error(mgr):
     s.close()
     with pytest.raises(ValueError, match="closed"):
         s.generate(GREEDY)
+
+
+def test_calibrate_measures_rates_and_leaves_no_trace(mgr):
+    kv = mgr.engine.kv
+    free, cached = kv.pool.num_free, kv.radix.num_cached_blocks
+    before = mgr.policy.rates.prefill_tokens_per_s
+    r = mgr.calibrate(num_blocks=16, prefill_tokens=128)
+    assert r["host_bytes_per_s"] > 1e8 and r["disk_bytes_per_s"] > 1e6
+    assert r["prefill_tokens_per_s"] > 10 and r["prefill_tokens_per_s"] != before
+    assert kv.pool.num_free == free and kv.radix.num_cached_blocks == cached
+    assert mgr.disk.nbytes == 0 and mgr.disk.num_blocks == 0

@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--pool-fraction", type=float, default=0.5,
                    help="--tool-waits: pool as a fraction of all trajectories' final histories")
     a.add_argument("--host-bytes", type=int, default=2 * 2**30, help="--tool-waits: host tier capacity")
+    a.add_argument("--wait-trace", default=None, metavar="DIR",
+                   help="--tool-waits: draw waits from the gaps between a Claude Code trace's main-agent calls "
+                   "(a directory of trace_*.json; 'claude-code' = the one in shared/data/traces) instead of "
+                   "the synthetic mix, times --wait-scale")
+    a.add_argument("--wait-cap", type=float, default=300.0,
+                   help="--wait-trace: longest trace gap kept, in trace seconds (longer ones are human breaks)")
     a.add_argument("--policies", default="keep,drop,host,policy", help="--tool-waits: policies to compare")
     a.add_argument("--uncached-trajectories", type=int, default=2,
                    help="trajectories re-run with the cache emptied before each request")

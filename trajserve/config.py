@@ -58,6 +58,11 @@ class SchedulerConfig:
     # Per-request chunk cap: a long prompt is cut into chunks of at most this
     # many tokens so it cannot hold the whole budget (chunked prefill).
     max_prefill_chunk: int = 512
+    # Admission ceiling tau_high on U_KV (kv-cache-management "服务遥测动态"):
+    # while requests and pinned paused state hold more than this share of
+    # the pool, new requests wait in the queue (unless nothing runs) and
+    # forks queue instead of branching at once; 1.0 turns it off.
+    admission_ceiling: float = 0.88
 
 
 @dataclass(slots=True)

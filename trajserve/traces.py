@@ -52,3 +52,17 @@ def load_claude_code_trace(path: Path) -> ClaudeCodeTrace:
     walk(doc["requests"], 0.0, "main")
     out.sort(key=lambda r: r.t)
     return ClaudeCodeTrace(id=doc["id"], block_size=doc["block_size"], requests=out)
+
+
+def tool_waits(trace_dir: Path) -> list[float]:
+    """The client-side gaps of every Claude Code trace in trace_dir: for
+    consecutive main-agent calls, t_next - (t + api_time) -- the tool (or
+    human) time between one reply and the next call, in seconds."""
+    gaps = []
+    files = sorted(Path(trace_dir).glob("trace_*.json"))
+    if not files:
+        raise ValueError(f"no trace_*.json files in {trace_dir}")
+    for f in files:
+        main = [r for r in load_claude_code_trace(f).requests if r.agent == "main"]
+        gaps.extend(max(0.0, b.t - (a.t + a.api_time)) for a, b in zip(main, main[1:]))
+    return gaps

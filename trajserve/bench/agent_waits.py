@@ -10,11 +10,17 @@ While it waits, its session is paused under one of four policies:
     host     always offload it to host memory
     policy   the break-even keep policy (kv/keep_policy.py)
 
-The pool is sized so that keeping every paused state does not fit: when a
-turn cannot be admitted because pinned state fills the pool, the oldest
-pinned state is dropped (the engine's stand-in for an out-of-memory
-failure), counted as `oom_drops`. The same seeded workload runs under each
+The pool is sized so that keeping every paused state does not fit. Under
+the break-even policy, kept state leaves the device when running work needs
+the room (the session manager is the KV manager's reclaimer); an always-keep
+caller forces its choice, so pinned state stays until nothing at all can run,
+and then the oldest is dropped (the engine's stand-in for an out-of-memory
+failure), counted as `stall_drops`. The same seeded workload runs under each
 policy in turn, in one process.
+
+--wait-trace replaces the synthetic mix with the gaps between the main
+agent's calls in the Claude Code traces (tool and human time; gaps over
+--wait-cap trace seconds, human breaks, are left out), times --wait-scale.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from trajserve.engine.session import SessionManager, SessionState
 from trajserve.kv.keep_policy import Decision
 from trajserve.kv.block_table import blocks_for
 from trajserve.sampling import SamplingParams
+from trajserve.traces import default_trace_dir, tool_waits
 
 WAIT_MIX = {"grep": (0.05, 0.5), "build": (1.0, 5.0), "pytest": (10.0, 30.0)}  # seconds, before scaling
 POLICIES = ("keep", "drop", "host", "policy")
@@ -48,17 +55,35 @@ class Trajectory:
     done: bool = False
 
 
+def trace_gaps(args) -> list[float] | None:
+    if args.wait_trace is None:
+        return None
+    from pathlib import Path
+    d = Path(args.wait_trace)
+    if args.wait_trace == "claude-code":
+        d = default_trace_dir(Path(__file__).resolve().parents[2]) / "claude-code"
+    gaps = [g for g in tool_waits(d) if g <= args.wait_cap]
+    if not gaps:
+        raise ValueError(f"no gap in {d} is at most --wait-cap {args.wait_cap} s")
+    return gaps
+
+
 def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[tuple[list[int], str, float]]]]:
     pre = preamble(tok, args.preamble_tokens)
+    gaps = trace_gaps(args)
     trajs = []
     for i in range(args.trajectories):
         turns = []
         for t in range(args.turns):
-            tool = rng.choice(list(WAIT_MIX))
-            lo, hi = WAIT_MIX[tool]
+            if gaps is None:
+                tool = rng.choice(list(WAIT_MIX))
+                wait = rng.uniform(*WAIT_MIX[tool])
+            else:
+                # The trace names no tools: the policy learns one global wait history.
+                tool, wait = "tool", rng.choice(gaps)
             text = tool_result(tok, rng, rng.randint(args.tool_min_tokens, args.tool_max_tokens))
             obs = f"<|im_end|>\n<|im_start|>user\nTool {tool} output:\n{text}<|im_end|>\n<|im_start|>assistant\n"
-            turns.append((tok.encode(obs, add_special_tokens=False), tool, rng.uniform(lo, hi) * args.wait_scale))
+            turns.append((tok.encode(obs, add_special_tokens=False), tool, wait * args.wait_scale))
         first = tok.encode(tok.apply_chat_template([{"role": "system", "content": pre},
                                                    {"role": "user", "content": task(i)}]), add_special_tokens=False)
         trajs.append((first, turns))
@@ -68,14 +93,15 @@ def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[
 def run_policy(engine, workload, policy: str, args) -> dict:
     engine.kv.clear_cache()
     mgr = SessionManager(engine, host_bytes=args.host_bytes)
+    rates = mgr.calibrate()  # the policy prices with this machine's copy and prefill speed
     m_block = mgr.block_bytes
     sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
     trajs = [Trajectory(i, turns) for i, (_, turns) in enumerate(workload)]
     firsts = [f for f, _ in workload]
     outs_by_rid: dict[str, Trajectory] = {}
     resumed_ttft, all_ttft = [], []
+    replies: dict[str, list[int]] = {}  # "trajectory.turn" -> greedy reply: the same under every policy
     held_gbs = 0.0  # device GB*s held by paused sessions
-    oom_drops = 0
     gen_tokens = 0
     start = last = time.monotonic()
 
@@ -89,7 +115,6 @@ def run_policy(engine, workload, policy: str, args) -> dict:
         t.session_id = f"agent-{t.index}"
         submit(t, firsts[t.index])
     while not all(t.done for t in trajs):
-        mgr.tick()  # kept state whose lease ran out moves down a tier
         now = time.monotonic()
         dt, last = now - last, now
         # A kept session's device bytes: its pinned path (what cached_prefix finds).
@@ -104,26 +129,19 @@ def run_policy(engine, workload, policy: str, args) -> dict:
                 obs = t.turns[t.turn - 1][0]
                 submit(t, s.history + obs)
         if not engine.has_unfinished_requests():
+            mgr.tick()  # leases and prefetch run while every agent waits, too
             nxt = min((t.resume_at for t in trajs if t.resume_at is not None), default=now)
             time.sleep(max(0.0, min(nxt - now, 0.05)))
             continue
-        outs = engine.step()
-        if engine.last_step.num_seqs == 0:
-            # Nothing could be admitted: pinned paused state fills the pool.
-            victim = min((s for s in mgr.sessions.values() if s.pin is not None), key=lambda s: s.paused_at,
-                         default=None)
-            if victim is None:
-                raise RuntimeError("the pool cannot hold one turn: make it larger")
-            mgr.engine.kv.unpin(victim.pin)
-            victim.pin = None
-            mgr.engine.kv.evict_prefix(victim.history, None)
-            victim.tier = Decision.DROP
-            oom_drops += 1
-            continue
+        # Leases, pressure, prefetch; a stall drop if forced-kept state blocks everything.
+        outs = mgr.step()
+        if mgr.stalled:
+            raise RuntimeError("nothing can run and no paused state to release: make the pool larger")
         for out in outs:
             if not out.finished or out.request_id not in outs_by_rid:
                 continue
             t = outs_by_rid.pop(out.request_id)
+            replies[f"{t.index}.{t.turn}"] = list(out.outputs[0].token_ids)
             gen_tokens += len(out.outputs[0].token_ids)
             all_ttft.append(out.metrics.ttft)
             if t.turn > 0:
@@ -141,13 +159,18 @@ def run_policy(engine, workload, policy: str, args) -> dict:
             t.resume_at = time.monotonic() + wait
     makespan = time.monotonic() - start
     st = mgr.metrics()
+    mgr.shutdown()
     q = statistics.quantiles(resumed_ttft, n=100) if len(resumed_ttft) >= 2 else [resumed_ttft[0]] * 99
     return {"policy": policy, "makespan_s": makespan, "turns": len(all_ttft),
             "throughput_tok_s": gen_tokens / makespan, "turns_per_s": len(all_ttft) / makespan,
             "ttft_resumed_p50_ms": statistics.median(resumed_ttft) * 1e3, "ttft_resumed_p99_ms": q[98] * 1e3,
             "paused_kv_gbs": held_gbs, "bytes_moved": st["swap_out_bytes"] + st["swap_in_bytes"],
-            "recomputed_tokens": st["recomputed_tokens"], "oom_drops": oom_drops,
-            "decisions": st["keep_decisions"], "preemptions": engine.scheduler.num_preemptions}
+            "recomputed_tokens": st["recomputed_tokens"], "stall_drops": st["stall_drops"],
+            "pressure_demotions": st["pressure_demotions"], "prefetch_hits": st["prefetch_hits"],
+            "resume_stalls": st["resume_stalls"], "resume_stall_s": st["resume_stall_s"],
+            "decisions": st["keep_decisions"], "preemptions": engine.scheduler.num_preemptions,
+            "calibrated_rates": rates,
+            "replies": replies}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,9 +193,14 @@ def run(args: argparse.Namespace) -> int:
         r = run_policy(engine, workload, p, args)
         r["preemptions"] -= preempt0
         results.append(r)
+    # Greedy replies must not depend on where paused state waited.
+    same = all(r["replies"] == results[0]["replies"] for r in results)
+    for r in results:
+        del r["replies"]
     res = {"command": command_line(), "machine": machine_info(), "trajectories": args.trajectories,
-           "turns": args.turns + 1, "wait_scale": args.wait_scale, "num_blocks": engine.num_blocks,
-           "block_size": engine.kv.block_size, "results": results}
+           "turns": args.turns + 1, "wait_scale": args.wait_scale, "wait_source": args.wait_trace or "mix",
+           "waits_s": [w for _, turns in workload for _, _, w in turns], "num_blocks": engine.num_blocks,
+           "block_size": engine.kv.block_size, "replies_identical_across_policies": same, "results": results}
     by = {r["policy"]: r for r in results}
     if "policy" in by and "keep" in by:
         res["policy_over_keep_throughput"] = by["policy"]["throughput_tok_s"] / by["keep"]["throughput_tok_s"]
@@ -183,11 +211,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.trajectories} agents x {args.turns + 1} turns, waits x{args.wait_scale}, "
           f"pool {engine.num_blocks} blocks of {engine.kv.block_size}\n")
     print(f"{'policy':>7} {'makespan':>9} {'tok/s':>7} {'TTFT p50':>9} {'p99':>8} {'paused GB*s':>11} "
-          f"{'moved MB':>9} {'recomp':>7} {'oom':>4}  decisions")
+          f"{'moved MB':>9} {'recomp':>7} {'stall':>5} {'demote':>6} {'prefetch':>8}  decisions")
     for r in results:
         print(f"{r['policy']:>7} {r['makespan_s']:>8.1f}s {r['throughput_tok_s']:>7.2f} "
               f"{r['ttft_resumed_p50_ms']:>7.0f}ms {r['ttft_resumed_p99_ms']:>6.0f}ms {r['paused_kv_gbs']:>11.3f} "
-              f"{r['bytes_moved'] / 1e6:>9.1f} {r['recomputed_tokens']:>7} {r['oom_drops']:>4}  {r['decisions']}")
+              f"{r['bytes_moved'] / 1e6:>9.1f} {r['recomputed_tokens']:>7} {r['stall_drops']:>5} "
+              f"{r['pressure_demotions']:>6} {r['prefetch_hits']:>4}/{r['resume_stalls']:<3}  {r['decisions']}")
+    print(f"\ngreedy replies identical under every policy: {same}")
     if "policy_over_keep_throughput" in res:
         print(f"\nbreak-even policy / always-keep throughput: {res['policy_over_keep_throughput']:.2f}x")
     print("\nJSON:")

@@ -9,8 +9,10 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trajserve.config import EngineConfig
@@ -92,6 +94,10 @@ class LLMEngine:
         self._pending_fork: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self.last_step = StepStats()
+        # Latency of finished requests, a bounded window for the percentiles
+        # in metrics(): TTFT per request, inter-token latency per token.
+        self._ttfts: deque[float] = deque(maxlen=10_000)
+        self._itls: deque[float] = deque(maxlen=100_000)
         m_token = mc.kv_bytes_per_token(self.dtype.itemsize)
         self.startup_summary = (
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
@@ -268,7 +274,9 @@ class LLMEngine:
             if children is None:
                 continue
             pc = chunks[rid]
-            self.scheduler.fork(pc.request, children)
+            # One request's n samples, its prefill done: they branch now
+            # (their first token comes from this row), never queued.
+            self.scheduler.fork(pc.request, children, throttle=False)
             for child in children:
                 sched.chunks.append(ScheduledChunk(child, pc.start, pc.num_tokens,
                                                    self.kv.table(child.request_id).block_ids))
@@ -304,6 +312,7 @@ class LLMEngine:
             finished = all(c.finish_reason is not None for c in group.completions)
             outs.append(self._group_output(group, finished, now))
             if finished:
+                self._record_latency(group)
                 self.groups.pop(group.request_id, None)
                 for s in group.seqs:
                     self._release(s)
@@ -355,6 +364,13 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished, metrics,
                              num_cached_tokens=max(s.num_cached_tokens for s in group.seqs))
 
+    def _record_latency(self, group: _Group) -> None:
+        first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)
+        if first is not None:
+            self._ttfts.append(first - group.arrival_time)
+        for s in group.seqs:
+            self._itls.extend(s.inter_token_times)
+
     def _release(self, seq: Request) -> None:
         self._seq_to_group.pop(seq.request_id, None)
         self.sampler.release(seq.request_id)
@@ -371,6 +387,7 @@ class LLMEngine:
         radix = self.kv.radix
         return {
             "U_KV": self.kv.usage(),
+            "U_KV_active": self.kv.active_usage(),
             "H_prefix": self.scheduler.prefix_hit_rate,
             "cached_blocks": radix.num_cached_blocks if radix else 0,
             "evicted_blocks": radix.num_evicted_blocks if radix else 0,
@@ -380,4 +397,18 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             "cow_copies": self.kv.num_cow_copies,
+            "admission_ceiling": self.config.scheduler.admission_ceiling,
+            "ceiling_waits": self.scheduler.num_ceiling_waits,
+            "throttled_forks": self.scheduler.num_throttled_forks,
+            "reclaimed_blocks": self.kv.num_reclaimed_blocks,
+            **_percentiles("ttft", self._ttfts),
+            **_percentiles("itl", self._itls),
         }
+
+
+def _percentiles(name: str, xs: deque[float]) -> dict[str, float | None]:
+    """p50 / p90 / p99 in seconds over the window (None before any sample)."""
+    if not xs:
+        return {f"{name}_p{q}_s": None for q in (50, 90, 99)}
+    v = np.percentile(np.fromiter(xs, float, len(xs)), [50, 90, 99])
+    return {f"{name}_p50_s": float(v[0]), f"{name}_p90_s": float(v[1]), f"{name}_p99_s": float(v[2])}

@@ -7,8 +7,13 @@ kv-cache-management "分块预填充调度". Each step:
      the streams already producing tokens;
   2. then running partial prefills, then waiting requests (FCFS), each cut to
      min(remaining, token budget left, per-request chunk cap);
-  3. when the pool is short mid-step, preempt the newest running request
-     (free its blocks, re-queue it at the front for recompute).
+  3. when the pool is short mid-step, first release paused agent state (the
+     KV manager's reclaimer), then preempt the newest running request (free
+     its blocks, re-queue it at the front for recompute);
+  4. admission ceiling: while active blocks (U_KV without the cold cache)
+     would exceed tau_high (0.88) of the pool, the queue head waits, unless
+     nothing runs; forks above it queue as new requests (they hit the
+     parent's cached blocks when admitted).
 
 Works on token ids and block ids only: it hands an executor a
 SchedulerOutput, so the same code drives the real model or a cost model.
@@ -63,6 +68,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
+        if not 0 < config.admission_ceiling <= 1:
+            raise ValueError(f"admission ceiling must be in (0, 1], got {config.admission_ceiling}")
+        self.ceiling_blocks = int(config.admission_ceiling * kv.num_blocks)
+        self.num_ceiling_waits = 0  # steps in which the queue head waited for the ceiling
+        self.num_throttled_forks = 0
         # H_prefix (eq. 2, kv-cache-management) = cached / prompt tokens at admission.
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
@@ -114,6 +124,9 @@ class Scheduler:
             hit = self.kv.match(req.request_id, req.all_token_ids, req.cache_salt)
             start = hit.num_tokens if hit else req.num_computed_tokens
             n = min(req.num_tokens - start, budget, cap)
+            if self.running and not self._under_ceiling(req, start + n, hit):
+                self.num_ceiling_waits += 1
+                break
             if not (self.kv.can_admit(req.request_id, start + n, hit)
                     and self.kv.allocate_slots(req.request_id, start + n, hit, write_from=start)):
                 break  # FCFS: the head waits, so big prompts are not starved
@@ -129,6 +142,21 @@ class Scheduler:
             budget -= n
         out.copies = self.kv.take_copies()
         return out
+
+    def _under_ceiling(self, req: Request, num_tokens: int, hit) -> bool:
+        """Would admitting req keep the active blocks under the ceiling?
+        Paused state is asked to leave first (the reclaimer)."""
+        kv = self.kv
+        have = len(hit.block_ids) if hit else 0
+        over = kv.num_active_blocks + max(0, kv.blocks_needed(req.request_id, num_tokens) - have) - self.ceiling_blocks
+        if over <= 0:
+            return True
+        if hit is not None and have:
+            kv.radix.lock(hit.last_node)  # not released along with the paused state
+        kv.reclaim(over)
+        if hit is not None and have:
+            kv.radix.unlock(hit.last_node)
+        return kv.num_active_blocks + max(0, kv.blocks_needed(req.request_id, num_tokens) - have) <= self.ceiling_blocks
 
     def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """allocate_slots just failed for req: preempt the newest request not
@@ -166,15 +194,18 @@ class Scheduler:
             ScheduledChunk(req, req.num_computed_tokens, n, self.kv.tables[req.request_id].block_ids)
         )
 
-    def fork(self, parent: Request, children: list[Request]) -> None:
+    def fork(self, parent: Request, children: list[Request], throttle: bool = True) -> None:
         """Children continue from the parent's state (tokens and computed KV),
         sharing its blocks copy-on-write. They join as the newest running
         requests, so they are the first preempted. A parent without blocks
-        (waiting) gives children that queue behind it like new prompts."""
+        (waiting), or a pool above the admission ceiling, gives children that
+        queue like new prompts (and hit the parent's cached blocks)."""
+        throttle = throttle and self.kv.num_active_blocks >= self.ceiling_blocks
+        self.num_throttled_forks += len(children) if throttle else 0
         for child in children:
             child.all_token_ids = list(parent.all_token_ids)
             child.num_cached_tokens = parent.num_cached_tokens
-            if parent.status is RequestStatus.RUNNING and parent.request_id in self.kv.tables:
+            if parent.status is RequestStatus.RUNNING and parent.request_id in self.kv.tables and not throttle:
                 self.kv.fork(parent.request_id, child.request_id)
                 child.num_computed_tokens = parent.num_computed_tokens
                 child.status = RequestStatus.RUNNING

@@ -17,15 +17,34 @@ Resume loads saved blocks back into fresh device blocks and inserts them in
 the tree, so the next turn's prompt hits them like any cached prefix. A
 block that fails its checks on the way back is discarded, and everything
 from it on is recomputed: never served corrupt, output unchanged.
+
+Pressure ("服务遥测动态"; the pitfall of keeping paused state resident
+whatever the wait): the manager is the KV manager's reclaimer. When a
+running request or an admission finds the pool short, or U_KV (without the
+cold cache) passes the admission ceiling, kept paused state moves down a
+tier -- the session expected back last goes first -- before any running
+request is preempted. Only a keep the caller forced stays; if nothing can
+run at all because of it, step() drops the oldest (the engine's stand-in for
+an out-of-memory failure), counted as a stall drop.
+
+Prefetch ("异步分页换入换出"): when the wait is known (a hint or the tool's
+history), offloaded state is loaded back at a safe lower bound of the wait
+(prefetch_fraction x the wait, less the reload time), so the resumed turn
+finds it on the device; a resume that has to load first counts a stall.
+Disk writes run on a background thread: a step never waits for a write it
+does not need.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import itertools
+import math
 import tempfile
+import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +88,11 @@ class Session:
     prompt_tokens: int = 0  # over all turns, for the session's hit rate
     cached_tokens: int = 0
     in_flight: bool = False
+    forced: bool = False  # the caller chose the tier: pressure does not move a forced keep
+    expected_wait_s: float = math.inf
+    prefetch_at: float | None = None  # when to load offloaded state back
+    prefetched: bool = False
+    io: Future | None = None  # background disk write of this session's blocks
 
     @property
     def num_tokens(self) -> int:
@@ -101,18 +125,28 @@ class SessionStats:
     corrupt_blocks: int = 0
     lease_demotions: int = 0
     recomputed_tokens: int = 0  # tokens a resumed turn had to prefill again
+    pressure_demotions: int = 0  # kept states moved down a tier to make room for running work
+    stall_drops: int = 0  # forced-kept states dropped because nothing could run
+    prefetches: int = 0
+    prefetch_hits: int = 0  # resumes that found prefetched state on the device
+    resume_stalls: int = 0  # resumes that had to load state back first
+    resume_stall_s: float = 0.0
 
 
 class SessionManager:
     def __init__(self, engine: LLMEngine, policy: KeepPolicy | None = None,
                  host_bytes: int = 2 * 2**30, disk_dir: str | None = None, disk_bytes: int = 8 * 2**30,
-                 waits: WaitEstimator | None = None) -> None:
+                 waits: WaitEstimator | None = None, prefetch_fraction: float = 0.8) -> None:
         if engine.kv.radix is None:
             raise ValueError("sessions keep their state in the prefix cache: enable prefix caching")
+        if engine.kv.reclaimer is not None:
+            raise ValueError("this engine already has a session manager: shut that one down first")
         self.engine = engine
         self.block_bytes = bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype)
+        # The policy's ceiling is the scheduler's: one tau_high for admission and keeping.
         self.policy = policy or KeepPolicy(CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9,
-                                                     disk_bytes_per_s=1e9))
+                                                     disk_bytes_per_s=1e9),
+                                           admission_ceiling=engine.config.scheduler.admission_ceiling)
         self.waits = waits or WaitEstimator()
         self.host = HostKVStore(host_bytes)
         self._tmp = None if disk_dir else tempfile.TemporaryDirectory(prefix="trajserve-kv-")
@@ -120,6 +154,16 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.stats = SessionStats()
         self._ids = itertools.count()
+        if not 0 <= prefetch_fraction <= 1:
+            raise ValueError(f"prefetch_fraction must be in [0, 1], got {prefetch_fraction}")
+        self.prefetch_fraction = prefetch_fraction
+        # One writer thread: disk writes leave the engine thread; the disk
+        # store is touched under the lock (the thread writes, resume reads).
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-io")
+        self._disk_lock = threading.Lock()
+        self._disk_pending = 0  # bytes of writes queued, reserved on the disk cap
+        self.stalled = False  # the last step() ran nothing and could release nothing
+        engine.kv.reclaimer = self._reclaim
 
     # ------------------------------------------------------------- lifecycle
     def open(self, prompt: list[dict] | str | list[int], cache_salt: str | None = None,
@@ -140,6 +184,16 @@ class SessionManager:
         s = Session(sid, cache_salt, ids, self)
         self.sessions[sid] = s
         return s
+
+    def shutdown(self) -> None:
+        """Close every session, let queued writes land, and detach from the engine."""
+        for s in list(self.sessions.values()):
+            self.close(s)
+        self._io.shutdown(wait=True)
+        if self.engine.kv.reclaimer == self._reclaim:
+            self.engine.kv.reclaimer = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
 
     def close(self, s: Session) -> None:
         if s.state is SessionState.CLOSED:
@@ -210,6 +264,51 @@ class SessionManager:
                     "decision": s.decision.decision.value, "reason": s.decision.reason,
                     "lease_s": s.decision.lease_s}}
 
+    def calibrate(self, num_blocks: int = 32, prefill_tokens: int = 256) -> dict:
+        """Measure the rates the keep policy prices with, on this machine, now:
+        the device -> host copy of num_blocks blocks, a disk write + read of a
+        few, and a prefill of prefill_tokens random tokens (its cached blocks
+        are invalidated after). Real transfers and prefills keep updating them.
+        Run it while the engine is idle (start-up)."""
+        eng, kv = self.engine, self.engine.kv
+        rates = self.policy.rates
+        n = min(num_blocks, kv.pool.num_free)
+        if n:
+            ids = kv.pool.allocate(n)
+            t = time.perf_counter()
+            data = eng.runner.read_blocks(ids)
+            dt = time.perf_counter() - t
+            kv.pool.free(ids)
+            nbytes = data.numel() * data.element_size()
+            if dt > 0:
+                rates.host_bytes_per_s = nbytes / dt
+            k = min(4, n)
+            t = time.perf_counter()
+            with self._disk_lock:
+                ok = all(self.disk.put(f"calibrate-{i}", data[i]) for i in range(k))
+                ok = ok and all(self.disk.get(f"calibrate-{i}") is not None for i in range(k))
+                for i in range(k):
+                    self.disk.discard(f"calibrate-{i}")
+            dt = time.perf_counter() - t
+            if ok and dt > 0:
+                rates.disk_bytes_per_s = 2 * k * nbytes / n / dt  # written and read back
+        # Half the pool at most, so a small pool still runs it.
+        prefill_tokens = min(prefill_tokens, kv.token_capacity // 2)
+        if prefill_tokens and not eng.has_unfinished_requests():  # stepping must not advance anyone else
+            g = torch.Generator().manual_seed(0)
+            ids = torch.randint(100, eng.model_config.vocab_size - 100, (prefill_tokens,), generator=g).tolist()
+            # Its own cache namespace, dropped whole afterwards: no one else's state is touched.
+            salt = "trajserve-calibrate"
+            rid = eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0), cache_salt=salt)
+            out = None
+            while out is None:
+                out = next((o for o in eng.step() if o.request_id == rid and o.finished), None)
+            eng.invalidate(cache_salt=salt)
+            if out.metrics.ttft:
+                rates.prefill_tokens_per_s = prefill_tokens / out.metrics.ttft
+        return {"host_bytes_per_s": rates.host_bytes_per_s, "disk_bytes_per_s": rates.disk_bytes_per_s,
+                "prefill_tokens_per_s": rates.prefill_tokens_per_s}
+
     # ------------------------------------------------------------------ turns
     def generate(self, s: Session, params: SamplingParams | None = None) -> RequestOutput:
         """One turn: the history is the prompt (its cached blocks hit); the
@@ -222,9 +321,13 @@ class SessionManager:
         rid = eng.add_request(list(s.history), params, cache_salt=s.cache_salt)
         out = None
         while out is None:
-            for o in eng.step():
+            for o in self.step():
                 if o.request_id == rid and o.finished:
                     out = o
+            if self.stalled:
+                eng.abort_request(rid)
+                raise RuntimeError(f"session {s.session_id!r}: the turn cannot be scheduled "
+                                   f"(pool of {eng.kv.num_blocks} blocks)")
         s.history.extend(out.outputs[0].token_ids)
         s.turns += 1
         s.last_output = out
@@ -232,6 +335,29 @@ class SessionManager:
         s.cached_tokens += out.num_cached_tokens
         self._observe_prefill(out)
         return out
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step with the manager's housekeeping around it: leases,
+        pressure and prefetch before; after, if nothing could run because
+        forced-kept state fills the pool, drop the oldest such state."""
+        self.tick()
+        outs = self.engine.step()
+        eng = self.engine
+        # Nothing ran, nothing was released: whoever loops on step() must stop.
+        self.stalled = eng.last_step.num_seqs == 0 and eng.has_unfinished_requests() and not self._relieve_stall()
+        return outs
+
+    def _relieve_stall(self) -> bool:
+        victims = [s for s in self.sessions.values() if s.state is SessionState.PAUSED and s.pin is not None]
+        if not victims:
+            return False
+        v = min(victims, key=lambda s: s.paused_at)
+        self.engine.kv.unpin(v.pin)
+        v.pin = None
+        self.engine.kv.evict_prefix(v.history, v.cache_salt)
+        v.tier = Decision.DROP
+        self.stats.stall_drops += 1
+        return True
 
     def _observe_prefill(self, out: RequestOutput) -> None:
         """Keep the policy's recompute estimate on measured prefill speed."""
@@ -249,10 +375,12 @@ class SessionManager:
         kv = self.engine.kv
         hit = kv.cached_prefix(s.history, s.cache_salt)
         nblocks = len(hit.block_ids)
-        wait = self.waits.expected(tool, expected_wait_s)
+        est = self.waits.estimate(tool, expected_wait_s)
+        wait = est.seconds
         d = self.policy.decide(PauseState(
             num_tokens=nblocks * kv.block_size, kv_bytes=nblocks * self.block_bytes, expected_wait_s=wait,
-            pool_usage=kv.usage(), host_free_bytes=self.host.free_bytes, disk_free_bytes=self.disk.free_bytes))
+            pool_usage=kv.active_usage(), host_free_bytes=self.host.free_bytes,
+            disk_free_bytes=self.disk_free_bytes))
         if decision is not None:
             forced = Decision(decision)
             keep = forced is Decision.KEEP
@@ -261,6 +389,9 @@ class SessionManager:
                                     fallback=d.target if keep else d.fallback,
                                     reason=f"forced {forced.value} (policy: {d.reason})")
         s.state, s.paused_at, s.tool, s.decision = SessionState.PAUSED, time.monotonic(), tool, d
+        s.forced = decision is not None
+        s.expected_wait_s = wait if est.source != "prior" else math.inf
+        s.prefetched, s.prefetch_at = False, None
         self._place(s, d.decision, d.lease_s)
         return d
 
@@ -276,27 +407,79 @@ class SessionManager:
         if s.pin is not None:
             kv.unpin(s.pin)
             s.pin = None
-        if s.tier in (Decision.HOST, Decision.DISK):
+        if s.prefetched:
+            self.stats.prefetch_hits += 1
+        elif s.tier in (Decision.HOST, Decision.DISK):
+            t = time.perf_counter()
             self._reload(s)
+            self.stats.resume_stalls += 1
+            self.stats.resume_stall_s += time.perf_counter() - t
         hit = kv.cached_prefix(s.history, s.cache_salt)
         self.stats.recomputed_tokens += max(0, len(s.history) - 1 - hit.num_tokens)
         ids = self.engine.tokenizer.encode(observation, add_special_tokens=False) \
             if isinstance(observation, str) else list(observation)
         s.history.extend(ids)
         s.state, s.tier, s.lease_deadline = SessionState.IDLE, None, None
+        s.prefetched, s.prefetch_at = False, None
 
     def tick(self) -> None:
-        """Move kept state whose lease ran out one tier down."""
+        """Between steps: kept state whose lease ran out moves one tier down;
+        above the admission ceiling kept state leaves the device; offloaded
+        state whose return is near is loaded back."""
         now = time.monotonic()
         for s in list(self.sessions.values()):
             if s.state is SessionState.PAUSED and s.tier is Decision.KEEP and s.lease_deadline is not None \
                     and now >= s.lease_deadline:
                 self.stats.lease_demotions += 1
-                self.engine.kv.unpin(s.pin)
-                s.pin = None
-                # Where the policy said the state goes once the lease is over.
-                fallback = s.decision.fallback if s.decision is not None else None
-                self._place(s, fallback or self.policy.demote(Decision.KEEP), None)
+                self._demote(s)
+        kv = self.engine.kv
+        over = kv.num_active_blocks - self.engine.scheduler.ceiling_blocks
+        if over > 0:
+            kv.reclaim(over)
+        for s in list(self.sessions.values()):
+            if s.state is SessionState.PAUSED and s.prefetch_at is not None and now >= s.prefetch_at \
+                    and s.tier in (Decision.HOST, Decision.DISK):
+                self._prefetch(s)
+
+    def _demote(self, s: Session) -> None:
+        """A kept state leaves the device: where the policy said it goes once
+        the lease is over (its fallback), with a prefetch if the return is known."""
+        self.engine.kv.unpin(s.pin)
+        s.pin = None
+        s.prefetched = False
+        fallback = s.decision.fallback if s.decision is not None else None
+        self._place(s, fallback or self.policy.demote(Decision.KEEP), None)
+
+    def _reclaim(self, need: int) -> int:
+        """The KV manager's reclaimer: free `need` blocks by moving kept
+        paused state down a tier, the session expected back last first (its
+        hold costs the most block-seconds). Forced keeps stay."""
+        kv = self.engine.kv
+        now = time.monotonic()
+        cands = [s for s in self.sessions.values()
+                 if s.state is SessionState.PAUSED and s.pin is not None and not s.forced]
+        cands.sort(key=lambda s: s.paused_at + s.expected_wait_s - now, reverse=True)
+        freed = 0
+        for s in cands:
+            if freed >= need:
+                break
+            before = kv.pool.num_free
+            self._demote(s)
+            self.stats.pressure_demotions += 1
+            freed += kv.pool.num_free - before
+        return freed
+
+    def _prefetch(self, s: Session) -> None:
+        """Load offloaded state back ahead of the resume and hold it there.
+        Not above the ceiling: that would only push other state out."""
+        s.prefetch_at = None
+        kv = self.engine.kv
+        if kv.active_usage() >= self.policy.admission_ceiling:
+            return
+        if self._reload(s):
+            s.pin = kv.pin(s.history, s.cache_salt)
+            s.tier, s.prefetched, s.lease_deadline = Decision.KEEP, True, None
+            self.stats.prefetches += 1
 
     # ------------------------------------------------------------ placement
     def _place(self, s: Session, d: Decision, lease_s: float | None) -> None:
@@ -311,61 +494,116 @@ class SessionManager:
         else:
             kv.evict_prefix(s.history, s.cache_salt)
         s.tier = d
+        if d in (Decision.HOST, Decision.DISK) and math.isfinite(s.expected_wait_s) and self.prefetch_fraction > 0:
+            # A safe lower bound of the return, less the time the reload takes.
+            dec = s.decision
+            reload_s = 0.0 if dec is None else (dec.t_reload_host_s if d is Decision.HOST else dec.t_reload_disk_s)
+            s.prefetch_at = s.paused_at + max(0.0, self.prefetch_fraction * s.expected_wait_s - reload_s)
+            if s.prefetch_at <= time.monotonic():
+                s.prefetch_at = None  # the return is due already: the resume loads it
+
+    @property
+    def disk_free_bytes(self) -> int:
+        return self.disk.free_bytes - self._disk_pending
 
     def _save(self, s: Session, d: Decision) -> Decision:
         """Copy the session's device blocks to the tier; a tier without room
-        falls to the next (host -> disk -> drop)."""
+        falls to the next (host -> disk -> drop). The device copy is taken
+        now (the blocks are freed next); the disk write runs on the I/O thread."""
         hit = self.engine.kv.cached_prefix(s.history, s.cache_salt)
         if not hit.block_ids:
             return Decision.DROP
         t = time.perf_counter()
         data = self.engine.runner.read_blocks(hit.block_ids)
         nbytes = data.numel() * data.element_size()
-        store = self.host if d is Decision.HOST else self.disk
-        saved = 0
-        for i in range(len(hit.block_ids)):
-            if not store.put(self._key(s, i), data[i]):
-                break
-            saved += 1
-        dt = time.perf_counter() - t
+        n = len(hit.block_ids)
+        if d is Decision.HOST:
+            saved = 0
+            for i in range(n):
+                if not self.host.put(self._key(s, i), data[i]):
+                    break
+                saved += 1
+            if saved < n:
+                for i in range(saved):
+                    self.host.discard(self._key(s, i))
+                return self._save(s, Decision.DISK)
+            self.policy.rates.observe_host_copy(nbytes, time.perf_counter() - t)
+        else:
+            size = n * self.disk.file_bytes(data[0])
+            if size > self.disk_free_bytes:
+                return Decision.DROP
+            with self._disk_lock:
+                self._disk_pending += size
+            s.io = self._io.submit(self._write_disk, [self._key(s, i) for i in range(n)], data, size)
         self.stats.swap_out_bytes += nbytes
-        self.stats.swap_out_s += dt
-        (self.policy.rates.observe_host_copy if d is Decision.HOST else self.policy.rates.observe_disk_copy)(
-            nbytes, dt)
-        if saved < len(hit.block_ids):
-            for i in range(saved):
-                store.discard(self._key(s, i))
-            return self._save(s, Decision.DISK) if d is Decision.HOST else Decision.DROP
-        s.saved_blocks = saved
+        self.stats.swap_out_s += time.perf_counter() - t
+        s.saved_blocks = n
         return d
 
-    def _reload(self, s: Session) -> None:
+    def _write_disk(self, keys: list[str], data: torch.Tensor, reserved: int) -> tuple[int, int, float]:
+        """On the I/O thread: write the blocks. Returns (blocks written, bytes,
+        seconds); the engine thread accounts them when it collects the result."""
+        t = time.perf_counter()
+        written = 0
+        with self._disk_lock:
+            self._disk_pending -= reserved
+            for i, k in enumerate(keys):
+                if not self.disk.put(k, data[i]):
+                    break
+                written += 1
+        return written, written * data[0].numel() * data.element_size(), time.perf_counter() - t
+
+    def _collect_write(self, s: Session) -> int:
+        """Wait for the session's disk write (if any); blocks on disk."""
+        if s.io is None:
+            return s.saved_blocks
+        written, nbytes, dt = s.io.result()
+        s.io = None
+        self.policy.rates.observe_disk_copy(nbytes, dt)
+        self.stats.swap_out_s += dt
+        return written
+
+    def flush(self) -> None:
+        """Wait until every queued disk write has landed."""
+        for s in list(self.sessions.values()):
+            self._collect_write(s)
+
+    def _reload(self, s: Session) -> bool:
+        """Saved blocks back into fresh device blocks, into the tree.
+        False when the device has no room (the next turn recomputes them)."""
         kv, runner = self.engine.kv, self.engine.runner
         store = self.host if s.tier is Decision.HOST else self.disk
         t = time.perf_counter()
         got = kv.begin_import(s.history, s.cache_salt, s.saved_blocks)
-        if got is not None:  # None: no room on the device; the next turn recomputes
-            hit, new_ids = got
-            have = len(hit.block_ids)
-            blocks = []
-            for i in range(have, have + len(new_ids)):
+        if got is None:
+            self._release_saved(s)
+            return False
+        hit, new_ids = got
+        have = len(hit.block_ids)
+        written = self._collect_write(s)
+        blocks = []
+        with self._disk_lock:
+            for i in range(have, min(have + len(new_ids), written)):
                 b = store.get(self._key(s, i))
                 if b is None:  # missing or corrupt: recompute from here on
                     break
                 blocks.append(b)
-            if blocks:
-                data = torch.stack(blocks)
-                runner.write_blocks(new_ids[:len(blocks)], data)
-                self.stats.swap_in_bytes += data.numel() * data.element_size()
-            kv.finish_import(s.history, s.cache_salt, hit, new_ids, len(blocks))
-            self.stats.corrupt_blocks = self.disk.num_corrupt
-            self.stats.swap_in_s += time.perf_counter() - t
+        if blocks:
+            data = torch.stack(blocks)
+            runner.write_blocks(new_ids[:len(blocks)], data)
+            self.stats.swap_in_bytes += data.numel() * data.element_size()
+        kv.finish_import(s.history, s.cache_salt, hit, new_ids, len(blocks))
+        self.stats.corrupt_blocks = self.disk.num_corrupt
+        self.stats.swap_in_s += time.perf_counter() - t
         self._release_saved(s)
+        return True
 
     def _release_saved(self, s: Session) -> None:
-        for i in range(s.saved_blocks):
-            self.host.discard(self._key(s, i))
-            self.disk.discard(self._key(s, i))
+        self._collect_write(s)  # a write in flight must land before its files go
+        with self._disk_lock:
+            for i in range(s.saved_blocks):
+                self.host.discard(self._key(s, i))
+                self.disk.discard(self._key(s, i))
         s.saved_blocks = 0
 
     @staticmethod
@@ -383,4 +621,8 @@ class SessionManager:
                 "keep_decisions": dict(st.decisions), "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
                 "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
                 "swap_out_s": st.swap_out_s, "swap_in_s": st.swap_in_s, "corrupt_blocks": st.corrupt_blocks,
-                "lease_demotions": st.lease_demotions, "recomputed_tokens": st.recomputed_tokens}
+                "lease_demotions": st.lease_demotions, "recomputed_tokens": st.recomputed_tokens,
+                "host_blocks": len(self.host), "disk_blocks": self.disk.num_blocks,
+                "pressure_demotions": st.pressure_demotions, "stall_drops": st.stall_drops,
+                "prefetches": st.prefetches, "prefetch_hits": st.prefetch_hits,
+                "resume_stalls": st.resume_stalls, "resume_stall_s": st.resume_stall_s}

@@ -20,7 +20,7 @@ shared for the life of every branch.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from trajserve.kv.block_pool import BlockPool
@@ -51,6 +51,12 @@ class KVCacheManager:
         self.num_cow_copies = 0
         # request id -> (token list, length matched, its block keys): see match().
         self._match_keys: dict[str, tuple[list[int], int, list[BlockKey]]] = {}
+        # Asked for n blocks when the pool is short even after evicting cold
+        # cache: releases pinned state nobody is computing with (paused agent
+        # sessions) and returns how many blocks it made free. Set by the
+        # session manager, so running requests are never starved by paused ones.
+        self.reclaimer: Callable[[int], int] | None = None
+        self.num_reclaimed_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -64,6 +70,25 @@ class KVCacheManager:
         """U_KV = N_allocated_blocks / N_total_blocks   (eq. 8, kv-cache-management).
         Cached blocks no request holds count as allocated (they are reclaimable)."""
         return self.pool.num_used / self.pool.num_blocks
+
+    def active_usage(self) -> float:
+        """U_KV without the cold cache: blocks that requests or pinned paused
+        state hold, over all blocks. What admission and the keep policy watch:
+        cached blocks nobody holds leave the moment anyone needs the room."""
+        return (self.pool.num_used - self.num_reclaimable) / self.pool.num_blocks
+
+    @property
+    def num_active_blocks(self) -> int:
+        return self.pool.num_used - self.num_reclaimable
+
+    def reclaim(self, num_blocks: int) -> int:
+        """Ask the reclaimer to free num_blocks blocks of pinned state; the
+        blocks it returns are free. Callers lock what they must keep first."""
+        if self.reclaimer is None or num_blocks <= 0:
+            return 0
+        got = self.reclaimer(num_blocks)
+        self.num_reclaimed_blocks += got
+        return got
 
     @property
     def num_reclaimable(self) -> int:
@@ -141,9 +166,18 @@ class KVCacheManager:
     def can_admit(self, request_id: str, num_tokens: int, hit: MatchResult | None = None) -> bool:
         """Admission keeps a watermark of free blocks for running decodes."""
         have = len(hit.block_ids) if hit else 0
-        need = max(0, self._needed(request_id, num_tokens) - have)
+        need = max(0, self.blocks_needed(request_id, num_tokens) - have)
         # Reclaimable blocks the hit itself uses are not reclaimable for it.
         avail = self.pool.num_free + max(0, self.num_reclaimable - have)
+        short = need + self.watermark_blocks - avail
+        if short > 0 and self.reclaimer is not None:
+            # Paused state makes room; the hit is locked so it cannot go with it.
+            if hit is not None and hit.block_ids:
+                self.radix.lock(hit.last_node)
+            self.reclaim(short)
+            if hit is not None and hit.block_ids:
+                self.radix.unlock(hit.last_node)
+            avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         return need + self.watermark_blocks <= avail
 
     def allocate_slots(self, request_id: str, num_tokens: int, hit: MatchResult | None = None,
@@ -204,6 +238,11 @@ class KVCacheManager:
         if short > 0 and self.radix is not None:
             self.radix.evict(short)
             free = self.pool.num_free
+            if need > free and self.reclaimer is not None:
+                # This request's blocks (its table, its locked prefix) are not
+                # candidates: the reclaimer only releases unlocked paused state.
+                self.reclaim(need - free)
+                free = self.pool.num_free
         if need > free:
             if new_table:
                 self._drop(request_id, table)
@@ -277,7 +316,7 @@ class KVCacheManager:
             keys.extend(n.key)
         return keys
 
-    def _needed(self, request_id: str, num_tokens: int) -> int:
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         table = self.tables.get(request_id)
         have = len(table) if table is not None else 0
         return max(0, blocks_for(num_tokens, self.block_size) - have)

@@ -79,6 +79,15 @@ class DiskKVStore:
     def free_bytes(self) -> int:
         return self.byte_cap - self.nbytes
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self._sizes)
+
+    @staticmethod
+    def file_bytes(block: torch.Tensor) -> int:
+        """Bytes one block takes on disk (header + payload)."""
+        return _HEADER.size + block.numel() * block.element_size()
+
     def path(self, key: str) -> Path:
         return self.dir / f"{key}.kv"
 

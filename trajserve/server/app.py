@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +31,16 @@ from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
+
+log = logging.getLogger("trajserve")
+
+
+def _calibrate(sessions: SessionManager) -> None:
+    # A failed measurement leaves the default rates; it must not stop the engine loop.
+    try:
+        log.info("keep policy rates measured at start-up: %s", sessions.calibrate())
+    except Exception:  # noqa: BLE001
+        log.exception("keep policy calibration failed; using default rates")
 
 
 class APIError(Exception):
@@ -56,6 +67,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
     sessions = SessionManager(engine) if engine.kv.radix is not None else None
     if sessions is not None:
         aengine.extra_metrics = lambda: {"sessions": sessions.metrics()}
+        aengine.step_fn, aengine.on_idle = sessions.step, sessions.tick
+        # On the engine thread, before the first request (calibrate skips its
+        # prefill if one got in first: it must not step other requests).
+        aengine.submit(lambda _: _calibrate(sessions))
     app = FastAPI(title="trajserve", docs_url=None, redoc_url=None)
     app.state.engine = aengine
     app.state.sessions = sessions

@@ -57,6 +57,10 @@ class AsyncEngine:
         self.on_finished: Callable[[RequestOutput], None] | None = None
         # More figures for the snapshot, computed on the engine thread.
         self.extra_metrics: Callable[[], dict] | None = None
+        # The step to run (the session manager wraps engine.step with its
+        # housekeeping) and what to run while idle (leases, prefetch).
+        self.step_fn: Callable[[], list[RequestOutput]] = engine.step
+        self.on_idle: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="trajserve-engine", daemon=True)
 
     # ------------------------------------------------------------ lifecycle
@@ -147,11 +151,13 @@ class AsyncEngine:
             while not self._stop:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
+                    if self.on_idle is not None:
+                        self.on_idle()
                     self._refresh_snapshot()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                outs = engine.step()
+                outs = self.step_fn()
                 for out in outs:
                     st = self._streams.get(out.request_id)
                     if out.finished:

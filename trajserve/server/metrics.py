@@ -25,6 +25,13 @@ GAUGES = {
     "evicted_blocks": ("trajserve_kv_evicted_blocks", "blocks evicted from the prefix cache", "counter"),
     "preemptions": ("trajserve_preemptions", "sequences preempted (recompute)", "counter"),
     "cow_copies": ("trajserve_kv_cow_copies", "copy-on-write block copies", "counter"),
+    "U_KV_active": ("trajserve_kv_active_usage_ratio",
+                    "blocks held by requests and pinned paused state / total (admission watches this)", "gauge"),
+    "admission_ceiling": ("trajserve_kv_admission_ceiling", "tau_high: above it new requests wait", "gauge"),
+    "ceiling_waits": ("trajserve_admission_ceiling_waits", "steps the queue head waited for the ceiling", "counter"),
+    "throttled_forks": ("trajserve_throttled_forks", "fork children queued above the ceiling", "counter"),
+    "reclaimed_blocks": ("trajserve_kv_reclaimed_blocks", "blocks paused state gave up under pressure",
+                         "counter"),
 }
 
 
@@ -58,10 +65,26 @@ class _SnapshotCollector(Collector):
         for key, name, doc in (("swap_out_bytes", "trajserve_kv_swap_out_bytes", "bytes copied to host / disk"),
                                ("swap_in_bytes", "trajserve_kv_swap_in_bytes", "bytes reloaded to the device"),
                                ("corrupt_blocks", "trajserve_kv_corrupt_blocks", "disk blocks that failed checks"),
-                               ("lease_demotions", "trajserve_keep_lease_demotions", "kept states moved down")):
+                               ("lease_demotions", "trajserve_keep_lease_demotions", "kept states moved down"),
+                               ("pressure_demotions", "trajserve_keep_pressure_demotions",
+                                "kept states moved down to make room for running work"),
+                               ("stall_drops", "trajserve_keep_stall_drops",
+                                "forced-kept states dropped because nothing could run"),
+                               ("prefetches", "trajserve_kv_prefetches", "offloaded states loaded back early"),
+                               ("prefetch_hits", "trajserve_kv_prefetch_hits",
+                                "resumes that found their state prefetched"),
+                               ("resume_stalls", "trajserve_kv_resume_stalls",
+                                "resumes that waited for a reload"),
+                               ("resume_stall_s", "trajserve_kv_resume_stall_seconds", "time resumes waited"),
+                               ("swap_out_s", "trajserve_kv_swap_out_seconds", "time copying state out"),
+                               ("swap_in_s", "trajserve_kv_swap_in_seconds", "time copying state back")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(sess[key]))
             yield c
+        blocks = GaugeMetricFamily("trajserve_kv_tier_blocks", "KV blocks saved per lower tier", labels=["tier"])
+        blocks.add_metric(["host"], float(sess["host_blocks"]))
+        blocks.add_metric(["disk"], float(sess["disk_blocks"]))
+        yield blocks
         for key, name, doc in (("sessions", "trajserve_sessions", "open agent sessions"),
                                ("paused", "trajserve_sessions_paused", "sessions waiting for a tool")):
             g = GaugeMetricFamily(name, doc)

@@ -10,13 +10,19 @@ While it waits, its session is paused under one of four policies:
     host     always offload it to host memory
     policy   the break-even keep policy (kv/keep_policy.py)
 
-The pool is sized so that keeping every paused state does not fit. Under
-the break-even policy, kept state leaves the device when running work needs
-the room (the session manager is the KV manager's reclaimer); an always-keep
-caller forces its choice, so pinned state stays until nothing at all can run,
-and then the oldest is dropped (the engine's stand-in for an out-of-memory
-failure), counted as `stall_drops`. The same seeded workload runs under each
-policy in turn, in one process.
+The pool is sized so that keeping every paused state does not fit. Always
+keep never gives a paused state up, so it can only serve the agents whose
+states fit: like a chat engine reserving for the worst case, it starts an
+agent when the pool can hold that agent's whole final history next to the
+agents already started (the shared preamble counted once), and the next
+agent starts when one finishes. (Were it to start everyone, a full pool of
+pinned state would stall the engine; the session manager then drops the
+oldest pinned state -- the stand-in for an out-of-memory failure, counted as
+`stall_drops` -- which is no longer always-keep.) The other policies start
+every agent at once; under the break-even policy kept state leaves the
+device when running work needs the room (the session manager is the KV
+manager's reclaimer). The same seeded workload runs under each policy in
+turn, in one process.
 
 --wait-trace replaces the synthetic mix with the gaps between the main
 agent's calls in the Claude Code traces (tool and human time; gaps over
@@ -28,6 +34,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -69,18 +76,25 @@ def trace_gaps(args) -> list[float] | None:
 
 
 def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[tuple[list[int], str, float]]]]:
+    """Every agent gets the same tool waits in its own order: no one agent's
+    chain of long waits sets the makespan by itself (throughput would then
+    measure that agent's luck, not the engine)."""
     pre = preamble(tok, args.preamble_tokens)
     gaps = trace_gaps(args)
+    waits = []
+    for _ in range(args.turns):
+        if gaps is None:
+            tool = rng.choice(list(WAIT_MIX))
+            waits.append((tool, rng.uniform(*WAIT_MIX[tool])))
+        else:
+            # The trace names no tools: the policy learns one global wait history.
+            waits.append(("tool", rng.choice(gaps)))
     trajs = []
     for i in range(args.trajectories):
         turns = []
+        order = rng.sample(waits, len(waits))
         for t in range(args.turns):
-            if gaps is None:
-                tool = rng.choice(list(WAIT_MIX))
-                wait = rng.uniform(*WAIT_MIX[tool])
-            else:
-                # The trace names no tools: the policy learns one global wait history.
-                tool, wait = "tool", rng.choice(gaps)
+            tool, wait = order[t]
             text = tool_result(tok, rng, rng.randint(args.tool_min_tokens, args.tool_max_tokens))
             obs = f"<|im_end|>\n<|im_start|>user\nTool {tool} output:\n{text}<|im_end|>\n<|im_start|>assistant\n"
             turns.append((tok.encode(obs, add_special_tokens=False), tool, wait * args.wait_scale))
@@ -111,9 +125,28 @@ def run_policy(engine, workload, policy: str, args) -> dict:
         t.request_id = engine.add_request(prompt, sp)
         outs_by_rid[t.request_id] = t
 
-    for t in trajs:
-        t.session_id = f"agent-{t.index}"
-        submit(t, firsts[t.index])
+    # Always keep: start an agent only when its worst case fits (see the module docstring).
+    B = engine.kv.block_size
+    shared = _common_prefix(firsts) // B
+    final = [len(f) + sum(len(o) for o, _, _ in turns) + (len(turns) + 1) * args.reply_tokens for f, turns in workload]
+    worst = [blocks_for(n, B) - shared for n in final]
+    room = engine.kv.num_blocks - engine.kv.watermark_blocks - shared
+    if policy == "keep" and max(worst) > room:
+        raise ValueError(f"always-keep: one agent's final history ({max(worst) + shared} blocks) does not fit "
+                         f"the pool ({engine.kv.num_blocks} blocks)")
+    queued = list(trajs)
+    reserved = 0
+
+    def start_agents() -> None:
+        nonlocal reserved
+        while queued and (policy != "keep" or reserved + worst[queued[0].index] <= room):
+            t = queued.pop(0)
+            reserved += worst[t.index]
+            t.session_id = f"agent-{t.index}"
+            submit(t, firsts[t.index])
+
+    start_agents()
+    max_started = len(trajs) - len(queued)
     while not all(t.done for t in trajs):
         now = time.monotonic()
         dt, last = now - last, now
@@ -151,6 +184,8 @@ def run_policy(engine, workload, policy: str, args) -> dict:
                 mgr.after_turn(s, t.prompt, out)
                 mgr.close(s)
                 t.done = True
+                reserved -= worst[t.index]
+                start_agents()
                 continue
             _, tool, wait = t.turns[t.turn]
             forced = None if policy == "policy" else policy
@@ -169,7 +204,7 @@ def run_policy(engine, workload, policy: str, args) -> dict:
             "pressure_demotions": st["pressure_demotions"], "prefetch_hits": st["prefetch_hits"],
             "resume_stalls": st["resume_stalls"], "resume_stall_s": st["resume_stall_s"],
             "decisions": st["keep_decisions"], "preemptions": engine.scheduler.num_preemptions,
-            "calibrated_rates": rates,
+            "calibrated_rates": rates, "agents_started_at_once": max_started,
             "replies": replies}
 
 
@@ -193,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         r = run_policy(engine, workload, p, args)
         r["preemptions"] -= preempt0
         results.append(r)
+        print(f"{p}: makespan {r['makespan_s']:.1f} s, {r['throughput_tok_s']:.2f} tok/s", file=sys.stderr)
     # Greedy replies must not depend on where paused state waited.
     same = all(r["replies"] == results[0]["replies"] for r in results)
     for r in results:
@@ -217,9 +253,20 @@ def run(args: argparse.Namespace) -> int:
               f"{r['ttft_resumed_p50_ms']:>7.0f}ms {r['ttft_resumed_p99_ms']:>6.0f}ms {r['paused_kv_gbs']:>11.3f} "
               f"{r['bytes_moved'] / 1e6:>9.1f} {r['recomputed_tokens']:>7} {r['stall_drops']:>5} "
               f"{r['pressure_demotions']:>6} {r['prefetch_hits']:>4}/{r['resume_stalls']:<3}  {r['decisions']}")
-    print(f"\ngreedy replies identical under every policy: {same}")
+    if "keep" in by:
+        print(f"\nalways-keep ran at most {by['keep']['agents_started_at_once']} of {args.trajectories} agents at once "
+              "(each one's final history reserved)")
+    print(f"greedy replies identical under every policy: {same}")
     if "policy_over_keep_throughput" in res:
         print(f"\nbreak-even policy / always-keep throughput: {res['policy_over_keep_throughput']:.2f}x")
     print("\nJSON:")
     print(json.dumps(res))
     return 0
+
+
+def _common_prefix(seqs: list[list[int]]) -> int:
+    n = min(map(len, seqs))
+    for i in range(n):
+        if any(q[i] != seqs[0][i] for q in seqs[1:]):
+            return i
+    return n

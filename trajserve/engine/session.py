@@ -453,11 +453,12 @@ class SessionManager:
     def _reclaim(self, need: int) -> int:
         """The KV manager's reclaimer: free `need` blocks by moving kept
         paused state down a tier, the session expected back last first (its
-        hold costs the most block-seconds). Forced keeps stay."""
+        hold costs the most block-seconds). Forced keeps stay; a prefetch's
+        hold is the manager's own, so it can go again."""
         kv = self.engine.kv
         now = time.monotonic()
         cands = [s for s in self.sessions.values()
-                 if s.state is SessionState.PAUSED and s.pin is not None and not s.forced]
+                 if s.state is SessionState.PAUSED and s.pin is not None and (s.prefetched or not s.forced)]
         cands.sort(key=lambda s: s.paused_at + s.expected_wait_s - now, reverse=True)
         freed = 0
         for s in cands:
@@ -504,7 +505,9 @@ class SessionManager:
 
     @property
     def disk_free_bytes(self) -> int:
-        return self.disk.free_bytes - self._disk_pending
+        # Both under the lock: the I/O thread moves bytes from pending to written.
+        with self._disk_lock:
+            return max(0, self.disk.free_bytes - self._disk_pending)
 
     def _save(self, s: Session, d: Decision) -> Decision:
         """Copy the session's device blocks to the tier; a tier without room
@@ -530,10 +533,12 @@ class SessionManager:
             self.policy.rates.observe_host_copy(nbytes, time.perf_counter() - t)
         else:
             size = n * self.disk.file_bytes(data[0])
-            if size > self.disk_free_bytes:
+            with self._disk_lock:  # check and reserve in one step
+                fits = size <= self.disk.free_bytes - self._disk_pending
+                if fits:
+                    self._disk_pending += size
+            if not fits:
                 return Decision.DROP
-            with self._disk_lock:
-                self._disk_pending += size
             s.io = self._io.submit(self._write_disk, [self._key(s, i) for i in range(n)], data, size)
         self.stats.swap_out_bytes += nbytes
         self.stats.swap_out_s += time.perf_counter() - t

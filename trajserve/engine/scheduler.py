@@ -151,11 +151,7 @@ class Scheduler:
         over = kv.num_active_blocks + max(0, kv.blocks_needed(req.request_id, num_tokens) - have) - self.ceiling_blocks
         if over <= 0:
             return True
-        if hit is not None and have:
-            kv.radix.lock(hit.last_node)  # not released along with the paused state
-        kv.reclaim(over)
-        if hit is not None and have:
-            kv.radix.unlock(hit.last_node)
+        kv.reclaim(over, keep=hit)
         return kv.num_active_blocks + max(0, kv.blocks_needed(req.request_id, num_tokens) - have) <= self.ceiling_blocks
 
     def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:

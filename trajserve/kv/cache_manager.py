@@ -81,12 +81,18 @@ class KVCacheManager:
     def num_active_blocks(self) -> int:
         return self.pool.num_used - self.num_reclaimable
 
-    def reclaim(self, num_blocks: int) -> int:
+    def reclaim(self, num_blocks: int, keep: MatchResult | None = None) -> int:
         """Ask the reclaimer to free num_blocks blocks of pinned state; the
-        blocks it returns are free. Callers lock what they must keep first."""
+        blocks it returns are free. `keep`, a match about to be used, is
+        locked meanwhile so it cannot go with the paused state it may share."""
         if self.reclaimer is None or num_blocks <= 0:
             return 0
+        locked = keep is not None and bool(keep.block_ids)
+        if locked:
+            self.radix.lock(keep.last_node)
         got = self.reclaimer(num_blocks)
+        if locked:
+            self.radix.unlock(keep.last_node)
         self.num_reclaimed_blocks += got
         return got
 
@@ -171,12 +177,7 @@ class KVCacheManager:
         avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         short = need + self.watermark_blocks - avail
         if short > 0 and self.reclaimer is not None:
-            # Paused state makes room; the hit is locked so it cannot go with it.
-            if hit is not None and hit.block_ids:
-                self.radix.lock(hit.last_node)
-            self.reclaim(short)
-            if hit is not None and hit.block_ids:
-                self.radix.unlock(hit.last_node)
+            self.reclaim(short, keep=hit)  # paused state makes room
             avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         return need + self.watermark_blocks <= avail
 

@@ -147,12 +147,11 @@ class Scheduler:
         """Would admitting req keep the active blocks under the ceiling?
         Paused state is asked to leave first (the reclaimer)."""
         kv = self.kv
-        have = len(hit.block_ids) if hit else 0
-        over = kv.num_active_blocks + max(0, kv.blocks_needed(req.request_id, num_tokens) - have) - self.ceiling_blocks
-        if over <= 0:
-            return True
-        kv.reclaim(over, keep=hit)
-        return kv.num_active_blocks + max(0, kv.blocks_needed(req.request_id, num_tokens) - have) <= self.ceiling_blocks
+        need = max(0, kv.blocks_needed(req.request_id, num_tokens) - (len(hit.block_ids) if hit else 0))
+        over = kv.num_active_blocks + need - self.ceiling_blocks
+        if over > 0:
+            kv.reclaim(over, keep=hit)
+        return kv.num_active_blocks + need <= self.ceiling_blocks
 
     def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """allocate_slots just failed for req: preempt the newest request not

@@ -316,8 +316,7 @@ class SessionManager:
         self._check_open(s, "generate")
         if s.state is SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is paused for a tool: resume it with the observation first")
-        self.tick()
-        eng = self.engine
+        eng = self.engine  # step() runs the manager's housekeeping (tick) before each engine step
         rid = eng.add_request(list(s.history), params, cache_salt=s.cache_salt)
         out = None
         while out is None:

@@ -36,6 +36,27 @@ def test_bench_agent_small_run():
     assert "skipped" in res["pool_sweep"][1]  # 10% of the working set cannot hold a request
 
 
+def test_bench_agent_small_pool_with_a_host_tier_recovers_the_hits():
+    """A pool of a third of the working set: LRU pushes histories out between
+    turns; with a host tier they come back, the replay (same tiers, no model)
+    still reproduces every request's hit, and the hit rate is the oracle's."""
+    flags = ["bench", "agent", "--json", "--dtype", "float32", "--trajectories", "3", "--turns", "3",
+             "--preamble-tokens", "150", "--tool-min-tokens", "20", "--tool-max-tokens", "60",
+             "--reply-tokens", "4", "--uncached-trajectories", "0", "--pool-fractions", "1", "--num-blocks", "30"]
+    res = {}
+    for name, extra in (("lru", []), ("host", ["--kv-host-cache", "64MiB"])):
+        r = trajserve(*flags, *extra, timeout=600)
+        assert r.returncode == 0, r.stderr
+        res[name] = json.loads(r.stdout)
+        assert res[name]["replay_matches_engine"], name
+    assert res["lru"]["promoted_blocks"] == 0 and res["host"]["promoted_blocks"] > 0
+    assert res["host"]["lower_tier_blocks"]["host"] > 0
+    assert res["host"]["hit_rate"] > res["lru"]["hit_rate"]
+    assert res["host"]["targets"]["hit_rate_over_oracle"]["met"]
+    # Same greedy replies whatever the tier did (the requests record the prompts, which carry the replies).
+    assert [r["prompt_tokens"] for r in res["host"]["requests"]] == [r["prompt_tokens"] for r in res["lru"]["requests"]]
+
+
 def test_bench_tool_waits_small_run_with_trace_waits():
     """Four policies over the same agents, waits drawn from the Claude Code
     traces: every policy gives the same greedy replies, and each policy's

@@ -254,3 +254,42 @@ class KVMachine(RuleBasedStateMachine):
 KVMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
 test_kv_manager_stateful = KVMachine.TestCase
+
+
+class KVMachineWithLowerTiers(KVMachine):
+    """The same machine with the hierarchical cache attached: LRU eviction
+    spills to a 6-block host tier and a 6-block disk tier (demoting, then
+    dropping), and matches load blocks back into the tree. The stand-in KV
+    travels with them, so a block loaded under the wrong hash, in the wrong
+    order or after an invalidation reads back wrong tokens."""
+
+    def __init__(self):
+        super().__init__()
+        import torch
+
+        from trajserve.kv.lower_tiers import LowerTiers
+
+        def read_blocks(ids):
+            rows = [self.content.get(b, [None] * B) for b in ids]
+            return torch.tensor([[-1 if t is None else t for t in r] for r in rows], dtype=torch.long)
+
+        def write_blocks(ids, data):
+            for b, row in zip(ids, data.tolist()):
+                self.content[b] = [None if t == -1 else t for t in row]
+
+        per = B * 8  # one stand-in block: B int64 tokens
+        self.lower = LowerTiers(read_blocks, write_blocks, 6 * per, 6 * per, files=False)
+        self.kv.attach_lower_tiers(self.lower)
+
+    @invariant()
+    def tiers_within_caps(self):
+        assert self.lower.num_host_blocks <= 6 and self.lower.num_disk_blocks <= 6
+
+    def teardown(self):
+        super().teardown()
+        assert self.lower.num_host_blocks == 0 and self.lower.num_disk_blocks == 0
+
+
+KVMachineWithLowerTiers.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                                                     suppress_health_check=[HealthCheck.too_slow])
+test_kv_manager_stateful_with_lower_tiers = KVMachineWithLowerTiers.TestCase

@@ -49,15 +49,26 @@ def test_chat_summary_goodput_and_plot(capsys, tmp_path):
     assert res["setup"]["num_blocks"] == 97_291  # 8 x H100, Llama-3-70B: eqs. 3-5 through trajserve.plan
 
 
-def test_cache_blocks_sweep_is_sorted_and_bigger_pools_hit_more(capsys):
-    res = simulate(capsys, "--workload", "agent", "--trajectories", "12", "--turns", "4", "--preamble-tokens", "2000",
-                   "--tool-min-tokens", "500", "--tool-max-tokens", "1500", "--reply-tokens", "50",
-                   "--tool-wait", "exp:3", "--rate", "2", "--cache-blocks", "6000,1500,3000")
+def test_cache_blocks_sweep_is_sorted_and_bigger_pools_hit_more(capsys, tmp_path):
+    flags = ["--workload", "agent", "--trajectories", "12", "--turns", "4", "--preamble-tokens", "2000",
+             "--tool-min-tokens", "500", "--tool-max-tokens", "1500", "--reply-tokens", "50",
+             "--tool-wait", "exp:3", "--rate", "2", "--cache-blocks", "6000,1500,3000"]
+    # The device cache alone (no pause announced): what survives is what fits.
+    png = tmp_path / "sweep.png"
+    res = simulate(capsys, *flags, "--keep-policy", "cache", "--sweep-plot", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = res["sweep"]
     assert [r["num_blocks"] for r in rows] == [1500, 3000, 6000]
     hits = [r["hit_rate"] for r in rows]
     assert hits == sorted(hits) and hits[-1] > hits[0]
     assert "summary" not in res  # a sweep alone runs only the sweep
+    # With the keep policy, paused state the small pool cannot hold waits on
+    # the host tier and comes back: the small pool hits as the large one does.
+    policy = [r["hit_rate"] for r in simulate(capsys, *flags)["sweep"]]
+    assert policy[0] > hits[0] and policy[0] == pytest.approx(hits[-1])
+    capsys.readouterr()
+    assert main(["simulate", "--sweep-plot", str(png), "--json", "--no-progress"]) != 0
+    assert "--sweep-plot needs --cache-blocks" in capsys.readouterr().err
 
 
 def test_agent_branching_reports_per_turn(capsys):

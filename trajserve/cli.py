@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="disable the radix prefix cache")
+    g.add_argument("--kv-host-cache", default=None, metavar="BYTES",
+                   help="host-memory tier of the prefix cache, e.g. 4GiB: blocks evicted from the KV pool "
+                        "wait there and load back on a hit (default: none)")
+    g.add_argument("--kv-disk-cache", default=None, metavar="BYTES",
+                   help="disk tier below it (blocks the host tier pushes out; CRC-checked on read)")
+    g.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: a temporary one)")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-prefill-chunk", type=int, default=None, help="per-request chunk cap")
@@ -37,7 +43,8 @@ def make_llm(args: argparse.Namespace):
                memory_fraction=args.memory_fraction, num_blocks=args.num_blocks, block_size=args.block_size,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
-               seed=args.seed, num_threads=args.threads, enable_prefix_caching=args.prefix_caching)
+               seed=args.seed, num_threads=args.threads, enable_prefix_caching=args.prefix_caching,
+               host_cache=args.kv_host_cache, disk_cache=args.kv_disk_cache, disk_cache_dir=args.kv_disk_dir)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

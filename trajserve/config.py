@@ -49,6 +49,11 @@ class CacheConfig:
     # Radix prefix cache: requests sharing a block-aligned prefix (same
     # system prompt, earlier turns) reuse its KV instead of recomputing it.
     enable_prefix_caching: bool = True
+    # Its lower tiers (hierarchical cache): blocks LRU evicts from the device
+    # go to host memory, then disk, and load back on a hit. 0 = no tier.
+    host_cache_bytes: int = 0
+    disk_cache_bytes: int = 0
+    disk_cache_dir: str | None = None  # None: a temporary directory
 
 
 @dataclass(slots=True)

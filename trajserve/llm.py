@@ -27,10 +27,13 @@ class LLM:
                  block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_prefill_chunk: int | None = None, max_model_len: int | None = None,
                  memory_fraction: float = 0.25, seed: int = 0, num_threads: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, host_cache: str | int | None = None,
+                 disk_cache: str | int | None = None, disk_cache_dir: str | None = None) -> None:
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             kv_cache_memory=parse_bytes(kv_cache_memory), memory_fraction=memory_fraction,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching,
+                            host_cache_bytes=parse_bytes(host_cache) or 0,
+                            disk_cache_bytes=parse_bytes(disk_cache) or 0, disk_cache_dir=disk_cache_dir)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype,

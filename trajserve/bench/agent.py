@@ -125,10 +125,25 @@ def pool_sweep(engine, records: list[dict], working_set: int, fractions: list[fl
         if n < biggest + int(wm * n) + 1:
             rows.append({"fraction": f, "num_blocks": n, "skipped": f"below the largest request ({biggest} blocks)"})
             continue
-        res = replay(reqs, n, B, engine.config.scheduler, wm)
+        res = replay(reqs, n, B, engine.config.scheduler, wm, *lower_tier_blocks(engine))
         rows.append({"fraction": f, "num_blocks": n, "hit_rate": res.hit_rate,
                      "evicted_blocks": res.evicted_blocks, "preemptions": res.preemptions})
     return rows
+
+
+def lower_tier_blocks(engine) -> tuple[int, int]:
+    """The engine's prefix-cache tiers (--kv-host-cache, --kv-disk-cache) in blocks."""
+    import torch
+
+    from trajserve.engine.memory import bytes_per_block
+    from trajserve.kv.tiers import DiskKVStore
+
+    cc = engine.config.cache
+    if engine.lower is None:
+        return 0, 0
+    per = bytes_per_block(engine.model_config, cc.block_size, engine.dtype)
+    header = DiskKVStore.file_bytes(torch.zeros(0))
+    return cc.host_cache_bytes // per, cc.disk_cache_bytes // (per + header)
 
 
 def default_pool_blocks(args) -> int:
@@ -163,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
     fractions = [float(f) for f in args.pool_fractions.split(",")]
     sweep = pool_sweep(engine, records, oracle.num_blocks, fractions)
     check_replay = replay([(r["prompt_ids"], r["output_ids"]) for r in records], engine.num_blocks,
-                          engine.kv.block_size, engine.config.scheduler, engine.config.cache.watermark)
+                          engine.kv.block_size, engine.config.scheduler, engine.config.cache.watermark,
+                          *lower_tier_blocks(engine))
 
     prompt = sum(r["prompt_tokens"] for r in records)
     cached = sum(r["cached_tokens"] for r in records)
@@ -180,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         "tool_tokens": [args.tool_min_tokens, args.tool_max_tokens], "reply_tokens": args.reply_tokens,
         "block_size": engine.kv.block_size, "num_blocks": engine.num_blocks,
         "working_set_blocks": oracle.num_blocks,
+        "lower_tier_blocks": dict(zip(("host", "disk"), lower_tier_blocks(engine))),
+        "promoted_blocks": engine.kv.num_promoted_blocks,
         "hit_rate": cached / prompt, "oracle_hit_rate": ideal / prompt,
         "cached_phase_s": cached_phase_s,  # wall time of phase 1: the makespan of the cached run
         "uncached_outputs_identical": all(u["same_output"] for u in uncached),
@@ -205,7 +223,12 @@ def print_report(res: dict) -> None:
     print(f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), dtype {res['dtype']}")
     print(f"{res['trajectories']} trajectories x {res['turns']} turns, preamble {res['preamble_tokens']} tokens, "
           f"tool results {res['tool_tokens'][0]}-{res['tool_tokens'][1]} tokens, replies <= {res['reply_tokens']}; "
-          f"pool {res['num_blocks']} blocks of {res['block_size']}, working set {res['working_set_blocks']} blocks\n")
+          f"pool {res['num_blocks']} blocks of {res['block_size']}, working set {res['working_set_blocks']} blocks")
+    low = res["lower_tier_blocks"]
+    if low["host"] or low["disk"]:
+        print(f"prefix cache lower tiers: host {low['host']} blocks, disk {low['disk']} blocks; "
+              f"{res['promoted_blocks']} blocks loaded back on hits")
+    print()
     print("TTFT: medians over the trajectories each phase ran; ratio: cached / uncached TTFT summed over the same")
     print("requests (the trajectories phase 2 re-ran without the cache)")
     print("must: share of prompt tokens any cache must compute (1 - oracle)")
@@ -220,7 +243,8 @@ def print_report(res: dict) -> None:
     print(f"\nall turns: hit rate {res['hit_rate'] * 100:.2f}%, oracle {res['oracle_hit_rate'] * 100:.2f}%; "
           f"greedy replies identical without the cache: {res['uncached_outputs_identical']}; "
           f"model-free replay reproduces the engine's hits: {res['replay_matches_engine']}\n")
-    print("hit rate vs pool size (replay of the same requests):")
+    print("hit rate vs pool size (replay of the same requests"
+          + (", same lower tiers):" if low["host"] or low["disk"] else "):"))
     print(f"{'blocks':>7} {'of WS':>6} {'hit':>7} {'vs oracle':>9} {'evicted':>8} {'preempt':>8}")
     for s in res["pool_sweep"]:
         if "skipped" in s:

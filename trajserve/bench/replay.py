@@ -3,6 +3,11 @@ with no model: each step "samples" the token the request produced when it
 ran. Prefix-cache hits, evictions and preemptions depend only on token ids
 and block ids, so the hit rate a replay reports is the one the engine gets
 for the same requests in the same order, at any pool size, in milliseconds.
+
+Lower tiers of the prefix cache (kv/lower_tiers.py) replay too: their
+capacity is a number of blocks, so the replay's tiers hold one-byte
+stand-in blocks under caps of that many blocks, and evict, demote and
+load back exactly as the engine's do.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from trajserve.config import SchedulerConfig
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.sampling import SamplingParams
 
 
@@ -26,10 +32,16 @@ class ReplayResult:
 
 
 def replay(requests: Sequence[tuple[list[int], list[int]]], num_blocks: int, block_size: int,
-           sched_config: SchedulerConfig, watermark: float = 0.01) -> ReplayResult:
+           sched_config: SchedulerConfig, watermark: float = 0.01, host_blocks: int = 0,
+           disk_blocks: int = 0) -> ReplayResult:
     """requests: (prompt ids, output ids) in arrival order; each runs alone
-    to completion before the next arrives, as in `bench agent`."""
+    to completion before the next arrives, as in `bench agent`. host_blocks /
+    disk_blocks: the prefix cache's lower tiers, in blocks (0: none)."""
     kv = KVCacheManager(num_blocks, block_size, watermark, enable_prefix_caching=True)
+    lower = None
+    if host_blocks or disk_blocks:
+        lower = LowerTiers.stand_in(host_blocks, disk_blocks)
+        kv.attach_lower_tiers(lower)
     sched = Scheduler(sched_config, kv)
     cached = []
     for i, (prompt, outputs) in enumerate(requests):
@@ -47,5 +59,7 @@ def replay(requests: Sequence[tuple[list[int], list[int]]], num_blocks: int, blo
                        for c in out.chunks if c.sample}
             sched.update(out, sampled, 0.0)
         cached.append(req.num_cached_tokens)
+    if lower is not None:
+        lower.close()
     return ReplayResult(num_blocks, sched.prefix_hit_rate, cached, kv.radix.num_evicted_blocks,
                         sched.num_preemptions)

@@ -23,6 +23,7 @@ from trajserve.engine.request import Request, RequestStatus
 from trajserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
 from trajserve.model.sampler import Sampler
@@ -85,6 +86,11 @@ class LLMEngine:
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
+        self.lower = None
+        if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
+            self.lower = LowerTiers(self.runner.read_blocks, self.runner.write_blocks, cc.host_cache_bytes,
+                                    cc.disk_cache_bytes, cc.disk_cache_dir)
+            self.kv.attach_lower_tiers(self.lower)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.sampler = Sampler(config.seed)
         self.groups: dict[str, _Group] = {}
@@ -401,6 +407,10 @@ class LLMEngine:
             "ceiling_waits": self.scheduler.num_ceiling_waits,
             "throttled_forks": self.scheduler.num_throttled_forks,
             "reclaimed_blocks": self.kv.num_reclaimed_blocks,
+            # Hierarchical prefix cache: blocks LRU moved down, and loaded back on a hit.
+            "spilled_blocks": radix.num_spilled_blocks if radix else 0,
+            "promoted_blocks": self.kv.num_promoted_blocks,
+            "lower_tiers": self.lower.metrics() if self.lower is not None else None,
             **_percentiles("ttft", self._ttfts),
             **_percentiles("itl", self._itls),
         }

@@ -22,10 +22,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.block_table import BlockTable, blocks_for
-from trajserve.kv.radix_cache import BlockKey, MatchResult, RadixCache, RadixNode
+from trajserve.kv.radix_cache import BlockKey, MatchResult, RadixCache, RadixNode, Spill, chain_hash
+
+
+class LowerTierCache(Spill, Protocol):
+    """Blocks the radix cache evicted, kept below the device under their
+    chained hashes (kv/lower_tiers.py holds the real one)."""
+
+    def contains(self, block_hash: bytes) -> bool: ...
+
+    def load(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> int:
+        """Copy the blocks named by `hashes` into these device blocks, in order,
+        and let go of them; returns how many it loaded (it stops at the first
+        one missing or failing its checks)."""
+        ...
+
+    def discard_namespace(self, namespace: Hashable) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -57,6 +75,10 @@ class KVCacheManager:
         # session manager, so running requests are never starved by paused ones.
         self.reclaimer: Callable[[int], int] | None = None
         self.num_reclaimed_blocks = 0
+        # Hierarchical cache: LRU-evicted blocks go down to host / disk and
+        # come back when a match reaches them (attach_lower_tiers).
+        self.lower: LowerTierCache | None = None
+        self.num_promoted_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -123,8 +145,59 @@ class KVCacheManager:
         else:
             keys = self.radix.block_keys(token_ids[:n])
             self._match_keys[request_id] = (token_ids, n, keys)
-        hit = self.radix.match_blocks(self.namespace(cache_salt), keys)
+        ns = self.namespace(cache_salt)
+        hit = self.radix.match_blocks(ns, keys)
+        if self.lower is not None and len(hit.block_ids) < len(keys):
+            hit = self._promote(ns, keys, hit, len(token_ids))
         return hit if hit.num_tokens else None
+
+    def attach_lower_tiers(self, lower: LowerTierCache | None) -> None:
+        """LRU eviction now moves blocks down to `lower` instead of dropping
+        them, and a match continues into what it holds."""
+        if self.radix is None:
+            raise ValueError("lower KV tiers extend the prefix cache: enable prefix caching")
+        self.lower = lower
+        self.radix.spill = lower
+
+    def _promote(self, ns: Hashable, keys: list[BlockKey], hit: MatchResult, num_tokens: int) -> MatchResult:
+        """The device match stopped short: load the blocks that follow it from
+        the lower tiers (the longest run they hold) into fresh device blocks
+        and the tree, then match again. Takes no room the request itself
+        needs for the rest of its prompt, nor the watermark."""
+        lower = self.lower
+        start = len(hit.block_ids)
+        h = self.radix.path_hash(hit.last_node)
+        hashes = []
+        for k in keys[start:]:
+            h = chain_hash(h, k)
+            if not lower.contains(h):
+                break
+            hashes.append(h)
+        if not hashes:
+            return hit
+        node = hit.last_node
+        self.radix.lock(node)  # the device part of the match stays while we evict
+        rest = blocks_for(num_tokens, self.block_size) - start - len(hashes)
+        n = min(len(hashes), self.pool.num_free + self.num_reclaimable - self.watermark_blocks - rest)
+        if n > self.pool.num_free:
+            self.radix.evict(n - self.pool.num_free)
+        n = min(n, self.pool.num_free)
+        got = 0
+        if n > 0:
+            new_ids = self.pool.allocate(n)
+            got = lower.load(ns, hashes[:n], new_ids)
+            self.pool.free(new_ids[got:])
+            if got:
+                if node.parent is not None:
+                    self.radix.insert_blocks(ns, keys[start:start + got], new_ids[:got], below=node)
+                else:
+                    self.radix.insert_blocks(ns, keys[:got], new_ids[:got])
+                self.pool.free(new_ids[:got])  # the tree holds them now
+        self.radix.unlock(node)
+        if not got:
+            return hit
+        self.num_promoted_blocks += got
+        return self.radix.match_blocks(ns, keys)
 
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
                        cache_salt: str | None) -> None:
@@ -323,28 +396,41 @@ class KVCacheManager:
         return max(0, blocks_for(num_tokens, self.block_size) - have)
 
     def clear_cache(self) -> int:
-        """Drop every cached block no request uses."""
+        """Drop every cached block no request uses (and the lower tiers' copies)."""
+        if self.lower is not None:
+            self.lower.clear()
         return self.radix.clear() if self.radix is not None else 0
 
     def invalidate(self, prefix_tokens: list[int] | None = None, cache_salt: str | None = None) -> int:
         if self.radix is None:
             return 0
-        return self.radix.invalidate(self.namespace(cache_salt), prefix_tokens)
+        ns = self.namespace(cache_salt)
+        if self.lower is not None:
+            # A lower tier cannot tell which of its blocks follow the stale
+            # tokens (a hash names a prefix, it cannot be walked): all of the
+            # namespace goes. Losing cache is safe; serving stale KV is not.
+            self.lower.discard_namespace(ns)
+        return self.radix.invalidate(ns, prefix_tokens)
 
     # -------------------------------------------------------------- sessions
     # A paused agent session's state is the radix path of its history. These
     # keep it (pin), drop it from the device (evict_prefix), and bring blocks
     # saved on a lower tier back into the tree (begin/commit_import).
+    # `keys`: the path's block keys (radix.block_keys(token_ids)) when the
+    # caller keeps them, so a long history is not re-chunked on every call.
 
-    def cached_prefix(self, token_ids: list[int], cache_salt: str | None) -> MatchResult | None:
+    def cached_prefix(self, token_ids: list[int], cache_salt: str | None,
+                      keys: list[BlockKey] | None = None) -> MatchResult | None:
         """The device-resident full blocks of token_ids (all of them: no token
         is left out for logits here)."""
         if self.radix is None:
             return None
-        return self.radix.match_blocks(self.namespace(cache_salt), self.radix.block_keys(token_ids))
+        return self.radix.match_blocks(self.namespace(cache_salt),
+                                       keys if keys is not None else self.radix.block_keys(token_ids))
 
-    def pin(self, token_ids: list[int], cache_salt: str | None) -> RadixNode | None:
-        hit = self.cached_prefix(token_ids, cache_salt)
+    def pin(self, token_ids: list[int], cache_salt: str | None, keys: list[BlockKey] | None = None
+            ) -> RadixNode | None:
+        hit = self.cached_prefix(token_ids, cache_salt, keys)
         if hit is None or not hit.block_ids:
             return None
         self.radix.lock(hit.last_node)
@@ -353,17 +439,18 @@ class KVCacheManager:
     def unpin(self, node: RadixNode) -> None:
         self.radix.unlock(node)
 
-    def evict_prefix(self, token_ids: list[int], cache_salt: str | None) -> int:
+    def evict_prefix(self, token_ids: list[int], cache_salt: str | None, keys: list[BlockKey] | None = None
+                     ) -> int:
         """Free the device blocks of this path no one else uses or branches from."""
-        hit = self.cached_prefix(token_ids, cache_salt)
+        hit = self.cached_prefix(token_ids, cache_salt, keys)
         return self.radix.evict_path(hit.last_node) if hit and hit.block_ids else 0
 
-    def begin_import(self, token_ids: list[int], cache_salt: str | None, num_blocks: int
-                     ) -> tuple[MatchResult, list[int]] | None:
+    def begin_import(self, token_ids: list[int], cache_salt: str | None, num_blocks: int,
+                     keys: list[BlockKey] | None = None) -> tuple[MatchResult, list[int]] | None:
         """Fresh blocks for full blocks [hit, num_blocks) of token_ids, to be
         filled from a lower tier; the device-resident hit is pinned meanwhile.
         None when the pool has no room even after eviction."""
-        hit = self.cached_prefix(token_ids, cache_salt)
+        hit = self.cached_prefix(token_ids, cache_salt, keys)
         need = num_blocks - len(hit.block_ids)
         if need <= 0:
             return hit, []
@@ -377,14 +464,14 @@ class KVCacheManager:
         return hit, self.pool.allocate(need)
 
     def finish_import(self, token_ids: list[int], cache_salt: str | None, hit: MatchResult,
-                      new_ids: list[int], filled: int) -> None:
+                      new_ids: list[int], filled: int, keys: list[BlockKey] | None = None) -> None:
         """The first `filled` imported blocks hold their KV now: the tree takes
         them over; the rest (a block failed its checks) go back to the pool."""
         if not new_ids:
             return
         self.pool.free(new_ids[filled:])
         if filled:
-            keys = self.radix.block_keys(token_ids)[:len(hit.block_ids) + filled]
+            keys = (keys if keys is not None else self.radix.block_keys(token_ids))[:len(hit.block_ids) + filled]
             res = self.radix.insert_blocks(self.namespace(cache_salt), keys, hit.block_ids + new_ids[:filled])
             assert not res.duplicates, "blocks appeared under a pinned path during an import"
             self.pool.free(new_ids[:filled])  # the tree holds them now

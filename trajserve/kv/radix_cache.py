@@ -41,16 +41,42 @@ per-node stamp, so lock/unlock/match/insert push at most one entry each and
 `evict` never rebuilds the heap. When a leaf goes and its parent becomes a
 dormant leaf, the parent is pushed (cascade): a parent is never evicted
 before its children.
+
+Lower tiers (hierarchical cache, "分层辅助存储"): with a `spill` set, LRU
+eviction hands each leaf's blocks to it before they are freed, under their
+chained block hashes (hash of the namespace, then of each block's tokens
+chained through every block before it), so a block's hash names its whole
+prefix. The KV manager looks those hashes up when a match stops short and
+loads what the tiers hold back into the tree (KVCacheManager.match).
 """
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from trajserve.kv.block_pool import BlockPool
 
 BlockKey = tuple[int, ...]
+
+
+def chain_hash(prev: bytes, key: BlockKey) -> bytes:
+    """Hash of a block given the hash of everything before it (128-bit BLAKE2b:
+    equal hashes mean equal prefixes for any practical purpose)."""
+    return hashlib.blake2b(prev + array("q", key).tobytes(), digest_size=16).digest()
+
+
+def namespace_hash(namespace: Hashable) -> bytes:
+    return hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest()
+
+
+class Spill(Protocol):
+    """Where LRU-evicted blocks go instead of nowhere (kv/lower_tiers.py)."""
+
+    def save(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +98,9 @@ class RadixNode:
     # Set by invalidate(): the node is out of the tree, never matched again;
     # its blocks go back to the pool when its last user unlocks it.
     detached: bool = False
+    # Chained hash at the end of this node's path (lazily computed; a split
+    # gives the new upper node none, the lower part keeps its end and hash).
+    hash_end: bytes | None = None
 
     @property
     def is_root(self) -> bool:
@@ -167,6 +196,9 @@ class RadixCache:
         self.num_freed_blocks = 0  # ... of which went back to the free list
         self.num_invalidated_blocks = 0
         self.hits = PrefixHitStats()
+        self.spill: Spill | None = None  # lower tiers for LRU-evicted blocks
+        self.num_spilled_blocks = 0
+        self._ns_hashes: dict[Hashable, bytes] = {}
 
     # ------------------------------------------------------------------ match
 
@@ -317,6 +349,10 @@ class RadixCache:
             _, stamp, node = heapq.heappop(self._heap)
             if stamp != node.heap_stamp or not self._evictable(node):
                 continue  # stale: locked, grew a child, refreshed or gone since
+            if self.spill is not None:
+                # Down a tier instead of gone; the blocks are read before they are freed.
+                self.spill.save(node.namespace, self.block_hashes(node), node.block_ids)
+                self.num_spilled_blocks += len(node.block_ids)
             freed += self._remove_leaf(node)
         self.num_freed_blocks += freed
         return freed
@@ -353,6 +389,37 @@ class RadixCache:
         elif not parent.children and self._roots.get(parent.namespace) is parent:
             del self._roots[parent.namespace]
         return freed
+
+    # ------------------------------------------------------------ block hashes
+
+    def path_hash(self, node: RadixNode) -> bytes:
+        """Chained hash of the whole path from the root to the end of `node`
+        (a root: its namespace's hash). Memoized per node."""
+        pending = []
+        while node.parent is not None and node.hash_end is None:
+            pending.append(node)
+            node = node.parent
+        h = node.hash_end if node.parent is not None else self._namespace_hash(node.namespace)
+        for n in reversed(pending):
+            for k in n.key:
+                h = chain_hash(h, k)
+            n.hash_end = h
+        return h
+
+    def block_hashes(self, node: RadixNode) -> list[bytes]:
+        """The chained hash of each of `node`'s blocks."""
+        h = self.path_hash(node.parent)
+        out = []
+        for k in node.key:
+            h = chain_hash(h, k)
+            out.append(h)
+        return out
+
+    def _namespace_hash(self, namespace: Hashable) -> bytes:
+        h = self._ns_hashes.get(namespace)
+        if h is None:
+            h = self._ns_hashes[namespace] = namespace_hash(namespace)
+        return h
 
     # ------------------------------------------------------------ invalidation
 

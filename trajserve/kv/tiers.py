@@ -44,18 +44,23 @@ class HostKVStore:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def put(self, key: str, block: torch.Tensor) -> bool:
+    def put(self, key: str, block: torch.Tensor, copy: bool = True) -> bool:
+        """copy=False: keep the caller's tensor (it must not change later)."""
         size = block.numel() * block.element_size()
         if key in self._blocks:
             self.discard(key)
         if size > self.free_bytes:
             return False
-        self._blocks[key] = block.to("cpu", copy=True)
+        self._blocks[key] = block.to("cpu", copy=True) if copy else block
         self.nbytes += size
         return True
 
     def get(self, key: str) -> torch.Tensor | None:
         return self._blocks.get(key)
+
+    def oldest(self) -> str:
+        """The key stored longest ago (LRU order: a stored block is never touched in place)."""
+        return next(iter(self._blocks))
 
     def discard(self, key: str) -> None:
         b = self._blocks.pop(key, None)
@@ -87,6 +92,10 @@ class DiskKVStore:
     def file_bytes(block: torch.Tensor) -> int:
         """Bytes one block takes on disk (header + payload)."""
         return _HEADER.size + block.numel() * block.element_size()
+
+    def oldest(self) -> str:
+        """The key written longest ago."""
+        return next(iter(self._sizes))
 
     def path(self, key: str) -> Path:
         return self.dir / f"{key}.kv"

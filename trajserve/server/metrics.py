@@ -32,6 +32,10 @@ GAUGES = {
     "throttled_forks": ("trajserve_throttled_forks", "fork children queued above the ceiling", "counter"),
     "reclaimed_blocks": ("trajserve_kv_reclaimed_blocks", "blocks paused state gave up under pressure",
                          "counter"),
+    "spilled_blocks": ("trajserve_prefix_cache_spilled_blocks",
+                       "blocks LRU eviction moved to the prefix cache's lower tiers", "counter"),
+    "promoted_blocks": ("trajserve_prefix_cache_promoted_blocks",
+                        "blocks a match loaded back from the prefix cache's lower tiers", "counter"),
 }
 
 
@@ -56,6 +60,17 @@ class _SnapshotCollector(Collector):
             tier.add_metric(["host"], float(sess["host_bytes"]))
             tier.add_metric(["disk"], float(sess["disk_bytes"]))
         yield tier
+        low = snap.get("lower_tiers")
+        if low is not None:
+            fam = GaugeMetricFamily("trajserve_prefix_cache_tier_bytes",
+                                    "bytes the prefix cache holds below the device, per tier", labels=["tier"])
+            fam.add_metric(["host"], float(low["host_bytes"]))
+            fam.add_metric(["disk"], float(low["disk_bytes"]))
+            yield fam
+            c = CounterMetricFamily("trajserve_prefix_cache_corrupt_blocks",
+                                    "prefix-cache disk blocks that failed their checks (recomputed)")
+            c.add_metric([], float(low["corrupt_blocks"]))
+            yield c
         if sess is None:
             return
         keep = CounterMetricFamily("trajserve_keep_decisions", "tool-pause decisions by kind", labels=["decision"])

@@ -12,6 +12,8 @@ from trajserve.plan.planner import PlanRequest, plan
 from trajserve.sim.cost_model import CostModel
 from trajserve.sim.executor import CostModelRunner
 from trajserve.sim.hardware import Hardware, ModelCost
+from trajserve.sim.pauses import PauseController
+from trajserve.sim.prefix_tiers import SimPrefixTiers
 from trajserve.sim.simulator import Simulator
 from trajserve.sim.tokens import TokenSource
 
@@ -26,6 +28,16 @@ class SimSetup:
     watermark: float = 0.01
     prefix_caching: bool = True
     pool_source: str = ""
+    # Tool pauses: "policy" (the engine's KeepPolicy), a forced keep / host /
+    # disk / drop, or "cache" (no pause announced: state stays in the prefix
+    # cache unpinned, LRU like any cached block).
+    keep_policy: str = "cache"
+    wait_hint: str = "exact"
+    host_kv_bytes: float = 0.0
+    disk_kv_bytes: float = 0.0
+    # The prefix cache's lower tiers (hierarchical cache), in blocks; 0: none.
+    prefix_host_blocks: int = 0
+    prefix_disk_blocks: int = 0
 
     @property
     def cost(self) -> CostModel:
@@ -39,9 +51,17 @@ class SimSetup:
                             model_id=self.model.name)
         sched = Scheduler(self.scheduler, kv)
         tokens = TokenSource(self.block_size)
-        runner = CostModelRunner(self.cost, self.block_size)
+        cost = self.cost
+        runner = CostModelRunner(cost, self.block_size)
+        pauses = None
+        if self.keep_policy != "cache" and self.prefix_caching:
+            pauses = PauseController(sched, cost, mode=self.keep_policy, wait_hint=self.wait_hint,
+                                     host_bytes=self.host_kv_bytes, disk_bytes=self.disk_kv_bytes)
+        tiers = None
+        if (self.prefix_host_blocks or self.prefix_disk_blocks) and self.prefix_caching:
+            tiers = SimPrefixTiers(kv, self.prefix_host_blocks, self.prefix_disk_blocks)
         return Simulator(sched, runner, tokens, max_concurrency=max_concurrency, progress=progress,
-                         desc=desc), tokens
+                         desc=desc, pauses=pauses, prefix_tiers=tiers), tokens
 
 
 def pool_blocks_from_memory(spec: ModelSpec, device: DeviceSpec, tp: int, block_size: int, kv_dtype: str,

@@ -15,6 +15,11 @@ WORKLOADS = ("agent", "chat", "mooncake", "claude-code")
 # Agent knobs default to a 70B-scale agent fleet; --validate defaults them to `bench agent`'s.
 AGENT_DEFAULTS = {"trajectories": 64, "turns": 10, "preamble_tokens": 4096, "task_tokens": 64,
                   "tool_min_tokens": 200, "tool_max_tokens": 2000, "reply_tokens": 200, "tool_wait": "exp:5"}
+# Lower tiers for one simulated replica (assumptions, not datasheets: a DGX
+# H100 has 2 TB of DRAM and ~30 TB of NVMe); a profiled machine gets the
+# engine's own SessionManager defaults.
+HOST_TIER_DEFAULT, DISK_TIER_DEFAULT = "1TiB", "8TiB"
+PROFILE_TIER_DEFAULTS = ("2GiB", "8GiB")
 BENCH_AGENT_DEFAULTS = {"trajectories": 8, "turns": 10, "preamble_tokens": 1500, "task_tokens": 64,
                         "tool_min_tokens": 100, "tool_max_tokens": 600, "reply_tokens": 24, "tool_wait": "0"}
 
@@ -55,6 +60,25 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     e.add_argument("--max-prefill-chunk", type=int, default=None, help="default: the token budget")
+    e.add_argument("--admission-ceiling", type=float, default=0.88,
+                   help="tau_high: admit while active U_KV stays below it (kv-cache-management, eq. 8)")
+
+    k = p.add_argument_group("tool pauses (the engine's keep policy, kv-cache-management section 6)")
+    k.add_argument("--keep-policy", choices=["policy", "keep", "host", "disk", "drop", "cache"], default="policy",
+                   help="where a paused session's KV waits: the policy's choice (break-even wait), forced "
+                        "keep / host / disk / drop, or cache (no pause announced: unpinned in the prefix cache)")
+    k.add_argument("--wait-hint", choices=["exact", "estimate"], default="exact",
+                   help="the policy's expected wait: the true one (the harness announces it) or the "
+                        "engine's estimator over observed waits")
+    k.add_argument("--host-kv-memory", default=None,
+                   help=f"host DRAM tier for one replica (default {HOST_TIER_DEFAULT}, half of a DGX H100's "
+                        "2 TB; with --profile the engine's 2GiB)")
+    k.add_argument("--prefix-host-cache", default=None, metavar="BYTES",
+                   help="host tier of the prefix cache for one replica (hierarchical cache: LRU-evicted blocks "
+                        "wait there and load back on a hit; default none)")
+    k.add_argument("--prefix-disk-cache", default=None, metavar="BYTES", help="disk tier below it (default none)")
+    k.add_argument("--disk-kv", default=None,
+                   help=f"disk tier for one replica (default {DISK_TIER_DEFAULT}; with --profile the engine's 8GiB)")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOADS, default="agent")
@@ -88,6 +112,7 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
                    help="sweep: prefix hit rate vs KV pool size (blocks), one simulation per size")
     o.add_argument("--slo", nargs="*", default=None, metavar="KEY:MS", help="goodput SLOs: ttft:MS tpot:MS e2e:MS")
     o.add_argument("--plot", default=None, metavar="PNG", help="U_KV over time")
+    o.add_argument("--sweep-plot", default=None, metavar="PNG", help="with --cache-blocks: hit rate vs pool size")
     o.add_argument("--json", action="store_true", help="print only JSON")
     o.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -145,7 +170,8 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     budget = args.max_num_batched_tokens
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                            max_prefill_chunk=args.max_prefill_chunk or budget)
+                            max_prefill_chunk=args.max_prefill_chunk or budget,
+                            admission_ceiling=args.admission_ceiling)
     if profile is None and args.profile:
         profile = load_profile(args.profile)
     if profile is not None:
@@ -171,8 +197,17 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
                 parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None)
     if blocks < 1:
         raise ValueError(f"the KV pool holds {blocks} blocks; pass --num-blocks")
+    host, disk = PROFILE_TIER_DEFAULTS if profile is not None else (HOST_TIER_DEFAULT, DISK_TIER_DEFAULT)
+    host, disk = args.host_kv_memory or host, args.disk_kv or disk
+    block_bytes = model.m_token * args.block_size  # one replica's block, all devices
+    tier_blocks = [int(parse_bytes(v, flag) // block_bytes) if v else 0
+                   for v, flag in ((args.prefix_host_cache, "--prefix-host-cache"),
+                                   (args.prefix_disk_cache, "--prefix-disk-cache"))]
     return SimSetup(hw=hw, model=model, num_blocks=blocks, block_size=args.block_size, scheduler=sched,
-                    watermark=args.watermark, prefix_caching=args.prefix_caching, pool_source=why)
+                    watermark=args.watermark, prefix_caching=args.prefix_caching, pool_source=why,
+                    keep_policy=args.keep_policy, wait_hint=args.wait_hint,
+                    host_kv_bytes=parse_bytes(host, "--host-kv-memory"), disk_kv_bytes=parse_bytes(disk, "--disk-kv"),
+                    prefix_host_blocks=tier_blocks[0], prefix_disk_blocks=tier_blocks[1])
 
 
 def sessions_factory(args: argparse.Namespace):

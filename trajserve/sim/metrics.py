@@ -87,6 +87,8 @@ def summarize(res: SimResult, slos: dict[str, float] | None = None) -> dict:
         "num_blocks": res.num_blocks, "block_size": res.block_size,
         "u_kv": {"mean": float(np.average(u, weights=dt)) if dt.sum() > 0 else None,
                  "max": float(u.max()) if u.size else None},
+        "pauses": res.pauses,
+        "prefix_tiers": res.prefix_tiers,
         "wall_s": res.wall_s,
     }
 

@@ -1,4 +1,5 @@
-"""U_KV over (virtual) time, and the queue behind it."""
+"""Figures: U_KV over (virtual) time with the queue behind it, and prefix hit
+rate against KV pool size (a --cache-blocks sweep)."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,6 +39,35 @@ def plot_u_kv(res: SimResult, path: str, title: str = "") -> None:
     bottom.step(ts, thin(np.asarray(tl.waiting, dtype=float)), where="post", lw=0.8, label="waiting")
     bottom.set(xlabel="simulated time (s)", ylabel="sequences")
     bottom.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_hit_rate_sweep(rows: list[dict], path: str, title: str = "") -> None:
+    """H_prefix (eq. 2) and output throughput against the pool size, one point per simulation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise ValueError("nothing to plot: the sweep is empty")
+    tokens = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(tokens, [r["hit_rate"] * 100 for r in rows], "o-", label="prefix hit rate H_prefix (eq. 2)")
+    ax.set(xscale="log", xlabel="KV pool (tokens)", ylabel="hit rate (%)", ylim=(0, 100),
+           title=title or "prefix hit rate vs KV pool size")
+    for r in rows:
+        ax.annotate(f"{r['hit_rate'] * 100:.1f}%", (r["tokens"], r["hit_rate"] * 100), textcoords="offset points",
+                    xytext=(0, 6), ha="center", fontsize=8)
+    right = ax.twinx()
+    right.plot(tokens, [r["output_tokens_per_s"] for r in rows], "s--", color="tab:gray", lw=0.8,
+               label="output tokens/s")
+    right.set_ylabel("output tokens/s", color="tab:gray")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -33,6 +33,13 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.cache_blocks:
         result["sweep"] = cache_size_sweep(setup, make_sessions, args.cache_blocks,
                                            max_concurrency=args.max_concurrency, progress=progress)
+        if args.sweep_plot:
+            from trajserve.sim.plot import plot_hit_rate_sweep
+
+            plot_hit_rate_sweep(result["sweep"], args.sweep_plot,
+                                f"{setup.model.name} on {setup.model.tp} x {setup.hw.name}: {args.workload}")
+    elif args.sweep_plot:
+        raise ValueError("--sweep-plot needs --cache-blocks (the pool sizes to simulate)")
     if not args.cache_blocks or args.plot:
         sim, tokens = setup.simulator(max_concurrency=args.max_concurrency, progress=progress)
         res = sim.run(make_sessions(tokens))
@@ -48,6 +55,28 @@ def run_simulate(args: argparse.Namespace) -> int:
     else:
         print_report(result, args)
     return 0
+
+
+def print_pauses(p: dict, block_size: int) -> None:
+    """Keep decisions and tier traffic of the tool pauses (sim/pauses.py)."""
+    n = p["pauses"]
+    hint = "true waits announced" if p["wait_hint"] == "exact" else "waits estimated from history"
+    print(f"\ntool pauses: {n:,} ({p['mode']}, {hint}); host tier {p['host_capacity_bytes'] / 2**30:,.0f} GiB, "
+          f"disk tier {p['disk_capacity_bytes'] / 2**30:,.0f} GiB")
+    if not n:
+        return
+    dec = p["decisions"]
+    print("keep decisions: " + ", ".join(f"{k} {dec.get(k, 0):,} ({dec.get(k, 0) / n * 100:.0f}%)"
+                                         for k in ("keep", "host", "disk", "drop")))
+    out, inn, link = p["blocks_out"], p["blocks_in"], p["link_s"]
+    print(f"blocks out/in: host {out.get('host', 0):,}/{inn.get('host', 0):,}, disk {out.get('disk', 0):,}/"
+          f"{inn.get('disk', 0):,} (x {block_size} tokens); link time host {link.get('host', 0.0):.2f} s, "
+          f"nvme {link.get('nvme', 0.0):.2f} s; steps waited for copies {p['copy_wait_s']:.2f} s")
+    print(f"prefetches {p['prefetches']:,} (hits {p['prefetch_hits']:,}), resume stalls {p['resume_stalls']:,} "
+          f"({p['resume_stall_s']:.2f} s); lease demotions {p['lease_demotions']:,}, pressure demotions "
+          f"{p['pressure_demotions']:,}, stall drops {p['stall_drops']:,}; recomputed on resume "
+          f"{p['recomputed_tokens']:,} tokens; peak host {p['host_peak_bytes'] / 1e9:,.1f} GB, "
+          f"disk {p['disk_peak_bytes'] / 1e9:,.1f} GB")
 
 
 def _ms(d: dict, k: str) -> str:
@@ -92,6 +121,14 @@ def print_report(res: dict, args: argparse.Namespace) -> None:
         print(f"U_KV (eq. 8): time-weighted mean {u['mean'] * 100 if u['mean'] is not None else 0:.1f}%, "
               f"max {u['max'] * 100 if u['max'] is not None else 0:.1f}%; preemptions {m['preemptions']:,}, "
               f"evicted blocks {m['evicted_blocks']:,}, copy-on-write copies {m['cow_copies']:,}")
+    if res.get("summary") and res["summary"].get("prefix_tiers"):
+        t = res["summary"]["prefix_tiers"]
+        print(f"\nprefix cache lower tiers: {t['spilled_blocks']:,} blocks spilled by LRU, {t['promoted_blocks']:,} "
+              f"loaded back on hits ({t['loaded_host_blocks']:,} from host, {t['loaded_disk_blocks']:,} from disk); "
+              f"{t['demoted_blocks']:,} host -> disk, {t['dropped_blocks']:,} dropped; holding {t['host_blocks']:,} "
+              f"host + {t['disk_blocks']:,} disk blocks at the end")
+    if res.get("summary") and res["summary"].get("pauses"):
+        print_pauses(res["summary"]["pauses"], res["summary"]["block_size"])
     if res.get("per_turn"):
         print(f"\n{'turn':>4} {'calls':>6} {'prompt':>8} {'hit':>7} {'TTFT p50 ms':>12}")
         for r in res["per_turn"]:
@@ -107,4 +144,6 @@ def print_report(res: dict, args: argparse.Namespace) -> None:
                   f"{r['preemptions']:>8,} {p50} {r['output_tokens_per_s']:>10,.1f} {r['wall_s']:>7.1f}")
     if args.plot:
         print(f"\nU_KV plot: {args.plot}")
+    if args.sweep_plot:
+        print(f"hit rate vs pool size plot: {args.sweep_plot}")
     print()

@@ -8,7 +8,8 @@ Loop (one iteration = one engine step):
     out = scheduler.schedule()           same code as LLMEngine.step()
     clock += runner.execute(out)          cost model instead of the forward
     scheduler.update(out, sampled, clock) placeholder tokens, fixed lengths
-    finished calls: record metrics; the session's next call arrives after its wait
+    finished calls: record metrics; the session's next call arrives after its wait,
+                    and meanwhile the keep policy places its state (sim/pauses.py)
 
 A call that arrives while a step runs waits for the step to end, as in the
 engine. Sampled tokens are fresh ids (or a replayed output list), so the
@@ -40,6 +41,8 @@ from trajserve.engine.scheduler import Scheduler, SchedulerOutput
 from trajserve.kv.block_table import blocks_for
 from trajserve.sampling import SamplingParams
 from trajserve.sim.executor import CostModelRunner
+from trajserve.sim.pauses import PauseController
+from trajserve.sim.prefix_tiers import SimPrefixTiers
 from trajserve.sim.tokens import TokenSource
 from trajserve.sim.workload import Call, Session
 
@@ -105,18 +108,25 @@ class SimResult:
     rejected: list[str]         # calls whose prompt cannot fit the pool at all
     runner: CostModelRunner
     wall_s: float               # real seconds the simulation took
+    pauses: dict | None = None  # keep decisions, tier traffic (PauseController.summary)
+    prefix_tiers: dict | None = None  # the prefix cache's lower tiers (SimPrefixTiers.summary)
 
 
 class Simulator:
     def __init__(self, sched: Scheduler, runner: CostModelRunner, tokens: TokenSource, *,
                  max_concurrency: int | None = None, progress: bool = False, desc: str = "simulate",
-                 on_step: Callable[[float, float, SchedulerOutput], None] | None = None) -> None:
+                 on_step: Callable[[float, float, SchedulerOutput], None] | None = None,
+                 pauses: PauseController | None = None, prefix_tiers: SimPrefixTiers | None = None) -> None:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max concurrency must be >= 1, got {max_concurrency}")
         self.sched, self.kv, self.runner, self.tokens = sched, sched.kv, runner, tokens
         self.max_concurrency = max_concurrency
         self.progress, self.desc = progress, desc
         self.on_step = on_step  # (step start, step end, what ran): tests and tracing
+        # Tool pauses under the keep policy; None: paused state just stays in
+        # the prefix cache, unpinned (a client that announces no pauses).
+        self.pauses = pauses
+        self.prefix_tiers = prefix_tiers  # hierarchical prefix cache: its traffic costs step time
         # A request alone can always finish: cap its length at the pool (as the engine does).
         self.cap = self.kv.token_capacity
         self._params: dict[int, SamplingParams] = {}
@@ -133,6 +143,8 @@ class Simulator:
         finally:
             if gc_was_enabled:
                 gc.enable()
+            if self.prefix_tiers is not None:
+                self.prefix_tiers.close()
 
     def _run(self, sessions: Sequence[Session]) -> SimResult:
         t_wall = time.perf_counter()
@@ -143,6 +155,8 @@ class Simulator:
         feed_limit = sched.config.max_num_seqs
         gate = self.max_concurrency
         on_step = self.on_step
+        pauses = self.pauses
+        tiers = self.prefix_tiers
 
         events: list[tuple[float, int, Session]] = []
         for i, s in enumerate(sessions):
@@ -170,6 +184,8 @@ class Simulator:
             while arrived and len(sched.waiting) < feed_limit and (gate is None or inflight < gate):
                 t, s = arrived.popleft()
                 remaining, name = len(s.calls) - s.next, f"{s.name}#{s.next}"
+                if pauses is not None:
+                    pauses.resume(s, t, clock)
                 # Behind a concurrency gate the client sends when a slot frees.
                 req = self._materialize(s, t if gate is None else max(t, clock), live, forced, fork_on_first)
                 if req is None:
@@ -183,7 +199,14 @@ class Simulator:
                     continue
                 if not events:
                     break
-                clock = max(clock, events[0][0])
+                nxt = events[0][0]
+                timer = pauses.next_timer() if pauses is not None else None
+                if timer is not None and timer < nxt:
+                    # Idle until a lease runs out or a prefetch is due.
+                    clock = max(clock, timer)
+                    pauses.tick(clock)
+                    continue
+                clock = max(clock, nxt)
                 continue
 
             if not tl.t:  # the pool before the first step, so a plot starts at the first arrival
@@ -192,8 +215,12 @@ class Simulator:
                 tl.cached.append(kv.num_reclaimable / nb)
                 tl.running.append(0)
                 tl.waiting.append(len(sched.waiting) + len(arrived))
+            if pauses is not None:
+                pauses.tick(clock)
             out = sched.schedule()
             if out.is_empty:
+                if pauses is not None and pauses.relieve_stall():
+                    continue
                 if idle_rounds < 100:
                     # Nothing ran (every running request was preempted, or
                     # an admission failed after evicting part of what it
@@ -207,8 +234,12 @@ class Simulator:
                 raise RuntimeError("simulation stalled: requests queued but none can be scheduled "
                                    f"({len(sched.waiting)} waiting, {len(sched.running)} running)")
             idle_rounds = 0
+            if pauses is not None and pauses.copy_free_at > clock:
+                # The engine thread is still copying KV between tiers.
+                pauses.stats.copy_wait_s += pauses.copy_free_at - clock
+                clock = pauses.copy_free_at
             start = clock
-            clock += runner.execute(out)
+            clock += runner.execute(out, tiers.transfers() if tiers is not None else ())
             if on_step is not None:
                 on_step(start, clock, out)
 
@@ -239,8 +270,14 @@ class Simulator:
                 inflight -= 1
                 s.history = req.all_token_ids
                 s.next += 1
+                if pauses is not None and not is_branch:
+                    pauses.observe_prefill(req.num_prompt_tokens - req.num_cached_tokens,
+                                           rec.first_token[-1] - req.arrival_time)
                 if s.next < len(s.calls):
-                    heapq.heappush(events, (s.next_arrival(clock), seq, s))
+                    t_next = s.next_arrival(clock)
+                    if pauses is not None and t_next > clock:
+                        pauses.pause(s, s.history, s.calls[s.next].cache_salt, t_next - clock, clock)
+                    heapq.heappush(events, (t_next, seq, s))
                     seq += 1
                 else:
                     s.history = []
@@ -258,7 +295,9 @@ class Simulator:
                          preemptions=sched.num_preemptions,
                          evicted_blocks=radix.num_evicted_blocks if radix else 0,
                          cow_copies=kv.num_cow_copies, rejected=rejected, runner=runner,
-                         wall_s=time.perf_counter() - t_wall)
+                         wall_s=time.perf_counter() - t_wall,
+                         pauses=pauses.summary() if pauses is not None else None,
+                         prefix_tiers=tiers.summary() if tiers is not None else None)
 
     # ---------------------------------------------------------------- private
     def _params_for(self, n: int) -> SamplingParams:

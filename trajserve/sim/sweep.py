@@ -23,5 +23,6 @@ def cache_size_sweep(setup: SimSetup, make_sessions: Callable[[TokenSource], lis
                      "rejected": len(res.rejected), "ttft_ms_p50": s["ttft_ms"]["p50"],
                      "ttft_ms_p99": s["ttft_ms"]["p99"],
                      "output_tokens_per_s": s["throughput"]["output_tokens_per_s"],
-                     "duration_s": s["duration_s"], "wall_s": res.wall_s})
+                     "duration_s": s["duration_s"], "wall_s": res.wall_s,
+                     "promoted_blocks": (res.prefix_tiers or {}).get("promoted_blocks", 0)})
     return rows

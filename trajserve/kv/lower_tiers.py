@@ -1,0 +1,224 @@
+"""The radix cache's lower tiers: a hierarchical KV cache (device -> host -> disk).
+
+Spec: kv-cache-management "分层辅助存储" (host DRAM holds seconds-scale
+state, NVMe minutes and longer) and "动态基数树淘汰" (leaf-first LRU).
+
+Without lower tiers, a block the radix cache evicts is gone and the next
+request that needs it recomputes it. With them:
+
+    device  --LRU evict-->  host  --LRU when full-->  disk  --LRU when full-->  dropped
+       ^                      |                         |
+       +------ a match reaches a block held below: loaded back into the tree
+
+Blocks are named by their chained hash (radix_cache.chain_hash: the hash of
+a block's tokens chained through every block before it, under the
+namespace's hash), so equal names mean equal prefixes: a block loaded back
+is exactly the KV the tree would have computed for that position. Each tier
+is exclusive: a block loaded back leaves the tier (it is on the device, and
+will come down again if evicted again).
+
+Disk blocks carry size + CRC-32 (tiers.DiskKVStore): a block that fails a
+check is reported missing, so the match stops there and the rest of the
+prompt is recomputed -- never served corrupt.
+
+Copies run on the engine thread: an eviction reads the blocks before the
+pool reuses them, a load writes them before the step that reads them.
+"""
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from trajserve.kv.tiers import DiskKVStore, HostKVStore
+
+ReadBlocks = Callable[[list[int]], torch.Tensor]        # ModelRunner.read_blocks
+WriteBlocks = Callable[[list[int], torch.Tensor], None]  # ModelRunner.write_blocks
+
+
+@dataclass(slots=True)
+class LowerTierStats:
+    saved_blocks: int = 0       # evicted from the device into the host tier (or straight to disk)
+    demoted_blocks: int = 0     # host -> disk, LRU, to make room
+    dropped_blocks: int = 0     # fell off the last tier (or had nowhere to go)
+    loaded_host_blocks: int = 0
+    loaded_disk_blocks: int = 0
+    corrupt_blocks: int = 0     # failed the disk checks on the way back
+    discarded_blocks: int = 0   # invalidated or cleared
+
+
+class _DiskBookkeeping(HostKVStore):
+    """The disk tier's capacity and LRU order without files, for stand-in
+    tiers (millions of simulated blocks must not become millions of files)."""
+    num_corrupt = 0
+
+    @staticmethod
+    def file_bytes(block: torch.Tensor) -> int:
+        return block.numel() * block.element_size()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self)
+
+    def put(self, key: str, block: torch.Tensor, copy: bool = False) -> bool:
+        return super().put(key, block, copy)
+
+
+class LowerTiers:
+    def __init__(self, read_blocks: ReadBlocks, write_blocks: WriteBlocks, host_bytes: int,
+                 disk_bytes: int = 0, disk_dir: str | None = None, *, files: bool = True,
+                 copy: bool = True) -> None:
+        if host_bytes < 0 or disk_bytes < 0:
+            raise ValueError("lower tier sizes must be >= 0 bytes")
+        self._read, self._write = read_blocks, write_blocks
+        self._copy = copy  # stand-in blocks are one shared byte: nothing to copy
+        self.host = HostKVStore(host_bytes)
+        self._tmp = None
+        self.disk: DiskKVStore | _DiskBookkeeping | None = None
+        if disk_bytes and not files:
+            self.disk = _DiskBookkeeping(disk_bytes)
+        elif disk_bytes:
+            if disk_dir is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="trajserve-kv-cache-")
+            self.disk = DiskKVStore(disk_dir or self._tmp.name, disk_bytes)
+        self._ns: dict[str, Hashable] = {}            # key -> namespace
+        self._by_ns: dict[Hashable, set[str]] = {}    # namespace -> keys in either tier
+        self.stats = LowerTierStats()
+
+    @classmethod
+    def stand_in(cls, host_blocks: int, disk_blocks: int = 0) -> LowerTiers:
+        """Tiers for a control plane without a model (bench replay, simulator):
+        one-byte stand-in blocks under caps of host_blocks / disk_blocks
+        blocks, so they evict, demote and load back as the real ones would."""
+        block = torch.zeros(1, dtype=torch.uint8)
+        return cls(lambda ids: block.expand(len(ids), 1), lambda ids, data: None, host_blocks, disk_blocks,
+                   files=False, copy=False)
+
+    # ------------------------------------------------------------ the spill
+    def save(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> None:
+        """The radix cache is evicting these device blocks: keep their KV."""
+        if not block_ids:
+            return
+        data = self._read(block_ids)
+        for h, block in zip(hashes, data):
+            key = h.hex()
+            self._forget(key)  # an older copy of the same prefix (evicted, recomputed, evicted again)
+            self.stats.saved_blocks += 1
+            if self._to_host(key, block) or self._to_disk(key, block):
+                self._ns[key] = namespace
+                self._by_ns.setdefault(namespace, set()).add(key)
+            else:
+                self.stats.dropped_blocks += 1
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash.hex() in self._ns
+
+    def load(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> int:
+        blocks = []
+        for h in hashes[:len(block_ids)]:
+            key = h.hex()
+            if self._ns.get(key) != namespace:
+                break
+            b = self.host.get(key)
+            if b is not None:
+                self.stats.loaded_host_blocks += 1
+            elif self.disk is not None:
+                before = self.disk.num_corrupt
+                b = self.disk.get(key)
+                if b is None:
+                    self.stats.corrupt_blocks += self.disk.num_corrupt - before
+                    self._forget(key)
+                    break
+                self.stats.loaded_disk_blocks += 1
+            else:
+                break
+            blocks.append(b)
+        if blocks:
+            self._write(block_ids[:len(blocks)], torch.stack(blocks))
+            for h in hashes[:len(blocks)]:
+                self._forget(h.hex())  # exclusive tiers: it lives on the device now
+        return len(blocks)
+
+    def discard_namespace(self, namespace: Hashable) -> None:
+        for key in list(self._by_ns.get(namespace, ())):
+            self._forget(key)
+            self.stats.discarded_blocks += 1
+
+    def clear(self) -> None:
+        for key in list(self._ns):
+            self._forget(key)
+            self.stats.discarded_blocks += 1
+
+    def close(self) -> None:
+        self.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # ---------------------------------------------------------- inspection
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self.host)
+
+    @property
+    def num_disk_blocks(self) -> int:
+        return self.disk.num_blocks if self.disk is not None else 0
+
+    def metrics(self) -> dict:
+        st = self.stats
+        return {"host_blocks": self.num_host_blocks, "host_bytes": self.host.nbytes,
+                "disk_blocks": self.num_disk_blocks, "disk_bytes": self.disk.nbytes if self.disk else 0,
+                "saved_blocks": st.saved_blocks, "demoted_blocks": st.demoted_blocks,
+                "dropped_blocks": st.dropped_blocks, "loaded_host_blocks": st.loaded_host_blocks,
+                "loaded_disk_blocks": st.loaded_disk_blocks, "corrupt_blocks": st.corrupt_blocks,
+                "discarded_blocks": st.discarded_blocks}
+
+    # ------------------------------------------------------------- private
+    def _to_host(self, key: str, block: torch.Tensor) -> bool:
+        size = block.numel() * block.element_size()
+        if size > self.host.byte_cap:
+            return False
+        while self.host.free_bytes < size:
+            self._demote_oldest_host()
+        return self.host.put(key, block, self._copy)
+
+    def _demote_oldest_host(self) -> None:
+        key = self.host.oldest()
+        block = self.host.get(key)
+        self.host.discard(key)
+        if self._to_disk(key, block):
+            self.stats.demoted_blocks += 1
+        else:
+            self._unindex(key)
+            self.stats.dropped_blocks += 1
+
+    def _to_disk(self, key: str, block: torch.Tensor) -> bool:
+        disk = self.disk
+        if disk is None:
+            return False
+        size = disk.file_bytes(block)
+        if size > disk.byte_cap:
+            return False
+        while disk.free_bytes < size:
+            old = disk.oldest()
+            disk.discard(old)
+            self._unindex(old)
+            self.stats.dropped_blocks += 1
+        return disk.put(key, block)
+
+    def _forget(self, key: str) -> None:
+        if key in self._ns:
+            self.host.discard(key)
+            if self.disk is not None:
+                self.disk.discard(key)
+            self._unindex(key)
+
+    def _unindex(self, key: str) -> None:
+        ns = self._ns.pop(key, None)
+        if ns is not None:
+            keys = self._by_ns.get(ns)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_ns[ns]

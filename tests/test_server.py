@@ -276,3 +276,27 @@ def test_session_pause_and_resume_through_the_extensions(server, client):
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "tool_wait_s": 1.0})
     assert r.status_code == 400 and "session_id" in r.json()["error"]["message"]
     wait_idle(server)
+
+
+def test_host_tier_under_the_prefix_cache_serves_an_evicted_conversation():
+    """`serve --kv-host-cache`: a conversation pushed out of a 32-block pool by
+    other traffic comes back from the host tier on its next turn (usage
+    reports the cached tokens) and /metrics shows the traffic."""
+    with ServerProcess("--dtype", "float32", "--num-blocks", "32", "--kv-host-cache", "64MiB",
+                       "--served-model-name", MODEL) as s:
+        def complete(prompt: str) -> dict:
+            r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4,
+                                                             "temperature": 0}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        turn1 = "You are a coding agent with tools read_file and run_tests. " * 8 + "Task: list the files."
+        first = complete(turn1)
+        for k in range(3):
+            complete(f"Unrelated request {k}: " + "summarize the weather report for the coast. " * 20)
+        second = complete(turn1 + first["choices"][0]["text"] + " Now open main.py.")
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 32
+        m = s.metrics()
+        assert m["trajserve_prefix_cache_spilled_blocks_total"] > 0
+        assert m["trajserve_prefix_cache_promoted_blocks_total"] > 0
+        assert m['trajserve_prefix_cache_tier_bytes{tier="host"}'] > 0

@@ -104,6 +104,7 @@ def test_corrupt_disk_block_stops_the_match_there(tmp_path):
     run_request(kv, pool, "b", list(range(200, 216)))
     run_request(kv, pool, "c", list(range(300, 316)))
     assert lower.num_disk_blocks > 0
+    lower.flush()  # disk writes run on the tier's writer thread
     # Flip one byte of a's third block on disk (hash chain: block 2 of a).
     h = kv.radix.path_hash(kv.radix.match_blocks(kv.namespace(None), []).last_node)
     from trajserve.kv.radix_cache import chain_hash
@@ -121,6 +122,34 @@ def test_corrupt_disk_block_stops_the_match_there(tmp_path):
     device_before = matched // B
     assert matched == 8 or device_before < 2  # never past the corrupt block
     assert not lower.contains(hashes[2])
+
+
+def test_disk_writes_run_in_the_background_and_queued_blocks_are_served_from_memory(tmp_path):
+    """A host -> disk demotion returns at once; the block waits in memory for
+    the writer thread and a match that wants it meanwhile gets it from there."""
+    import threading
+
+    kv, pool, lower = manager(num_blocks=6, host_blocks=1, disk_blocks=16, tmp_path=tmp_path)
+    gate = threading.Event()
+    write_file = lower.disk.write_file
+
+    def slow_write(key, block):  # a disk that takes its time
+        gate.wait(timeout=30)
+        write_file(key, block)
+
+    lower.disk.write_file = slow_write
+    a = list(range(100, 116))
+    run_request(kv, pool, "a", a)
+    run_request(kv, pool, "b", list(range(200, 216)))  # a's blocks: device -> host -> disk (queued)
+    assert lower.num_pending_writes > 0 and lower.stats.demoted_blocks > 0
+    assert not list(tmp_path.glob("*.kv"))  # nothing written yet, and nobody waited for it
+    assert run_request(kv, pool, "a2", a + [1]) == 16  # served from the queue, tokens checked
+    assert lower.stats.loaded_disk_blocks > 0
+    gate.set()
+    lower.flush()
+    assert lower.num_pending_writes == 0
+    assert len(list(tmp_path.glob("*.kv"))) == lower.num_disk_blocks > 0
+    lower.close()
 
 
 def test_invalidate_and_tenants_never_reach_the_lower_tiers():
@@ -195,6 +224,7 @@ def test_engine_resumes_a_conversation_from_a_lower_tier_with_identical_output(r
             run(eng, tok.encode(f"Unrelated request number {k}: " + "summarize the weather report. " * 30))
         # Flip one bit in every block now on disk: the resume detects it at the
         # first block it needs from disk and recomputes from there; same tokens.
+        eng.lower.flush()
         files = list(tmp_path.glob("*.kv"))
         assert files
         for f in files:

@@ -21,13 +21,21 @@ Disk blocks carry size + CRC-32 (tiers.DiskKVStore): a block that fails a
 check is reported missing, so the match stops there and the rest of the
 prompt is recomputed -- never served corrupt.
 
-Copies run on the engine thread: an eviction reads the blocks before the
-pool reuses them, a load writes them before the step that reads them.
+Copies between the device and the host run on the engine thread: an
+eviction reads the blocks before the pool reuses them, a load writes them
+before the step that reads them. Disk writes (host -> disk demotions) run
+on one background thread, so a step never waits for a write it does not
+need: a block queued for writing is already counted against the disk cap,
+is served from memory if a match wants it back first, and is simply not
+written if it leaves the tier before its turn.
 """
 from __future__ import annotations
 
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +66,6 @@ class _DiskBookkeeping(HostKVStore):
     def file_bytes(block: torch.Tensor) -> int:
         return block.numel() * block.element_size()
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self)
-
     def put(self, key: str, block: torch.Tensor, copy: bool = False) -> bool:
         return super().put(key, block, copy)
 
@@ -86,6 +90,14 @@ class LowerTiers:
         self._ns: dict[str, Hashable] = {}            # key -> namespace
         self._by_ns: dict[Hashable, set[str]] = {}    # namespace -> keys in either tier
         self.stats = LowerTierStats()
+        # The disk tier's LRU order and sizes, written or still queued (the cap counts both).
+        self._disk_lru: OrderedDict[str, int] = OrderedDict()
+        self._disk_used = 0
+        # Real files: one writer thread; the disk store is touched under the lock.
+        self._pending: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._io = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-cache-io")
+                    if isinstance(self.disk, DiskKVStore) else None)
 
     @classmethod
     def stand_in(cls, host_blocks: int, disk_blocks: int = 0) -> LowerTiers:
@@ -126,7 +138,10 @@ class LowerTiers:
                 self.stats.loaded_host_blocks += 1
             elif self.disk is not None:
                 before = self.disk.num_corrupt
-                b = self.disk.get(key)
+                with self._lock:
+                    b = self._pending.get(key)
+                    if b is None:
+                        b = self.disk.get(key)
                 if b is None:
                     self.stats.corrupt_blocks += self.disk.num_corrupt - before
                     self._forget(key)
@@ -151,8 +166,15 @@ class LowerTiers:
             self._forget(key)
             self.stats.discarded_blocks += 1
 
+    def flush(self) -> None:
+        """Wait until every queued disk write has landed (or been skipped)."""
+        if self._io is not None:
+            self._io.submit(lambda: None).result()
+
     def close(self) -> None:
         self.clear()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -163,12 +185,19 @@ class LowerTiers:
 
     @property
     def num_disk_blocks(self) -> int:
-        return self.disk.num_blocks if self.disk is not None else 0
+        """Blocks in the disk tier, written or queued."""
+        return len(self._disk_lru)
+
+    @property
+    def num_pending_writes(self) -> int:
+        with self._lock:
+            return len(self._pending)
 
     def metrics(self) -> dict:
         st = self.stats
         return {"host_blocks": self.num_host_blocks, "host_bytes": self.host.nbytes,
-                "disk_blocks": self.num_disk_blocks, "disk_bytes": self.disk.nbytes if self.disk else 0,
+                "disk_blocks": self.num_disk_blocks, "disk_bytes": self._disk_used,
+                "pending_disk_writes": self.num_pending_writes,
                 "saved_blocks": st.saved_blocks, "demoted_blocks": st.demoted_blocks,
                 "dropped_blocks": st.dropped_blocks, "loaded_host_blocks": st.loaded_host_blocks,
                 "loaded_disk_blocks": st.loaded_disk_blocks, "corrupt_blocks": st.corrupt_blocks,
@@ -200,18 +229,48 @@ class LowerTiers:
         size = disk.file_bytes(block)
         if size > disk.byte_cap:
             return False
-        while disk.free_bytes < size:
-            old = disk.oldest()
-            disk.discard(old)
+        while self._disk_used + size > disk.byte_cap:
+            old = next(iter(self._disk_lru))
+            self._disk_discard(old)
             self._unindex(old)
             self.stats.dropped_blocks += 1
-        return disk.put(key, block)
+        self._disk_lru[key] = size
+        self._disk_used += size
+        if self._io is None:
+            return disk.put(key, block)
+        with self._lock:
+            self._pending[key] = block
+        self._io.submit(self._write_disk, key)
+        return True
+
+    def _write_disk(self, key: str) -> None:
+        """On the writer thread: the file is written outside the lock (the engine
+        thread never waits for it); a block that left the tier meanwhile is
+        skipped, or its fresh file removed."""
+        with self._lock:
+            block = self._pending.get(key)
+        if block is None:
+            return
+        self.disk.write_file(key, block)
+        with self._lock:
+            if self._pending.pop(key, None) is None:
+                self.disk.path(key).unlink(missing_ok=True)
+            else:
+                self.disk.register(key, block)
+
+    def _disk_discard(self, key: str) -> None:
+        size = self._disk_lru.pop(key, None)
+        if size is None:
+            return
+        self._disk_used -= size
+        with self._lock:
+            self._pending.pop(key, None)
+            self.disk.discard(key)
 
     def _forget(self, key: str) -> None:
         if key in self._ns:
             self.host.discard(key)
-            if self.disk is not None:
-                self.disk.discard(key)
+            self._disk_discard(key)
             self._unindex(key)
 
     def _unindex(self, key: str) -> None:

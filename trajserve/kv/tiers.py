@@ -93,29 +93,35 @@ class DiskKVStore:
         """Bytes one block takes on disk (header + payload)."""
         return _HEADER.size + block.numel() * block.element_size()
 
-    def oldest(self) -> str:
-        """The key written longest ago."""
-        return next(iter(self._sizes))
-
     def path(self, key: str) -> Path:
         return self.dir / f"{key}.kv"
 
     def put(self, key: str, block: torch.Tensor) -> bool:
-        payload = _to_bytes(block)
-        size = _HEADER.size + len(payload)
+        size = self.file_bytes(block)
         if key in self._sizes:
             self.discard(key)
         if size > self.free_bytes:
             return False
+        self.write_file(key, block)
+        self.register(key, block)
+        return True
+
+    def write_file(self, key: str, block: torch.Tensor) -> None:
+        """The I/O half of put, no bookkeeping: a writer thread runs it outside
+        the owner's lock, then the owner registers the block."""
+        payload = _to_bytes(block)
         tmp = self.path(key).with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)))
             f.write(payload)
         os.replace(tmp, self.path(key))  # a crash mid-write never leaves a half block under the real name
+
+    def register(self, key: str, block: torch.Tensor) -> None:
+        """The bookkeeping half of put: the file of `block` is on disk under key."""
+        size = self.file_bytes(block)
         self._sizes[key] = size
         self._meta[key] = (block.dtype, tuple(block.shape))
         self.nbytes += size
-        return True
 
     def get(self, key: str) -> torch.Tensor | None:
         """The block, or None when it is missing or fails its size or

@@ -182,18 +182,9 @@ class KVCacheManager:
         if n > self.pool.num_free:
             self.radix.evict(n - self.pool.num_free)
         n = min(n, self.pool.num_free)
-        got = 0
-        if n > 0:
-            new_ids = self.pool.allocate(n)
-            got = lower.load(ns, hashes[:n], new_ids)
-            self.pool.free(new_ids[got:])
-            if got:
-                if node.parent is not None:
-                    self.radix.insert_blocks(ns, keys[start:start + got], new_ids[:got], below=node)
-                else:
-                    self.radix.insert_blocks(ns, keys[:got], new_ids[:got])
-                self.pool.free(new_ids[:got])  # the tree holds them now
-        self.radix.unlock(node)
+        new_ids = self.pool.allocate(n) if n > 0 else []
+        got = lower.load(ns, hashes[:n], new_ids) if new_ids else 0
+        self._adopt(ns, hit, keys[start:start + got], new_ids, got)
         if not got:
             return hit
         self.num_promoted_blocks += got
@@ -469,10 +460,25 @@ class KVCacheManager:
         them over; the rest (a block failed its checks) go back to the pool."""
         if not new_ids:
             return
+        start, B = len(hit.block_ids), self.block_size
+        new_keys = (keys[start:start + filled] if keys is not None
+                    else self.radix.block_keys(token_ids[start * B:(start + filled) * B]))
+        self._adopt(self.namespace(cache_salt), hit, new_keys, new_ids, filled)
+
+    def _adopt(self, ns: Hashable, hit: MatchResult, new_keys: list[BlockKey], new_ids: list[int],
+               filled: int) -> None:
+        """The end of an import (from a session's saved state or the prefix
+        cache's tiers): the first `filled` new blocks hold their KV and join
+        the tree right below the hit, which the import locked and which is
+        unlocked now; the rest go back to the pool."""
         self.pool.free(new_ids[filled:])
+        node = hit.last_node
         if filled:
-            keys = (keys if keys is not None else self.radix.block_keys(token_ids))[:len(hit.block_ids) + filled]
-            res = self.radix.insert_blocks(self.namespace(cache_salt), keys, hit.block_ids + new_ids[:filled])
+            # An import runs between steps with the hit locked: nothing can
+            # have evicted or invalidated it, so its node still ends the path.
+            assert not node.detached, "the node an import extends left the tree"
+            below = node if node.parent is not None else None  # an empty hit: from the namespace's root
+            res = self.radix.insert_blocks(ns, new_keys[:filled], new_ids[:filled], below=below)
             assert not res.duplicates, "blocks appeared under a pinned path during an import"
             self.pool.free(new_ids[:filled])  # the tree holds them now
-        self.radix.unlock(hit.last_node)
+        self.radix.unlock(node)

@@ -25,6 +25,7 @@ import torch
 
 _MAGIC = b"TSKV1\0"
 _HEADER = struct.Struct("<6sQI")  # magic, payload bytes, crc32
+DISK_HEADER_BYTES = _HEADER.size  # what a block's file holds beyond its KV bytes
 
 
 class HostKVStore:

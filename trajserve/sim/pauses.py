@@ -198,7 +198,6 @@ class PauseController:
             self.stats.resume_stalls += 1
             # Its call (and the whole next step) waits for the copy queue to drain.
             self.stats.resume_stall_s += max(0.0, self.copy_free_at - now)
-        self._release_saved(p)
         hit = kv.cached_prefix(p.history, p.cache_salt, p.keys)
         self.stats.recomputed_tokens += max(0, len(p.history) - 1 - hit.num_tokens)
         p.tier, p.lease_deadline, p.prefetch_at = None, None, None  # its timers are stale now

@@ -13,6 +13,7 @@ from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.copy_engine import CopyEngine
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 VOCAB = 500
@@ -28,8 +29,13 @@ class TokenRunner:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.B = block_size
         self.pool = torch.full((num_blocks, 1, 2, 1, block_size, 1), -1.0)
+        # The real copy engine over views of the pool (one layer: K and V slots).
+        self.copy = CopyEngine([(self.pool[:, 0, 0], self.pool[:, 0, 1])])
 
     def run(self, out) -> None:
+        # As the model runner does: a batch reading blocks still loading waits for them.
+        for job in self.copy.jobs_for([c.block_ids for c in out.chunks] + [[s for s, _ in out.copies]]):
+            job.wait()
         if out.copies:
             src = torch.tensor([s for s, _ in out.copies])
             dst = torch.tensor([d for _, d in out.copies])

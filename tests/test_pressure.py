@@ -130,9 +130,12 @@ def test_offloaded_state_is_prefetched_before_a_known_return(standin):
     mgr.policy.rates.host_bytes_per_s = 1e9  # a reload takes ~nothing: prefetch at 0.8 x the wait
     a.pause(expected_wait_s=0.2, tool="lint", decision="host")
     assert a.prefetch_at is not None and a.tier is Decision.HOST
+    mgr.flush()  # the save lands on the copy engine
     assert eng.kv.cached_prefix(a.history, None).num_tokens == 0
     time.sleep(0.2)
-    mgr.tick()
+    mgr.tick()  # starts the prefetch in the background
+    assert a.copy is not None and not a.prefetched
+    mgr.flush()
     assert a.prefetched and eng.kv.cached_prefix(a.history, None).num_tokens == 60
     history = list(a.history)
     a.resume([7, 8])
@@ -143,6 +146,7 @@ def test_offloaded_state_is_prefetched_before_a_known_return(standin):
     # No hint and no history for the tool: no return time, so no prefetch; the resume loads.
     a.pause(tool="never-seen", decision="host")
     assert a.prefetch_at is None
+    mgr.flush()  # the save has landed (a resume before that would find the state still on the device)
     a.resume([9])
     assert mgr.stats.resume_stalls == 1
     a.close()

@@ -40,6 +40,7 @@ def two_turns(mgr, task: str, pause=None):
     if pause is not None:
         before = mgr.engine.kv.cached_prefix(s.history, None).num_tokens
         d = s.pause(expected_wait_s=1.0, tool="run_tests", decision=pause)
+        mgr.flush()  # saves land on the copy engine: now the device frames are free
         after = mgr.engine.kv.cached_prefix(s.history, None).num_tokens
         info = (d, before, after)
     if s.state is SessionState.PAUSED:
@@ -82,8 +83,8 @@ def test_corrupted_disk_block_is_recomputed_not_served(mgr):
     s = mgr.open(messages(task))
     s.generate(GREEDY)
     s.pause(decision="disk")
-    assert s.saved_blocks > 4
-    mgr.flush()  # the write runs on the I/O thread
+    mgr.flush()  # the copy and the write run on background threads
+    assert s.saved_blocks > 4 and s.table.counts()["disk"] == s.saved_blocks
     bad = 3
     path = mgr.disk.path(mgr._key(s, bad))
     raw = bytearray(path.read_bytes())

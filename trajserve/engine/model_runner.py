@@ -7,12 +7,13 @@ host, one device copy per tensor per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from trajserve.engine.scheduler import SchedulerOutput
+from trajserve.kv.copy_engine import CopyEngine, CopyJob
 from trajserve.model.attention import AttentionMetadata, PrefillSeq
 from trajserve.model.llama import LlamaModel
 
@@ -26,6 +27,8 @@ class PreparedBatch:
     sample_ids: list[str]  # request of each sampled row
     copy_src: torch.Tensor | None = None  # copy-on-write: blocks to copy before the forward
     copy_dst: torch.Tensor | None = None
+    # Reloads still streaming into blocks this batch reads (kv/copy_engine.py).
+    loads: list[CopyJob] = field(default_factory=list)
 
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -43,6 +46,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.device
         self._in_block = np.arange(block_size)
+        # Background device <-> host copies (swaps of paused sessions).
+        self.copy = CopyEngine(kv_caches)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -92,6 +97,8 @@ class ModelRunner:
         if out.copies:
             cp = np.asarray(out.copies, dtype=np.int64)
             batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])
+        if self.copy.loading:  # rare: only while a reload streams in
+            batch.loads = self.copy.jobs_for([c.block_ids for c in out.chunks] + [[s for s, _ in out.copies]])
         return batch
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -121,9 +128,11 @@ class ModelRunner:
     def run(self, batch: PreparedBatch) -> torch.Tensor:
         """Float32 logits [len(batch.sample_ids), vocab]."""
         if batch.copy_src is not None:
+            for job in batch.loads:  # a copy-on-write source must be whole first
+                self.copy.wait_s += job.wait_layer(job.num_layers - 1)
             self.copy_blocks(batch.copy_src, batch.copy_dst)
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                  batch.sample_rows)
+                                  batch.sample_rows, self.copy.layer_barrier(batch.loads))
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         batch = self.prepare(out)

@@ -52,8 +52,10 @@ import torch
 from trajserve.engine.engine import LLMEngine
 from trajserve.engine.memory import bytes_per_block
 from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy, PauseDecision, PauseState
-from trajserve.kv.radix_cache import RadixNode
-from trajserve.kv.tiers import DiskKVStore, HostKVStore
+from trajserve.kv.copy_engine import CopyJob
+from trajserve.kv.radix_cache import MatchResult, RadixNode
+from trajserve.kv.tiered_table import Tier, TieredBlockTable
+from trajserve.kv.tiers import DISK_HEADER_BYTES, DiskKVStore, HostKVStore
 from trajserve.kv.wait_estimator import WaitEstimator
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
@@ -78,8 +80,10 @@ class Session:
     state: SessionState = SessionState.IDLE
     tier: Decision | None = None  # where a paused session's state waits
     decision: PauseDecision | None = None
-    saved_blocks: int = 0  # full blocks saved on the host / disk tier
-    pin: RadixNode | None = None
+    # Where each block of the state is (device / host / disk), while it is
+    # saved or being moved; None when it is simply on the device.
+    table: TieredBlockTable | None = None
+    pin: RadixNode | None = None  # a keep (or a landed prefetch) holds the path
     lease_deadline: float | None = None
     paused_at: float | None = None
     tool: str | None = None
@@ -93,6 +97,15 @@ class Session:
     prefetch_at: float | None = None  # when to load offloaded state back
     prefetched: bool = False
     io: Future | None = None  # background disk write of this session's blocks
+    copy: CopyJob | None = None  # a save or load in flight on the copy engine
+    hold: RadixNode | None = None  # pins the device frames a copy reads or writes
+    saving: tuple[Decision, int] | None = None  # a save's target tier and reserved bytes
+    importing: tuple[MatchResult, list[int]] | None = None  # a prefetch's blocks, adopted when it lands
+
+    @property
+    def saved_blocks(self) -> int:
+        """Blocks of the state held on the host or disk tier."""
+        return 0 if self.table is None else len(self.table) - self.table.counts()["device"]
 
     @property
     def num_tokens(self) -> int:
@@ -130,7 +143,8 @@ class SessionStats:
     prefetches: int = 0
     prefetch_hits: int = 0  # resumes that found prefetched state on the device
     resume_stalls: int = 0  # resumes that had to load state back first
-    resume_stall_s: float = 0.0
+    resume_stall_s: float = 0.0  # time resumed turns waited for their state (loads not hidden)
+    reload_hidden_s: float = 0.0  # copy time of resume reloads hidden behind the turn's prefill
 
 
 class SessionManager:
@@ -162,6 +176,7 @@ class SessionManager:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-io")
         self._disk_lock = threading.Lock()
         self._disk_pending = 0  # bytes of writes queued, reserved on the disk cap
+        self._host_reserved = 0  # bytes of host saves still copying
         self.stalled = False  # the last step() ran nothing and could release nothing
         engine.kv.reclaimer = self._reclaim
 
@@ -189,7 +204,7 @@ class SessionManager:
         """Close every session, let queued writes land, and detach from the engine."""
         for s in list(self.sessions.values()):
             self.close(s)
-        self._io.shutdown(wait=True)
+        self._io.shutdown(wait=True)  # the copy engine is the runner's: it stays
         if self.engine.kv.reclaimer == self._reclaim:
             self.engine.kv.reclaimer = None
         if self._tmp is not None:
@@ -198,6 +213,7 @@ class SessionManager:
     def close(self, s: Session) -> None:
         if s.state is SessionState.CLOSED:
             return
+        self._settle(s)
         self._release_saved(s)
         if s.pin is not None:
             self.engine.kv.unpin(s.pin)
@@ -258,6 +274,7 @@ class SessionManager:
                 "tier": s.tier.value if s.tier is not None else "device",
                 "num_tokens": len(s.history), "device_tokens": hit.num_tokens if hit else 0,
                 "saved_blocks": s.saved_blocks, "turns": s.turns,
+                "blocks_by_tier": s.table.counts() if s.table is not None else None,
                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "decision": None if s.decision is None else {
@@ -347,6 +364,11 @@ class SessionManager:
         return outs
 
     def _relieve_stall(self) -> bool:
+        busy = [s for s in self.sessions.values() if s.copy is not None]
+        for s in busy:  # copies in flight hold frames: land them, then try again
+            self._land(s)
+        if busy:
+            return True
         victims = [s for s in self.sessions.values() if s.state is SessionState.PAUSED and s.pin is not None]
         if not victims:
             return False
@@ -378,7 +400,7 @@ class SessionManager:
         wait = est.seconds
         d = self.policy.decide(PauseState(
             num_tokens=nblocks * kv.block_size, kv_bytes=nblocks * self.block_bytes, expected_wait_s=wait,
-            pool_usage=kv.active_usage(), host_free_bytes=self.host.free_bytes,
+            pool_usage=kv.active_usage(), host_free_bytes=self.host_free_bytes,
             disk_free_bytes=self.disk_free_bytes))
         if decision is not None:
             forced = Decision(decision)
@@ -403,14 +425,21 @@ class SessionManager:
             raise ValueError(f"session {s.session_id!r} is not paused")
         self.waits.observe(s.tool, time.monotonic() - s.paused_at)
         kv = self.engine.kv
+        t = time.perf_counter()
+        if s.copy is not None and s.copy.kind == "save":
+            self._abandon_save(s)  # back before its save landed: the state never left
+            s.tier = Decision.KEEP
+        elif s.copy is not None:  # a prefetch still loading: it must land first
+            self._land_load(s)
+            self.stats.resume_stall_s += time.perf_counter() - t
         if s.pin is not None:
             kv.unpin(s.pin)
             s.pin = None
         if s.prefetched:
             self.stats.prefetch_hits += 1
         elif s.tier in (Decision.HOST, Decision.DISK):
-            t = time.perf_counter()
-            self._reload(s)
+            # The turn's prefill overlaps the copy; what it waits is added when the load lands.
+            self._start_load(s, prefetch=False)
             self.stats.resume_stalls += 1
             self.stats.resume_stall_s += time.perf_counter() - t
         hit = kv.cached_prefix(s.history, s.cache_salt)
@@ -427,6 +456,8 @@ class SessionManager:
         state whose return is near is loaded back."""
         now = time.monotonic()
         for s in list(self.sessions.values()):
+            if s.copy is not None and s.copy.done:
+                self._land(s)
             if s.state is SessionState.PAUSED and s.tier is Decision.KEEP and s.lease_deadline is not None \
                     and now >= s.lease_deadline:
                 self.stats.lease_demotions += 1
@@ -440,14 +471,24 @@ class SessionManager:
                     and s.tier in (Decision.HOST, Decision.DISK):
                 self._prefetch(s)
 
-    def _demote(self, s: Session) -> None:
+    def _demote(self, s: Session, sync: bool = False) -> None:
         """A kept state leaves the device: where the policy said it goes once
-        the lease is over (its fallback), with a prefetch if the return is known."""
+        the lease is over (its fallback), with a prefetch if the return is known.
+        sync: the pool needs the frames now, so a save lands before returning."""
         self.engine.kv.unpin(s.pin)
         s.pin = None
         s.prefetched = False
         fallback = s.decision.fallback if s.decision is not None else None
-        self._place(s, fallback or self.policy.demote(Decision.KEEP), None)
+        self._place(s, fallback or self.policy.demote(Decision.KEEP), None, sync)
+
+    def _settle(self, s: Session) -> None:
+        """No copy in flight for s afterwards (before closing it)."""
+        if s.copy is None:
+            return
+        if s.copy.kind == "save":
+            self._abandon_save(s)
+        else:
+            self._land_load(s)
 
     def _reclaim(self, need: int) -> int:
         """The KV manager's reclaimer: free `need` blocks by moving kept
@@ -456,15 +497,23 @@ class SessionManager:
         hold is the manager's own, so it can go again."""
         kv = self.engine.kv
         now = time.monotonic()
+        freed = 0
+        # Saves in flight first: their frames are leaving anyway, landing them is only a wait.
+        for s in list(self.sessions.values()):
+            if freed >= need:
+                return freed
+            if s.copy is not None and s.copy.kind == "save":
+                before = kv.pool.num_free
+                self._land_save(s)
+                freed += kv.pool.num_free - before
         cands = [s for s in self.sessions.values()
                  if s.state is SessionState.PAUSED and s.pin is not None and (s.prefetched or not s.forced)]
         cands.sort(key=lambda s: s.paused_at + s.expected_wait_s - now, reverse=True)
-        freed = 0
         for s in cands:
             if freed >= need:
                 break
             before = kv.pool.num_free
-            self._demote(s)
+            self._demote(s, sync=True)
             self.stats.pressure_demotions += 1
             freed += kv.pool.num_free - before
         return freed
@@ -474,24 +523,27 @@ class SessionManager:
         Not above the ceiling: that would only push other state out."""
         s.prefetch_at = None
         kv = self.engine.kv
-        if kv.active_usage() >= self.policy.admission_ceiling:
+        if kv.active_usage() >= self.policy.admission_ceiling or s.copy is not None:
             return
-        if self._reload(s):
-            s.pin = kv.pin(s.history, s.cache_salt)
-            s.tier, s.prefetched, s.lease_deadline = Decision.KEEP, True, None
-            self.stats.prefetches += 1
+        self._start_load(s, prefetch=True)  # lands in a later tick (or at the resume)
 
     # ------------------------------------------------------------ placement
-    def _place(self, s: Session, d: Decision, lease_s: float | None) -> None:
+    # Saves and loads run on the runner's copy engine (kv/copy_engine.py):
+    # a save keeps the path pinned until its host copy lands, then the
+    # session's tiered block table is remapped and the device frames freed
+    # (land_save); a load streams into blocks layer by layer while the
+    # prefill that reads them runs (the runner waits per layer). tick()
+    # lands whatever finished; pressure lands a save at once.
+
+    def _place(self, s: Session, d: Decision, lease_s: float | None, sync: bool = False) -> None:
         kv = self.engine.kv
         self.stats.decisions[d.value] += 1
         if d is Decision.KEEP:
             s.pin = kv.pin(s.history, s.cache_salt)
             s.lease_deadline = None if lease_s is None else time.monotonic() + lease_s
         elif d in (Decision.HOST, Decision.DISK):
-            d = self._save(s, d)
-            kv.evict_prefix(s.history, s.cache_salt)
-        else:
+            d = self._save(s, d, sync)
+        if d is Decision.DROP:
             kv.evict_prefix(s.history, s.cache_salt)
         s.tier = d
         if d in (Decision.HOST, Decision.DISK) and math.isfinite(s.expected_wait_s) and self.prefetch_fraction > 0:
@@ -503,46 +555,85 @@ class SessionManager:
                 s.prefetch_at = None  # the return is due already: the resume loads it
 
     @property
+    def host_free_bytes(self) -> int:
+        return self.host.free_bytes - self._host_reserved
+
+    @property
     def disk_free_bytes(self) -> int:
         # Both under the lock: the I/O thread moves bytes from pending to written.
         with self._disk_lock:
             return max(0, self.disk.free_bytes - self._disk_pending)
 
-    def _save(self, s: Session, d: Decision) -> Decision:
-        """Copy the session's device blocks to the tier; a tier without room
-        falls to the next (host -> disk -> drop). The device copy is taken
-        now (the blocks are freed next); the disk write runs on the I/O thread."""
-        hit = self.engine.kv.cached_prefix(s.history, s.cache_salt)
+    def _save(self, s: Session, d: Decision, sync: bool) -> Decision:
+        """Start copying the session's device blocks to the tier; a tier
+        without room falls to the next (host -> disk -> drop). The room is
+        reserved now, the blocks stay pinned until the copy lands."""
+        kv = self.engine.kv
+        hit = kv.cached_prefix(s.history, s.cache_salt)
         if not hit.block_ids:
             return Decision.DROP
-        t = time.perf_counter()
-        data = self.engine.runner.read_blocks(hit.block_ids)
-        nbytes = data.numel() * data.element_size()
         n = len(hit.block_ids)
         if d is Decision.HOST:
-            saved = 0
-            for i in range(n):
-                if not self.host.put(self._key(s, i), data[i]):
-                    break
-                saved += 1
-            if saved < n:
-                for i in range(saved):
-                    self.host.discard(self._key(s, i))
-                return self._save(s, Decision.DISK)
-            self.policy.rates.observe_host_copy(nbytes, time.perf_counter() - t)
-        else:
-            size = n * self.disk.file_bytes(data[0])
+            if n * self.block_bytes <= self.host_free_bytes:
+                self._host_reserved += n * self.block_bytes
+                reserved = n * self.block_bytes
+            else:
+                d = Decision.DISK
+        if d is Decision.DISK:
+            reserved = n * (DISK_HEADER_BYTES + self.block_bytes)
             with self._disk_lock:  # check and reserve in one step
-                fits = size <= self.disk.free_bytes - self._disk_pending
+                fits = reserved <= self.disk.free_bytes - self._disk_pending
                 if fits:
-                    self._disk_pending += size
+                    self._disk_pending += reserved
             if not fits:
                 return Decision.DROP
-            s.io = self._io.submit(self._write_disk, [self._key(s, i) for i in range(n)], data, size)
-        self.stats.swap_out_bytes += nbytes
-        self.stats.swap_out_s += time.perf_counter() - t
-        s.saved_blocks = n
+        s.hold = kv.pin(s.history, s.cache_salt)
+        s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids)
+        s.saving = (d, reserved)
+        s.copy = self.engine.runner.copy.save(hit.block_ids)
+        if sync:
+            self._land_save(s)
         return d
+
+    def _land_save(self, s: Session) -> None:
+        """The host copy is there (waits for it if not): store it, remap the
+        table to the tier, free the device frames. A disk save goes on to
+        the disk writer thread from here."""
+        job, (d, reserved) = s.copy, s.saving
+        self.engine.runner.copy.finish(job)
+        s.copy, s.saving = None, None
+        data, job.data = job.data, None
+        n = data.shape[0]
+        keys = [self._key(s, i) for i in range(n)]
+        if d is Decision.HOST:
+            self._host_reserved -= reserved
+            for k, block in zip(keys, data):
+                ok = self.host.put(k, block, copy=False)  # a fresh host tensor, reserved room
+                assert ok, "host tier reservation did not hold"
+            self.policy.rates.observe_host_copy(job.nbytes, job.seconds)
+        else:
+            s.io = self._io.submit(self._write_disk, keys, data, reserved)
+        s.table.remap(0, Tier.HOST if d is Decision.HOST else Tier.DISK, keys)
+        self.stats.swap_out_bytes += job.nbytes
+        self.stats.swap_out_s += job.seconds
+        self.engine.kv.unpin(s.hold)
+        s.hold = None
+        self.engine.kv.evict_prefix(s.history, s.cache_salt)
+
+    def _abandon_save(self, s: Session) -> None:
+        """Resumed or closed before the save landed: the blocks never left
+        the device, so the copy is thrown away."""
+        d, reserved = s.saving
+        self.engine.runner.copy.finish(s.copy)
+        s.copy.data = None
+        s.copy, s.saving, s.table = None, None, None
+        if d is Decision.HOST:
+            self._host_reserved -= reserved
+        else:
+            with self._disk_lock:
+                self._disk_pending -= reserved
+        self.engine.kv.unpin(s.hold)
+        s.hold = None
 
     def _write_disk(self, keys: list[str], data: torch.Tensor, reserved: int) -> tuple[int, int, float]:
         """On the I/O thread: write the blocks. Returns (blocks written, bytes,
@@ -557,58 +648,114 @@ class SessionManager:
                 written += 1
         return written, written * data[0].numel() * data.element_size(), time.perf_counter() - t
 
-    def _collect_write(self, s: Session) -> int:
-        """Wait for the session's disk write (if any); blocks on disk."""
+    def _collect_write(self, s: Session) -> None:
+        """Wait for the session's disk write (if any); entries it could not
+        write are dropped from the table (recomputed on resume)."""
         if s.io is None:
-            return s.saved_blocks
+            return
         written, nbytes, dt = s.io.result()
         s.io = None
         self.policy.rates.observe_disk_copy(nbytes, dt)
         self.stats.swap_out_s += dt
-        return written
+        if s.table is not None:
+            s.table.truncate(written)
 
     def flush(self) -> None:
-        """Wait until every queued disk write has landed."""
+        """Land every copy in flight and wait until every queued disk write has landed."""
         for s in list(self.sessions.values()):
+            self._land(s)
             self._collect_write(s)
 
-    def _reload(self, s: Session) -> bool:
-        """Saved blocks back into fresh device blocks, into the tree.
-        False when the device has no room (the next turn recomputes them)."""
-        kv, runner = self.engine.kv, self.engine.runner
-        store = self.host if s.tier is Decision.HOST else self.disk
-        t = time.perf_counter()
-        got = kv.begin_import(s.history, s.cache_salt, s.saved_blocks)
+    def _land(self, s: Session) -> None:
+        if s.copy is not None:
+            self._land_save(s) if s.copy.kind == "save" else self._land_load(s)
+
+    def _start_load(self, s: Session, prefetch: bool) -> bool:
+        """Bring saved blocks back into fresh device blocks. False when the
+        device has no room (the next turn recomputes them).
+
+        resume:   the blocks are read (a disk block passes its checks here,
+                  before anyone can hit it), join the tree at once, and their
+                  KV streams in on the copy engine while the turn's prefill
+                  runs: the runner waits per layer, so the copy of deep layers
+                  hides behind the compute of shallow ones.
+        prefetch: reading and copying both run in the background; the tree
+                  takes the blocks when the copy lands (_land_load)."""
+        kv = self.engine.kv
+        self._collect_write(s)
+        got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None:
             self._release_saved(s)
             return False
         hit, new_ids = got
         have = len(hit.block_ids)
-        written = self._collect_write(s)
+        copy = self.engine.runner.copy
+        if prefetch:
+            s.copy = copy.load(new_ids, lambda: self._fetch(s, have, have + len(new_ids)))
+            s.importing = (hit, new_ids)
+            return True
+        data = self._fetch(s, have, have + len(new_ids))
+        filled = 0 if data is None else data.shape[0]
+        kv.finish_import(s.history, s.cache_salt, hit, new_ids, filled)
+        self._release_saved(s)
+        if filled:
+            # Device-resident now (the KV still streaming in): the table says so until it lands.
+            s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids + new_ids[:filled])
+            s.hold = kv.pin(s.history, s.cache_salt)  # nobody evicts blocks still being written
+            s.copy = copy.load(new_ids[:filled], data)
+        return True
+
+    def _fetch(self, s: Session, start: int, end: int) -> torch.Tensor | None:
+        """Saved blocks [start, end) from their tiers, up to the first one
+        missing or failing its checks (may run on the copy thread)."""
         blocks = []
         with self._disk_lock:
-            for i in range(have, min(have + len(new_ids), written)):
-                b = store.get(self._key(s, i))
+            for i in range(start, min(end, len(s.table))):
+                tier, key = s.table.tiers[i], s.table.frames[i]
+                b = self.host.get(key) if tier is Tier.HOST else self.disk.get(key) if tier is Tier.DISK else None
                 if b is None:  # missing or corrupt: recompute from here on
                     break
                 blocks.append(b)
-        if blocks:
-            data = torch.stack(blocks)
-            runner.write_blocks(new_ids[:len(blocks)], data)
-            self.stats.swap_in_bytes += data.numel() * data.element_size()
-        kv.finish_import(s.history, s.cache_salt, hit, new_ids, len(blocks))
+        return torch.stack(blocks) if blocks else None
+
+    def _land_load(self, s: Session) -> None:
+        """A load finished (waits for it if not): a prefetch's blocks join the
+        tree now; a resume's were there already and are unpinned."""
+        job = s.copy
+        kv = self.engine.kv
+        self.engine.runner.copy.finish(job)
+        s.copy = None
+        if s.importing is not None:
+            hit, new_ids = s.importing
+            s.importing = None
+            kv.finish_import(s.history, s.cache_salt, hit, new_ids, job.filled)
+            self._release_saved(s)
+            # Held on the device until the resume (the reclaimer may still move it).
+            s.pin = kv.pin(s.history, s.cache_salt)
+            s.tier, s.prefetched, s.lease_deadline = Decision.KEEP, True, None
+            self.stats.prefetches += 1
+        else:
+            kv.unpin(s.hold)
+            s.hold, s.table = None, None
+            self.stats.resume_stall_s += job.waited_s  # what the copy did not hide
+            self.stats.reload_hidden_s += max(0.0, job.seconds - job.waited_s)
+        self.stats.swap_in_bytes += job.nbytes
+        self.stats.swap_in_s += job.seconds
         self.stats.corrupt_blocks = self.disk.num_corrupt
-        self.stats.swap_in_s += time.perf_counter() - t
-        self._release_saved(s)
-        return True
+        if job.nbytes:
+            self.policy.rates.observe_host_copy(job.nbytes, job.seconds)
 
     def _release_saved(self, s: Session) -> None:
+        """Let go of the session's blocks on the host and disk tiers."""
         self._collect_write(s)  # a write in flight must land before its files go
+        if s.table is None:
+            return
         with self._disk_lock:
-            for i in range(s.saved_blocks):
-                self.host.discard(self._key(s, i))
-                self.disk.discard(self._key(s, i))
-        s.saved_blocks = 0
+            for _, key in s.table.frames_in(Tier.HOST):
+                self.host.discard(key)
+            for _, key in s.table.frames_in(Tier.DISK):
+                self.disk.discard(key)
+        s.table = None
 
     @staticmethod
     def _key(s: Session, i: int) -> str:
@@ -629,4 +776,6 @@ class SessionManager:
                 "host_blocks": len(self.host), "disk_blocks": self.disk.num_blocks,
                 "pressure_demotions": st.pressure_demotions, "stall_drops": st.stall_drops,
                 "prefetches": st.prefetches, "prefetch_hits": st.prefetch_hits,
-                "resume_stalls": st.resume_stalls, "resume_stall_s": st.resume_stall_s}
+                "resume_stalls": st.resume_stalls, "resume_stall_s": st.resume_stall_s,
+                "reload_hidden_s": st.reload_hidden_s,
+                "copies_in_flight": sum(s.copy is not None for s in self.sessions.values())}

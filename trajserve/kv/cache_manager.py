@@ -473,12 +473,17 @@ class KVCacheManager:
         unlocked now; the rest go back to the pool."""
         self.pool.free(new_ids[filled:])
         node = hit.last_node
+        if filled and node.detached:
+            # Invalidated while a background import ran (locking stops eviction,
+            # not invalidation): what it loaded must not be served.
+            self.pool.free(new_ids[:filled])
+            filled = 0
         if filled:
-            # An import runs between steps with the hit locked: nothing can
-            # have evicted or invalidated it, so its node still ends the path.
-            assert not node.detached, "the node an import extends left the tree"
             below = node if node.parent is not None else None  # an empty hit: from the namespace's root
-            res = self.radix.insert_blocks(ns, new_keys[:filled], new_ids[:filled], below=below)
-            assert not res.duplicates, "blocks appeared under a pinned path during an import"
-            self.pool.free(new_ids[:filled])  # the tree holds them now
+            # A background import (a prefetch) may find some of its blocks
+            # computed meanwhile by a request with the same prefix: the tree
+            # keeps its own (insert reports them as duplicates) and ours go
+            # back to the pool with the next line.
+            self.radix.insert_blocks(ns, new_keys[:filled], new_ids[:filled], below=below)
+            self.pool.free(new_ids[:filled])  # the tree holds the ones it took
         self.radix.unlock(node)

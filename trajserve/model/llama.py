@@ -7,6 +7,8 @@ every prompt token.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -70,14 +72,17 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor) -> torch.Tensor:
-        """Returns float32 logits [len(sample_rows), vocab]."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Returns float32 logits [len(sample_rows), vocab]. `before_layer(l)`
+        runs before layer l touches the KV pool: a reload still streaming in
+        (kv/copy_engine.py) is waited for one layer at a time."""
         c = self.config
         T = input_ids.shape[0]
         x = self.embed[input_ids]
         cos = self.cos[positions].to(self.dtype)
         sin = self.sin[positions].to(self.dtype)
-        for L, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = self._rms(x, L.in_norm)
             qkv = L.qkv(h)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
@@ -88,6 +93,8 @@ class LlamaModel:
             # One rotation for q and k heads together: half the RoPE ops.
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
+            if before_layer is not None:
+                before_layer(i)
             write_kv(k, v, k_cache, v_cache, meta)
             a = paged_attention(q, k_cache, v_cache, meta, self.scale)
             x = x + L.o(a.reshape(T, self.q_size))

@@ -1,0 +1,189 @@
+"""Asynchronous block copies between the device pool and host memory.
+
+Spec: kv-cache-management "异步分页换入换出": swaps go to a copy engine that
+runs beside the compute (a CUDA copy stream on a GPU; one background thread
+here), so a step never waits for a transfer it does not need, and a reload
+is pipelined with the prefill that needs it:
+
+    save   device blocks -> a host tensor. The blocks stay allocated (their
+           path is pinned) until the copy has landed; the owner then remaps
+           them to the host tier and frees the device frames (the spec's
+           "callback" that switches TIER_GPU to TIER_HOST).
+    load   a host tensor -> device blocks, one layer at a time. A step whose
+           batch reads those blocks waits, before each layer's attention,
+           for that layer only (wait_layer): layer l's copy overlaps the
+           compute of the layers before it, and the prefill of a resumed
+           turn's observation hides the reload ("流水线化分块重新加载与观测预填充").
+
+Layer granularity is what makes the overlap real: attention at layer l
+needs the old KV of layer l and nothing deeper. Both directions run on one
+thread, in submission order, like one bidirectional copy stream.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V pools [num_blocks, H_kv, B, d]
+
+
+class CopyJob:
+    """One transfer. `layers_done` counts layers copied (loads); `data` holds
+    a save's host copy [n, layers, 2, H_kv, B, d] once done."""
+
+    def __init__(self, kind: str, block_ids: list[int], num_layers: int) -> None:
+        self.kind = kind
+        self.block_ids = block_ids
+        self.num_layers = num_layers
+        self.layers_done = 0
+        self.filled = 0  # loads: blocks actually written (a disk read may stop early)
+        self.data: torch.Tensor | None = None
+        self.nbytes = 0
+        self.seconds = 0.0  # copy time on the copy thread
+        self.waited_s = 0.0  # time steps spent waiting for this job (a stall)
+        self.error: BaseException | None = None
+        self._cond = threading.Condition()
+
+    @property
+    def done(self) -> bool:
+        return self.layers_done >= self.num_layers or self.error is not None
+
+    def wait(self) -> None:
+        self.wait_layer(self.num_layers - 1)
+
+    def wait_layer(self, layer: int) -> float:
+        """Block until layer `layer` is copied; returns the seconds waited."""
+        dt = 0.0
+        if self.layers_done <= layer and self.error is None:
+            t = time.perf_counter()
+            with self._cond:
+                self._cond.wait_for(lambda: self.layers_done > layer or self.error is not None)
+            dt = time.perf_counter() - t
+            self.waited_s += dt
+        if self.error is not None:
+            raise RuntimeError(f"KV {self.kind} of {len(self.block_ids)} blocks failed") from self.error
+        return dt
+
+    def _advance(self, layers: int) -> None:
+        with self._cond:
+            self.layers_done = layers
+            self._cond.notify_all()
+
+    def _fail(self, err: BaseException) -> None:
+        with self._cond:
+            self.error = err
+            self._cond.notify_all()
+
+
+class CopyEngine:
+    def __init__(self, kv_caches: KVCaches) -> None:
+        self.kv_caches = kv_caches
+        self.device = kv_caches[0][0].device
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-copy")
+        # Device blocks being written by a load: the runner checks a batch against these.
+        self.loading: dict[int, CopyJob] = {}
+        self.num_saves = self.num_loads = 0
+        self.wait_s = 0.0  # total time steps waited for loads (stalls not hidden by compute)
+
+    # ------------------------------------------------------------ submit
+    def save(self, block_ids: list[int], on_host: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CopyJob:
+        """Copy device blocks to a host tensor, in the background. The caller
+        keeps the blocks allocated and unwritten until job.done. `on_host`
+        runs on the copy thread with the host copy (e.g. to checksum it)."""
+        job = CopyJob("save", list(block_ids), 1)
+        self.num_saves += 1
+        self._thread.submit(self._run_save, job, on_host)
+        return job
+
+    def load(self, block_ids: list[int], data: torch.Tensor | Callable[[], torch.Tensor]) -> CopyJob:
+        """Copy host KV into device blocks, layer by layer, in the background.
+        `data` may be a function run on the copy thread first (a disk read);
+        it returns [k, layers, 2, ...] with k <= len(block_ids): only the
+        first k blocks are written. Nothing may read the blocks before the
+        layer it needs is done: the runner waits (wait_for_batch)."""
+        job = CopyJob("load", list(block_ids), len(self.kv_caches))
+        self.num_loads += 1
+        for b in job.block_ids:
+            self.loading[b] = job
+        self._thread.submit(self._run_load, job, data)
+        return job
+
+    def finish(self, job: CopyJob) -> None:
+        """Wait for the job and forget it (engine thread; before its blocks
+        are freed or handed to anyone who does not wait per layer)."""
+        try:
+            job.wait()
+        finally:
+            if job.kind == "load":
+                for b in job.block_ids:
+                    if self.loading.get(b) is job:
+                        del self.loading[b]
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    # ----------------------------------------------------------- runner side
+    def jobs_for(self, block_ids: list[list[int]]) -> list[CopyJob]:
+        """Loads in flight that write any of these blocks (the tables a batch reads)."""
+        if not self.loading:
+            return []
+        jobs: dict[int, CopyJob] = {}
+        loading = self.loading
+        for table in block_ids:
+            for b in table:
+                j = loading.get(b)
+                if j is not None and not j.done:
+                    jobs[id(j)] = j
+        return list(jobs.values())
+
+    def layer_barrier(self, jobs: list[CopyJob]) -> Callable[[int], None] | None:
+        """The hook a forward calls before layer l's attention."""
+        if not jobs:
+            return None
+
+        def before_layer(layer: int) -> None:
+            for j in jobs:
+                self.wait_s += j.wait_layer(layer)
+        return before_layer
+
+    # ------------------------------------------------------------ the thread
+    def _run_save(self, job: CopyJob, on_host) -> None:
+        try:
+            t = time.perf_counter()
+            idx = torch.tensor(job.block_ids, dtype=torch.long, device=self.device)
+            data = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                                for k, v in self.kv_caches], dim=1).cpu()
+            if on_host is not None:
+                data = on_host(data)
+            job.data = data
+            job.nbytes = data.numel() * data.element_size()
+            job.seconds = time.perf_counter() - t
+            job._advance(1)  # last: a waiter sees data, nbytes and seconds set
+        except BaseException as e:  # noqa: BLE001 -- reported to the waiter, never lost on the thread
+            job._fail(e)
+
+    def _run_load(self, job: CopyJob, data) -> None:
+        try:
+            t = time.perf_counter()
+            if callable(data):
+                data = data()
+            n = data.shape[0] if data is not None else 0
+            job.filled = n
+            job.nbytes = data.numel() * data.element_size() if n else 0
+            if n:
+                idx = torch.tensor(job.block_ids[:n], dtype=torch.long, device=self.device)
+                data = data.to(self.device, non_blocking=True)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                if n:
+                    k.index_copy_(0, idx, data[:, layer, 0])
+                    v.index_copy_(0, idx, data[:, layer, 1])
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
+                job.seconds = time.perf_counter() - t
+                job._advance(layer + 1)
+        except BaseException as e:  # noqa: BLE001
+            job._fail(e)

@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(a)
     a.set_defaults(func=cmd_bench_agent)
 
+    from trajserve.bench.resume import add_parser as add_resume_parser
+    add_resume_parser(bsub)
+
     v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000")
     v.add_argument("--model", default=None, help="default: the server's first model")

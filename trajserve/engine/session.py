@@ -150,7 +150,8 @@ class SessionStats:
 class SessionManager:
     def __init__(self, engine: LLMEngine, policy: KeepPolicy | None = None,
                  host_bytes: int = 2 * 2**30, disk_dir: str | None = None, disk_bytes: int = 8 * 2**30,
-                 waits: WaitEstimator | None = None, prefetch_fraction: float = 0.8) -> None:
+                 waits: WaitEstimator | None = None, prefetch_fraction: float = 0.8,
+                 overlap_reload: bool = True) -> None:
         if engine.kv.radix is None:
             raise ValueError("sessions keep their state in the prefix cache: enable prefix caching")
         if engine.kv.reclaimer is not None:
@@ -171,6 +172,9 @@ class SessionManager:
         if not 0 <= prefetch_fraction <= 1:
             raise ValueError(f"prefetch_fraction must be in [0, 1], got {prefetch_fraction}")
         self.prefetch_fraction = prefetch_fraction
+        # False: a resume waits for its whole reload before the turn runs (the
+        # serial baseline the overlap is measured against).
+        self.overlap_reload = overlap_reload
         # One writer thread: disk writes leave the engine thread; the disk
         # store is touched under the lock (the thread writes, resume reads).
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-io")
@@ -442,6 +446,8 @@ class SessionManager:
             self._start_load(s, prefetch=False)
             self.stats.resume_stalls += 1
             self.stats.resume_stall_s += time.perf_counter() - t
+            if not self.overlap_reload and s.copy is not None:
+                self._land_load(s)  # counts its own wait
         hit = kv.cached_prefix(s.history, s.cache_salt)
         self.stats.recomputed_tokens += max(0, len(s.history) - 1 - hit.num_tokens)
         ids = self.engine.tokenizer.encode(observation, add_special_tokens=False) \
@@ -695,7 +701,7 @@ class SessionManager:
             s.importing = (hit, new_ids)
             return True
         data = self._fetch(s, have, have + len(new_ids))
-        filled = 0 if data is None else data.shape[0]
+        filled = len(data)
         kv.finish_import(s.history, s.cache_salt, hit, new_ids, filled)
         self._release_saved(s)
         if filled:
@@ -705,9 +711,10 @@ class SessionManager:
             s.copy = copy.load(new_ids[:filled], data)
         return True
 
-    def _fetch(self, s: Session, start: int, end: int) -> torch.Tensor | None:
+    def _fetch(self, s: Session, start: int, end: int) -> list[torch.Tensor]:
         """Saved blocks [start, end) from their tiers, up to the first one
-        missing or failing its checks (may run on the copy thread)."""
+        missing or failing its checks (may run on the copy thread). Host
+        blocks are not copied here: the copy engine gathers them per layer."""
         blocks = []
         with self._disk_lock:
             for i in range(start, min(end, len(s.table))):
@@ -716,14 +723,16 @@ class SessionManager:
                 if b is None:  # missing or corrupt: recompute from here on
                     break
                 blocks.append(b)
-        return torch.stack(blocks) if blocks else None
+        return blocks
 
     def _land_load(self, s: Session) -> None:
         """A load finished (waits for it if not): a prefetch's blocks join the
         tree now; a resume's were there already and are unpinned."""
         job = s.copy
         kv = self.engine.kv
+        t = time.perf_counter()
         self.engine.runner.copy.finish(job)
+        waited = time.perf_counter() - t  # the engine thread waited here, on top of the forward's waits
         s.copy = None
         if s.importing is not None:
             hit, new_ids = s.importing
@@ -737,8 +746,8 @@ class SessionManager:
         else:
             kv.unpin(s.hold)
             s.hold, s.table = None, None
-            self.stats.resume_stall_s += job.waited_s  # what the copy did not hide
-            self.stats.reload_hidden_s += max(0.0, job.seconds - job.waited_s)
+            self.stats.resume_stall_s += job.waited_s + waited  # what the copy did not hide
+            self.stats.reload_hidden_s += max(0.0, job.seconds - job.waited_s - waited)
         self.stats.swap_in_bytes += job.nbytes
         self.stats.swap_in_s += job.seconds
         self.stats.corrupt_blocks = self.disk.num_corrupt

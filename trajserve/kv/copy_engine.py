@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V pools [num_blocks, H_kv, B, d]
+HostBlocks = list[torch.Tensor] | torch.Tensor  # blocks of [layers, 2, H_kv, B, d]
 
 
 class CopyJob:
@@ -83,7 +84,11 @@ class CopyEngine:
     def __init__(self, kv_caches: KVCaches) -> None:
         self.kv_caches = kv_caches
         self.device = kv_caches[0][0].device
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-copy")
+        # One intra-op thread for copies (the setting is per thread): on a CPU the
+        # copy shares cores with the forward, and a second OpenMP team spinning
+        # beside the forward's costs more than a memcpy gains from threads.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-copy",
+                                          initializer=torch.set_num_threads, initargs=(1,))
         # Device blocks being written by a load: the runner checks a batch against these.
         self.loading: dict[int, CopyJob] = {}
         self.num_saves = self.num_loads = 0
@@ -99,12 +104,13 @@ class CopyEngine:
         self._thread.submit(self._run_save, job, on_host)
         return job
 
-    def load(self, block_ids: list[int], data: torch.Tensor | Callable[[], torch.Tensor]) -> CopyJob:
+    def load(self, block_ids: list[int], data: HostBlocks | Callable[[], HostBlocks | None]) -> CopyJob:
         """Copy host KV into device blocks, layer by layer, in the background.
-        `data` may be a function run on the copy thread first (a disk read);
-        it returns [k, layers, 2, ...] with k <= len(block_ids): only the
-        first k blocks are written. Nothing may read the blocks before the
-        layer it needs is done: the runner waits (wait_for_batch)."""
+        `data`: k <= len(block_ids) blocks, each [layers, 2, H_kv, B, d] (a
+        list, or a tensor with a leading block axis), or a function run on
+        the copy thread first that returns them (a disk read): only the first
+        k blocks are written. Nothing may read the blocks before the layer it
+        needs is done: the runner waits (layer_barrier)."""
         job = CopyJob("load", list(block_ids), len(self.kv_caches))
         self.num_loads += 1
         for b in job.block_ids:
@@ -171,16 +177,17 @@ class CopyEngine:
             t = time.perf_counter()
             if callable(data):
                 data = data()
-            n = data.shape[0] if data is not None else 0
+            n = 0 if data is None else len(data)
             job.filled = n
-            job.nbytes = data.numel() * data.element_size() if n else 0
+            job.nbytes = sum(b.numel() * b.element_size() for b in data) if n else 0
             if n:
                 idx = torch.tensor(job.block_ids[:n], dtype=torch.long, device=self.device)
-                data = data.to(self.device, non_blocking=True)
             for layer, (k, v) in enumerate(self.kv_caches):
                 if n:
-                    k.index_copy_(0, idx, data[:, layer, 0])
-                    v.index_copy_(0, idx, data[:, layer, 1])
+                    # Gathered per layer: layer 0 is on the device after 1/L of the copy.
+                    src = torch.stack([b[layer] for b in data]).to(self.device, non_blocking=True)
+                    k.index_copy_(0, idx, src[:, 0])
+                    v.index_copy_(0, idx, src[:, 1])
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
                 job.seconds = time.perf_counter() - t

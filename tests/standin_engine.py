@@ -14,6 +14,7 @@ from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.copy_engine import CopyEngine
+from trajserve.kv.keep_policy import CostRates
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 VOCAB = 500
@@ -69,6 +70,7 @@ class StandInEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.last_step = StepStats()
         self.runner = TokenRunner(num_blocks, block_size)
+        self.rates = CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9, disk_bytes_per_s=1e9)
         self.reqs: dict[str, Request] = {}
         self.n = 0
         self.tokenizer = None  # the soak test passes token ids only

@@ -7,11 +7,10 @@ import time
 import pytest
 import torch
 
-from trajserve.engine.session import SessionManager
 from trajserve.kv.copy_engine import CopyEngine, CopyJob
 from trajserve.sampling import SamplingParams
 
-from tests.test_sessions import GREEDY, OBS, messages
+from test_sessions import GREEDY, OBS, messages, mgr  # noqa: F401 -- mgr is a fixture
 
 
 def pools(layers=3, blocks=8):
@@ -94,17 +93,6 @@ def test_a_step_is_not_blocked_by_a_load_it_does_not_read(engine_f32):
     eng.runner.copy.finish(job)
     assert job.done and not eng.runner.copy.loading
     kv.pool.free(blocks)
-
-
-@pytest.fixture()
-def mgr(engine_f32, tmp_path):
-    engine_f32.kv.clear_cache()
-    m = SessionManager(engine_f32, disk_dir=str(tmp_path / "kv"))
-    yield m
-    m.shutdown()
-    engine_f32.kv.clear_cache()
-    assert engine_f32.kv.pool.num_free == engine_f32.kv.num_blocks
-    engine_f32.kv.pool.check()
 
 
 def turns(mgr, task, between):

@@ -252,3 +252,21 @@ def test_prefix_cache_lower_tiers_recover_hits_and_their_traffic_costs_step_time
     assert tiered.hit_rate > plain.hit_rate + 0.1
     moved = t["spilled_blocks"] + t["loaded_host_blocks"]
     assert tiered.runner.stats.transfer_s == pytest.approx(cost().transfer_time(moved, B, "host"))
+
+
+def test_simulated_preemptions_swap_to_the_host_tier_by_break_even():
+    """The engine's preemption pricer in the simulator: on H100 / 70B a block
+    round trip over PCIe (2 x 5 MB / 54 GB/s) beats recomputing 16 tokens,
+    so with a prefix host tier every preemption swaps; with a host tier too
+    small to take a victim's blocks, none can."""
+    spec = AgentSpec(trajectories=32, turns=4, tool_wait="exp:5", seed=1)
+    out = {}
+    for host in (100_000, 1):
+        s = SimSetup(Hardware.from_device(get_device("h100")), ModelCost.from_spec(get_model("llama-3-70b"), 8),
+                     600, B, SchedulerConfig(256, 8192, 8192), prefix_host_blocks=host)
+        sim, tokens = s.simulator()
+        out[host] = sim.run(agent_sessions(spec, tokens))
+        assert len(out[host].records) + len(out[host].rejected) == 32 * 4  # two last turns outgrow the pool
+    big, tiny = out[100_000], out[1]
+    assert big.preemptions > 0 and big.swap_preemptions == big.preemptions
+    assert tiny.preemptions > 0 and tiny.swap_preemptions == 0

@@ -23,6 +23,8 @@ from trajserve.engine.request import Request, RequestStatus
 from trajserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.keep_policy import CostRates
+from trajserve.kv.preemption import PreemptionPricer
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
@@ -92,6 +94,14 @@ class LLMEngine:
                                     cc.disk_cache_bytes, cc.disk_cache_dir)
             self.kv.attach_lower_tiers(self.lower)
         self.scheduler = Scheduler(config.scheduler, self.kv)
+        # What the keep policy and preemption price with; a session manager
+        # calibrates it and feeds real prefills and copies in.
+        self.rates = CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9, disk_bytes_per_s=1e9)
+        if self.lower is not None:
+            block_bytes = bytes_per_block(mc, cc.block_size, self.dtype)
+            host = self.lower.host
+            self.scheduler.pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
+                                                     lambda n: n * block_bytes <= host.byte_cap)
         self.sampler = Sampler(config.seed)
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
@@ -402,6 +412,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "swap_preemptions": self.scheduler.num_swap_preemptions,
             "cow_copies": self.kv.num_cow_copies,
             "admission_ceiling": self.config.scheduler.admission_ceiling,
             "ceiling_waits": self.scheduler.num_ceiling_waits,

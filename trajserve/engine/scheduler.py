@@ -8,8 +8,11 @@ kv-cache-management "分块预填充调度". Each step:
   2. then running partial prefills, then waiting requests (FCFS), each cut to
      min(remaining, token budget left, per-request chunk cap);
   3. when the pool is short mid-step, first release paused agent state (the
-     KV manager's reclaimer), then preempt the newest running request (free
-     its blocks, re-queue it at the front for recompute);
+     KV manager's reclaimer), then preempt a running request and re-queue it
+     at the front: with a pricer (kv/preemption.py) the one cheapest to bring
+     back, its blocks swapped to the host tier or dropped for recompute by
+     the break-even rule; without one the newest, recomputed (its blocks stay
+     as cold cache either way until the pool needs them);
   4. admission ceiling: while active blocks (U_KV without the cold cache)
      would exceed tau_high (0.88) of the pool, the queue head waits, unless
      nothing runs; forks above it queue as new requests (they hit the
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from trajserve.config import SchedulerConfig
 from trajserve.engine.request import Request, RequestStatus
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.preemption import PreemptionPricer
 
 
 @dataclass(slots=True)
@@ -68,6 +72,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # preemptions that swapped their blocks out (the rest recompute)
+        self.pricer: PreemptionPricer | None = None  # set by an engine with a host tier
         if not 0 < config.admission_ceiling <= 1:
             raise ValueError(f"admission ceiling must be in (0, 1], got {config.admission_ceiling}")
         self.ceiling_blocks = int(config.admission_ceiling * kv.num_blocks)
@@ -166,16 +172,24 @@ class Scheduler:
                 return True
 
     def _pick_victim(self, scheduled: set[str]) -> Request:
-        """Newest running request not already in this step's batch."""
-        for r in reversed(self.running):
-            if r.request_id not in scheduled:
-                return r
-        raise AssertionError("pool exhausted by requests already scheduled this step")
+        """A running request not already in this step's batch: the newest, or
+        with a pricer the cheapest to bring back (newest on a tie)."""
+        cands = [r for r in reversed(self.running) if r.request_id not in scheduled]
+        if not cands:
+            raise AssertionError("pool exhausted by requests already scheduled this step")
+        if self.pricer is None or len(cands) == 1:
+            return cands[0]
+        B = self.kv.block_size
+        return min(cands, key=lambda r: self.pricer.choose(r.num_computed_tokens // B)[1])
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         _remove_identical(self.running, req)
+        swap = self.pricer is not None and self.pricer.choose(req.num_computed_tokens // self.kv.block_size)[0]
         # Its computed blocks go to the prefix cache: the recompute may hit them.
-        self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
+        # A swap moves them down to the host tier at once; re-admission loads them back.
+        if self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt,
+                           swap_out=swap):
+            self.num_swap_preemptions += 1
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -13,10 +13,14 @@ that path waits:
     disk   write them to the disk tier (size + CRC-32 per block), free them
     drop   free them; the next turn recomputes (prefill) what is missing
 
-Resume loads saved blocks back into fresh device blocks and inserts them in
-the tree, so the next turn's prompt hits them like any cached prefix. A
-block that fails its checks on the way back is discarded, and everything
-from it on is recomputed: never served corrupt, output unchanged.
+Copies run on the runner's copy engine ("异步分页换入换出", kv/copy_engine.py):
+a save pins the path until its host copy lands, then the session's tiered
+block table is remapped to the tier and the device frames are freed. Resume
+puts saved blocks into fresh device blocks and the tree at once, so the next
+turn's prompt hits them like any cached prefix, while their KV streams in
+under that turn's prefill (the forward waits per layer). A block that fails
+its checks on the way back is discarded, and everything from it on is
+recomputed: never served corrupt, output unchanged.
 
 Pressure ("服务遥测动态"; the pitfall of keeping paused state resident
 whatever the wait): the manager is the KV manager's reclaimer. When a
@@ -31,8 +35,8 @@ Prefetch ("异步分页换入换出"): when the wait is known (a hint or the too
 history), offloaded state is loaded back at a safe lower bound of the wait
 (prefetch_fraction x the wait, less the reload time), so the resumed turn
 finds it on the device; a resume that has to load first counts a stall.
-Disk writes run on a background thread: a step never waits for a write it
-does not need.
+Prefetches, and disk writes, run wholly in the background: a step never
+waits for a transfer it does not need.
 """
 from __future__ import annotations
 
@@ -51,8 +55,8 @@ import torch
 
 from trajserve.engine.engine import LLMEngine
 from trajserve.engine.memory import bytes_per_block
-from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy, PauseDecision, PauseState
 from trajserve.kv.copy_engine import CopyJob
+from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
 from trajserve.kv.radix_cache import MatchResult, RadixNode
 from trajserve.kv.tiered_table import Tier, TieredBlockTable
 from trajserve.kv.tiers import DISK_HEADER_BYTES, DiskKVStore, HostKVStore
@@ -159,9 +163,8 @@ class SessionManager:
         self.engine = engine
         self.block_bytes = bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype)
         # The policy's ceiling is the scheduler's: one tau_high for admission and keeping.
-        self.policy = policy or KeepPolicy(CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9,
-                                                     disk_bytes_per_s=1e9),
-                                           admission_ceiling=engine.config.scheduler.admission_ceiling)
+        # The engine's rates: what this manager measures also prices preemption.
+        self.policy = policy or KeepPolicy(engine.rates, admission_ceiling=engine.config.scheduler.admission_ceiling)
         self.waits = waits or WaitEstimator()
         self.host = HostKVStore(host_bytes)
         self._tmp = None if disk_dir else tempfile.TemporaryDirectory(prefix="trajserve-kv-")

@@ -351,15 +351,26 @@ class KVCacheManager:
             self._prefix[child_id] = _PrefixState(st.namespace, list(st.keys), st.node)
 
     def release(self, request_id: str, token_ids: list[int] | None = None, num_computed: int = 0,
-                cache_salt: str | None = None) -> None:
+                cache_salt: str | None = None, swap_out: bool = False) -> int:
         """Free a finished or preempted request's blocks; with token_ids, its
-        computed full blocks go to the prefix cache first."""
+        computed full blocks go to the prefix cache first. swap_out (a
+        preemption that swaps): the blocks of its path no one else uses move
+        to the lower tiers now, so they free at once and come back on a hit.
+        Returns the blocks swapped out."""
         if token_ids is not None:
             self.cache_computed(request_id, token_ids, num_computed, cache_salt)
         self._match_keys.pop(request_id, None)
+        st = self._prefix.get(request_id)
+        node = st.node if st is not None else None
         table = self.tables.pop(request_id, None)
         if table is not None:
             self._drop(request_id, table)
+        if swap_out and node is not None and self.lower is not None:
+            before = self.radix.num_spilled_blocks
+            self.radix.evict_path(node, spill=True)
+            return self.radix.num_spilled_blocks - before
+        return 0
+
 
     def free(self, request_id: str) -> None:
         self.release(request_id)

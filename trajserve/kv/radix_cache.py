@@ -357,14 +357,18 @@ class RadixCache:
         self.num_freed_blocks += freed
         return freed
 
-    def evict_path(self, node: RadixNode) -> int:
+    def evict_path(self, node: RadixNode, spill: bool = False) -> int:
         """Evict `node` and then its ancestors, deepest first, while each is a
         dormant leaf: a session's own history leaves the device, while a
         prefix other paths branch from (a shared preamble) or someone holds
-        stays. Returns blocks freed to the pool."""
+        stays. spill: down to the lower tiers (a swap-out) instead of gone.
+        Returns blocks freed to the pool."""
         freed = 0
         while node.parent is not None and not node.detached and self._evictable(node):
             parent = node.parent
+            if spill and self.spill is not None:
+                self.spill.save(node.namespace, self.block_hashes(node), node.block_ids)
+                self.num_spilled_blocks += len(node.block_ids)
             freed += self._remove_leaf(node)
             node = parent
         self.num_freed_blocks += freed

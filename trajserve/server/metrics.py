@@ -23,7 +23,9 @@ GAUGES = {
     "running": ("trajserve_num_requests_running", "sequences in the running batch", "gauge"),
     "waiting": ("trajserve_num_requests_waiting", "sequences in the admission queue", "gauge"),
     "evicted_blocks": ("trajserve_kv_evicted_blocks", "blocks evicted from the prefix cache", "counter"),
-    "preemptions": ("trajserve_preemptions", "sequences preempted (recompute)", "counter"),
+    "preemptions": ("trajserve_preemptions", "sequences preempted (swapped or recomputed)", "counter"),
+    "swap_preemptions": ("trajserve_swap_preemptions",
+                         "preemptions that swapped their blocks to the host tier (break-even)", "counter"),
     "cow_copies": ("trajserve_kv_cow_copies", "copy-on-write block copies", "counter"),
     "U_KV_active": ("trajserve_kv_active_usage_ratio",
                     "blocks held by requests and pinned paused state / total (admission watches this)", "gauge"),
@@ -91,6 +93,8 @@ class _SnapshotCollector(Collector):
                                ("resume_stalls", "trajserve_kv_resume_stalls",
                                 "resumes that waited for a reload"),
                                ("resume_stall_s", "trajserve_kv_resume_stall_seconds", "time resumes waited"),
+                               ("reload_hidden_s", "trajserve_kv_reload_hidden_seconds",
+                                "reload copy time hidden behind the resumed turn's prefill"),
                                ("swap_out_s", "trajserve_kv_swap_out_seconds", "time copying state out"),
                                ("swap_in_s", "trajserve_kv_swap_in_seconds", "time copying state back")):
             c = CounterMetricFamily(name, doc)

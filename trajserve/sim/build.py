@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from trajserve.config import SchedulerConfig
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.preemption import PreemptionPricer
 from trajserve.plan.catalog import DeviceSpec, ModelSpec
 from trajserve.plan.planner import PlanRequest, plan
 from trajserve.sim.cost_model import CostModel
 from trajserve.sim.executor import CostModelRunner
 from trajserve.sim.hardware import Hardware, ModelCost
-from trajserve.sim.pauses import PauseController
+from trajserve.sim.pauses import PauseController, rates_from_cost
 from trajserve.sim.prefix_tiers import SimPrefixTiers
 from trajserve.sim.simulator import Simulator
 from trajserve.sim.tokens import TokenSource
@@ -60,6 +61,11 @@ class SimSetup:
         tiers = None
         if (self.prefix_host_blocks or self.prefix_disk_blocks) and self.prefix_caching:
             tiers = SimPrefixTiers(kv, self.prefix_host_blocks, self.prefix_disk_blocks)
+            # Preemption swaps or recomputes by the break-even rule, as in the engine.
+            host_cap = self.prefix_host_blocks
+            sched.pricer = PreemptionPricer(rates_from_cost(cost, self.scheduler.max_prefill_chunk),
+                                            int(cost.model.m_token * self.block_size), self.block_size,
+                                            lambda n: n <= host_cap)
         return Simulator(sched, runner, tokens, max_concurrency=max_concurrency, progress=progress,
                          desc=desc, pauses=pauses, prefix_tiers=tiers), tokens
 

@@ -119,7 +119,8 @@ def print_report(res: dict, args: argparse.Namespace) -> None:
               f"({m['cached_tokens']:,} of {m['prompt_tokens']:,} prompt tokens)")
         u = m["u_kv"]
         print(f"U_KV (eq. 8): time-weighted mean {u['mean'] * 100 if u['mean'] is not None else 0:.1f}%, "
-              f"max {u['max'] * 100 if u['max'] is not None else 0:.1f}%; preemptions {m['preemptions']:,}, "
+              f"max {u['max'] * 100 if u['max'] is not None else 0:.1f}%; preemptions {m['preemptions']:,} "
+              f"({m.get('swap_preemptions', 0):,} swapped), "
               f"evicted blocks {m['evicted_blocks']:,}, copy-on-write copies {m['cow_copies']:,}")
     if res.get("summary") and res["summary"].get("prefix_tiers"):
         t = res["summary"]["prefix_tiers"]

@@ -109,6 +109,7 @@ class SimResult:
     runner: CostModelRunner
     wall_s: float               # real seconds the simulation took
     pauses: dict | None = None  # keep decisions, tier traffic (PauseController.summary)
+    swap_preemptions: int = 0   # preemptions that swapped to the host tier (the rest recompute)
     prefix_tiers: dict | None = None  # the prefix cache's lower tiers (SimPrefixTiers.summary)
 
 
@@ -292,7 +293,7 @@ class Simulator:
         radix = kv.radix
         return SimResult(records=rec, timeline=tl, num_blocks=nb, block_size=B, end_time=clock,
                          steps=runner.stats.steps, hit_rate=sched.prefix_hit_rate,
-                         preemptions=sched.num_preemptions,
+                         preemptions=sched.num_preemptions, swap_preemptions=sched.num_swap_preemptions,
                          evicted_blocks=radix.num_evicted_blocks if radix else 0,
                          cow_copies=kv.num_cow_copies, rejected=rejected, runner=runner,
                          wall_s=time.perf_counter() - t_wall,

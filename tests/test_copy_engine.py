@@ -175,3 +175,32 @@ def test_prefetch_loads_in_the_background_and_the_resume_hits(mgr):
     out = turns(mgr, task, prefetched)
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert mgr.stats.prefetches == 1 and mgr.stats.prefetch_hits == 1 and mgr.stats.resume_stalls == 0
+
+
+def test_a_failed_prefetch_falls_back_to_recompute(mgr, monkeypatch):
+    """A prefetch whose copy fails adopts nothing and leaks nothing: the
+    resumed turn recomputes, with the same tokens."""
+    task = "Show the diff."
+    ref = turns(mgr, task, lambda s: s.history.extend(mgr.engine.tokenizer.encode(OBS, add_special_tokens=False)))
+    mgr.engine.kv.clear_cache()
+    copy = mgr.engine.runner.copy
+    real_load = copy.load
+
+    def broken_load(block_ids, data):
+        def fail():
+            raise MemoryError("no room for the staging buffer")
+        return real_load(block_ids, fail)
+
+    def failed_prefetch(s):
+        s.pause(decision="host", expected_wait_s=60)
+        mgr.flush()
+        monkeypatch.setattr(copy, "load", broken_load)
+        s.prefetch_at = time.monotonic()
+        mgr.tick()
+        monkeypatch.setattr(copy, "load", real_load)
+        mgr.flush()
+        assert s.tier.value == "drop" and not s.prefetched and s.table is None and mgr.host.nbytes == 0
+        s.resume(OBS)
+    out = turns(mgr, task, failed_prefetch)
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert mgr.stats.prefetches == 0 and mgr.stats.recomputed_tokens > 0

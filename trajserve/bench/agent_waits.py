@@ -203,6 +203,7 @@ def run_policy(engine, workload, policy: str, args) -> dict:
             "recomputed_tokens": st["recomputed_tokens"], "stall_drops": st["stall_drops"],
             "pressure_demotions": st["pressure_demotions"], "prefetch_hits": st["prefetch_hits"],
             "resume_stalls": st["resume_stalls"], "resume_stall_s": st["resume_stall_s"],
+            "reload_hidden_s": st["reload_hidden_s"], "reload_no_room": st["reload_no_room"],
             "decisions": st["keep_decisions"], "preemptions": engine.scheduler.num_preemptions,
             "calibrated_rates": rates, "agents_started_at_once": max_started,
             "replies": replies}

@@ -1,7 +1,8 @@
 """LLMEngine.step(): schedule -> execute -> sample -> update -> outputs.
 
 The engine is single-threaded and synchronous; callers (LLM, the server)
-add requests and call step() until nothing is left.
+add requests and call step() until nothing is left. Only copies of paused
+session state run beside it, on the runner's copy engine (kv/copy_engine.py).
 """
 from __future__ import annotations
 

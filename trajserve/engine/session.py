@@ -149,6 +149,7 @@ class SessionStats:
     resume_stalls: int = 0  # resumes that had to load state back first
     resume_stall_s: float = 0.0  # time resumed turns waited for their state (loads not hidden)
     reload_hidden_s: float = 0.0  # copy time of resume reloads hidden behind the turn's prefill
+    reload_no_room: int = 0  # reloads given up because the pool had no room (the turn recomputes)
 
 
 class SessionManager:
@@ -694,6 +695,13 @@ class SessionManager:
         self._collect_write(s)
         got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None:
+            # Other sessions' saves in flight still hold their frames: land them and try again.
+            busy = [o for o in self.sessions.values() if o.copy is not None and o.copy.kind == "save"]
+            for o in busy:
+                self._land_save(o)
+            got = kv.begin_import(s.history, s.cache_salt, len(s.table)) if busy else None
+        if got is None:
+            self.stats.reload_no_room += 1
             self._release_saved(s)
             return False
         hit, new_ids = got
@@ -734,7 +742,12 @@ class SessionManager:
         job = s.copy
         kv = self.engine.kv
         t = time.perf_counter()
-        self.engine.runner.copy.finish(job)
+        try:
+            self.engine.runner.copy.finish(job)
+        except RuntimeError:
+            if s.importing is None:
+                raise  # a resume's blocks are in the tree already: nothing safe to fall back to
+            job.filled = 0  # a failed prefetch adopts nothing: the turn recomputes
         waited = time.perf_counter() - t  # the engine thread waited here, on top of the forward's waits
         s.copy = None
         if s.importing is not None:
@@ -742,10 +755,13 @@ class SessionManager:
             s.importing = None
             kv.finish_import(s.history, s.cache_salt, hit, new_ids, job.filled)
             self._release_saved(s)
-            # Held on the device until the resume (the reclaimer may still move it).
-            s.pin = kv.pin(s.history, s.cache_salt)
-            s.tier, s.prefetched, s.lease_deadline = Decision.KEEP, True, None
-            self.stats.prefetches += 1
+            if job.filled:
+                # Held on the device until the resume (the reclaimer may still move it).
+                s.pin = kv.pin(s.history, s.cache_salt)
+                s.tier, s.prefetched, s.lease_deadline = Decision.KEEP, True, None
+                self.stats.prefetches += 1
+            else:
+                s.tier = Decision.DROP  # nothing came back (missing, corrupt or failed)
         else:
             kv.unpin(s.hold)
             s.hold, s.table = None, None
@@ -789,5 +805,5 @@ class SessionManager:
                 "pressure_demotions": st.pressure_demotions, "stall_drops": st.stall_drops,
                 "prefetches": st.prefetches, "prefetch_hits": st.prefetch_hits,
                 "resume_stalls": st.resume_stalls, "resume_stall_s": st.resume_stall_s,
-                "reload_hidden_s": st.reload_hidden_s,
+                "reload_hidden_s": st.reload_hidden_s, "reload_no_room": st.reload_no_room,
                 "copies_in_flight": sum(s.copy is not None for s in self.sessions.values())}

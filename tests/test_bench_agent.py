@@ -80,3 +80,18 @@ def test_bench_tool_waits_small_run_with_trace_waits():
     # Always-keep reserves each agent's final history: fewer agents at once than the others start.
     assert by["keep"]["agents_started_at_once"] < 3 == by["policy"]["agents_started_at_once"]
     assert by["keep"]["stall_drops"] == 0
+
+
+def test_bench_resume_small_run():
+    """`trajserve bench resume`: every mode gives the same first token; the
+    host reload is counted as copied, the kept state copies nothing, and
+    recomputing is the slowest way back."""
+    r = trajserve("bench", "resume", "--json", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+                  "--history-tokens", "256", "--observation-tokens", "32", "--repeats", "1",
+                  "--modes", "keep,host,host-serial,drop", timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    m = res["modes"]
+    assert res["same_first_token"] and set(m) == {"keep", "host", "host-serial", "drop"}
+    assert m["keep"]["reload_copy_s"] == 0 and m["host"]["reload_copy_s"] > 0 and m["host-serial"]["reload_copy_s"] > 0
+    assert m["drop"]["resume_to_first_token_s"] > m["keep"]["resume_to_first_token_s"]

@@ -95,13 +95,12 @@ class CopyEngine:
         self.wait_s = 0.0  # total time steps waited for loads (stalls not hidden by compute)
 
     # ------------------------------------------------------------ submit
-    def save(self, block_ids: list[int], on_host: Callable[[torch.Tensor], torch.Tensor] | None = None) -> CopyJob:
+    def save(self, block_ids: list[int]) -> CopyJob:
         """Copy device blocks to a host tensor, in the background. The caller
-        keeps the blocks allocated and unwritten until job.done. `on_host`
-        runs on the copy thread with the host copy (e.g. to checksum it)."""
+        keeps the blocks allocated and unwritten until job.done."""
         job = CopyJob("save", list(block_ids), 1)
         self.num_saves += 1
-        self._thread.submit(self._run_save, job, on_host)
+        self._thread.submit(self._run_save, job)
         return job
 
     def load(self, block_ids: list[int], data: HostBlocks | Callable[[], HostBlocks | None]) -> CopyJob:
@@ -157,14 +156,12 @@ class CopyEngine:
         return before_layer
 
     # ------------------------------------------------------------ the thread
-    def _run_save(self, job: CopyJob, on_host) -> None:
+    def _run_save(self, job: CopyJob) -> None:
         try:
             t = time.perf_counter()
             idx = torch.tensor(job.block_ids, dtype=torch.long, device=self.device)
             data = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
                                 for k, v in self.kv_caches], dim=1).cpu()
-            if on_host is not None:
-                data = on_host(data)
             job.data = data
             job.nbytes = data.numel() * data.element_size()
             job.seconds = time.perf_counter() - t

@@ -204,3 +204,29 @@ def test_a_failed_prefetch_falls_back_to_recompute(mgr, monkeypatch):
     out = turns(mgr, task, failed_prefetch)
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert mgr.stats.prefetches == 0 and mgr.stats.recomputed_tokens > 0
+
+
+def test_paused_again_before_the_reload_landed_leaks_nothing(mgr, monkeypatch):
+    """Resume (the reload still streaming), then pause at once: the reload
+    lands first, its pin is released, and the new pause proceeds; the
+    fixture checks every block is free at the end."""
+    copy = mgr.engine.runner.copy
+    real_load = copy.load
+
+    def slow_load(block_ids, data):
+        def late():
+            time.sleep(0.2)
+            return data
+        return real_load(block_ids, late)
+
+    s = mgr.open(messages("Rerun the tests."))
+    s.generate(GREEDY)
+    s.pause(decision="host")
+    mgr.flush()
+    monkeypatch.setattr(copy, "load", slow_load)
+    s.resume(OBS)
+    assert s.copy is not None and s.copy.kind == "load"
+    s.pause(decision="drop")
+    assert s.copy is None and s.hold is None and not copy.loading
+    s.resume(OBS)
+    s.close()

@@ -401,6 +401,8 @@ class SessionManager:
         if s.state is SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is already paused")
         self.tick()
+        if s.copy is not None:
+            self._land(s)  # paused again before its reload landed: that copy ends first
         kv = self.engine.kv
         hit = kv.cached_prefix(s.history, s.cache_salt)
         nblocks = len(hit.block_ids)

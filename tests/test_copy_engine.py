@@ -95,6 +95,16 @@ def test_a_step_is_not_blocked_by_a_load_it_does_not_read(engine_f32):
     kv.pool.free(blocks)
 
 
+def delayed(load, seconds):
+    """CopyEngine.load whose source is ready only after `seconds` (a slow link)."""
+    def slow_load(block_ids, data):
+        def late():
+            time.sleep(seconds)
+            return data
+        return load(block_ids, late)
+    return slow_load
+
+
 def turns(mgr, task, between):
     s = mgr.open(messages(task))
     s.generate(GREEDY)
@@ -112,13 +122,7 @@ def test_reload_streams_under_the_resumed_prefill_with_identical_tokens(mgr, mon
     ref = turns(mgr, task, lambda s: s.history.extend(mgr.engine.tokenizer.encode(OBS, add_special_tokens=False)))
     mgr.engine.kv.clear_cache()
     copy = mgr.engine.runner.copy
-    real_load = copy.load
-
-    def slow_load(block_ids, data):
-        def late():
-            time.sleep(0.3)
-            return data
-        return real_load(block_ids, late)
+    real_load, slow_load = copy.load, delayed(copy.load, 0.3)
 
     cached = []
 
@@ -211,13 +215,7 @@ def test_paused_again_before_the_reload_landed_leaks_nothing(mgr, monkeypatch):
     lands first, its pin is released, and the new pause proceeds; the
     fixture checks every block is free at the end."""
     copy = mgr.engine.runner.copy
-    real_load = copy.load
-
-    def slow_load(block_ids, data):
-        def late():
-            time.sleep(0.2)
-            return data
-        return real_load(block_ids, late)
+    slow_load = delayed(copy.load, 0.2)
 
     s = mgr.open(messages("Rerun the tests."))
     s.generate(GREEDY)

@@ -231,17 +231,21 @@ def test_memory_bound_fleet_policy_beats_always_keep():
     assert math.isclose(sum(out["policy"].pauses["decisions"].values()), 64 * 5)
 
 
+def h100_70b_agents(num_blocks: int, prefix_host_blocks: int):
+    """32 agents x 4 turns on 8 x H100 / 70B with this pool and prefix host tier."""
+    s = SimSetup(Hardware.from_device(get_device("h100")), ModelCost.from_spec(get_model("llama-3-70b"), 8),
+                 num_blocks, B, SchedulerConfig(256, 8192, 8192), prefix_host_blocks=prefix_host_blocks)
+    sim, tokens = s.simulator()
+    return sim.run(agent_sessions(AgentSpec(trajectories=32, turns=4, tool_wait="exp:5", seed=1), tokens))
+
+
 def test_prefix_cache_lower_tiers_recover_hits_and_their_traffic_costs_step_time():
     """The hierarchical prefix cache in the simulator: LRU spills to a host
     tier and matches load back, as in the engine; every block moved is
     charged once over the host link (CostModelRunner's transfer time)."""
-    spec = AgentSpec(trajectories=32, turns=4, tool_wait="exp:5", seed=1)
     out = {}
     for host in (0, 100_000):
-        s = SimSetup(Hardware.from_device(get_device("h100")), ModelCost.from_spec(get_model("llama-3-70b"), 8),
-                     2_500, B, SchedulerConfig(256, 8192, 8192), prefix_host_blocks=host)
-        sim, tokens = s.simulator()
-        res = sim.run(agent_sessions(spec, tokens))
+        res = h100_70b_agents(2_500, host)
         assert len(res.records) == 32 * 4
         out[host] = res
     plain, tiered = out[0], out[100_000]
@@ -259,13 +263,9 @@ def test_simulated_preemptions_swap_to_the_host_tier_by_break_even():
     round trip over PCIe (2 x 5 MB / 54 GB/s) beats recomputing 16 tokens,
     so with a prefix host tier every preemption swaps; with a host tier too
     small to take a victim's blocks, none can."""
-    spec = AgentSpec(trajectories=32, turns=4, tool_wait="exp:5", seed=1)
     out = {}
     for host in (100_000, 1):
-        s = SimSetup(Hardware.from_device(get_device("h100")), ModelCost.from_spec(get_model("llama-3-70b"), 8),
-                     600, B, SchedulerConfig(256, 8192, 8192), prefix_host_blocks=host)
-        sim, tokens = s.simulator()
-        out[host] = sim.run(agent_sessions(spec, tokens))
+        out[host] = h100_70b_agents(600, host)
         assert len(out[host].records) + len(out[host].rejected) == 32 * 4  # two last turns outgrow the pool
     big, tiny = out[100_000], out[1]
     assert big.preemptions > 0 and big.swap_preemptions == big.preemptions

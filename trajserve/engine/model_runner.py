@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from trajserve.engine.scheduler import SchedulerOutput
-from trajserve.kv.copy_engine import CopyEngine, CopyJob
+from trajserve.kv.copy_engine import CopyEngine, CopyJob, gather_blocks
 from trajserve.model.attention import AttentionMetadata, PrefillSeq
 from trajserve.model.llama import LlamaModel
 
@@ -112,10 +112,7 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """KV of these blocks as [n, layers, 2, kv_heads, block_size, head_dim] on
         the host (for the host and disk tiers)."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
-                           for k, v in self.kv_caches], dim=1)
-        return out.cpu()
+        return gather_blocks(self.kv_caches, block_ids)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of read_blocks: load saved KV into these device blocks."""

@@ -509,15 +509,8 @@ class SessionManager:
         hold is the manager's own, so it can go again."""
         kv = self.engine.kv
         now = time.monotonic()
-        freed = 0
         # Saves in flight first: their frames are leaving anyway, landing them is only a wait.
-        for s in list(self.sessions.values()):
-            if freed >= need:
-                return freed
-            if s.copy is not None and s.copy.kind == "save":
-                before = kv.pool.num_free
-                self._land_save(s)
-                freed += kv.pool.num_free - before
+        freed = self._land_saves(need)
         cands = [s for s in self.sessions.values()
                  if s.state is SessionState.PAUSED and s.pin is not None and (s.prefetched or not s.forced)]
         cands.sort(key=lambda s: s.paused_at + s.expected_wait_s - now, reverse=True)
@@ -580,6 +573,7 @@ class SessionManager:
         """Start copying the session's device blocks to the tier; a tier
         without room falls to the next (host -> disk -> drop). The room is
         reserved now, the blocks stay pinned until the copy lands."""
+        assert s.copy is None, "one copy per session at a time (pause lands a reload first)"
         kv = self.engine.kv
         hit = kv.cached_prefix(s.history, s.cache_salt)
         if not hit.block_ids:
@@ -631,6 +625,18 @@ class SessionManager:
         self.engine.kv.unpin(s.hold)
         s.hold = None
         self.engine.kv.evict_prefix(s.history, s.cache_salt)
+
+    def _land_saves(self, need: int | None = None) -> int:
+        """Land saves in flight (all, or until `need` blocks are free); returns blocks freed."""
+        pool, freed = self.engine.kv.pool, 0
+        for s in list(self.sessions.values()):
+            if need is not None and freed >= need:
+                break
+            if s.copy is not None and s.copy.kind == "save":
+                before = pool.num_free
+                self._land_save(s)
+                freed += pool.num_free - before
+        return freed
 
     def _abandon_save(self, s: Session) -> None:
         """Resumed or closed before the save landed: the blocks never left
@@ -698,10 +704,8 @@ class SessionManager:
         got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None:
             # Other sessions' saves in flight still hold their frames: land them and try again.
-            busy = [o for o in self.sessions.values() if o.copy is not None and o.copy.kind == "save"]
-            for o in busy:
-                self._land_save(o)
-            got = kv.begin_import(s.history, s.cache_salt, len(s.table)) if busy else None
+            if self._land_saves():
+                got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None:
             self.stats.reload_no_room += 1
             self._release_saved(s)

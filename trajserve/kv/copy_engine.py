@@ -32,6 +32,14 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V pools [num
 HostBlocks = list[torch.Tensor] | torch.Tensor  # blocks of [layers, 2, H_kv, B, d]
 
 
+def gather_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
+    """KV of these blocks as [n, layers, 2, H_kv, B, d] on the host (the
+    layout the host and disk tiers store)."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0][0].device)
+    return torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
+                        for k, v in kv_caches], dim=1).cpu()
+
+
 class CopyJob:
     """One transfer. `layers_done` counts layers copied (loads); `data` holds
     a save's host copy [n, layers, 2, H_kv, B, d] once done."""
@@ -91,7 +99,6 @@ class CopyEngine:
                                           initializer=torch.set_num_threads, initargs=(1,))
         # Device blocks being written by a load: the runner checks a batch against these.
         self.loading: dict[int, CopyJob] = {}
-        self.num_saves = self.num_loads = 0
         self.wait_s = 0.0  # total time steps waited for loads (stalls not hidden by compute)
 
     # ------------------------------------------------------------ submit
@@ -99,7 +106,6 @@ class CopyEngine:
         """Copy device blocks to a host tensor, in the background. The caller
         keeps the blocks allocated and unwritten until job.done."""
         job = CopyJob("save", list(block_ids), 1)
-        self.num_saves += 1
         self._thread.submit(self._run_save, job)
         return job
 
@@ -111,7 +117,6 @@ class CopyEngine:
         k blocks are written. Nothing may read the blocks before the layer it
         needs is done: the runner waits (layer_barrier)."""
         job = CopyJob("load", list(block_ids), len(self.kv_caches))
-        self.num_loads += 1
         for b in job.block_ids:
             self.loading[b] = job
         self._thread.submit(self._run_load, job, data)
@@ -159,9 +164,7 @@ class CopyEngine:
     def _run_save(self, job: CopyJob) -> None:
         try:
             t = time.perf_counter()
-            idx = torch.tensor(job.block_ids, dtype=torch.long, device=self.device)
-            data = torch.stack([torch.stack((k.index_select(0, idx), v.index_select(0, idx)), dim=1)
-                                for k, v in self.kv_caches], dim=1).cpu()
+            data = gather_blocks(self.kv_caches, job.block_ids)
             job.data = data
             job.nbytes = data.numel() * data.element_size()
             job.seconds = time.perf_counter() - t

@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
+                   help="float32 on the CPU: torch ops only, not the C kernels built on first use")
 
 
 def make_llm(args: argparse.Namespace):
@@ -44,7 +46,8 @@ def make_llm(args: argparse.Namespace):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                seed=args.seed, num_threads=args.threads, enable_prefix_caching=args.prefix_caching,
-               host_cache=args.kv_host_cache, disk_cache=args.kv_disk_cache, disk_cache_dir=args.kv_disk_dir)
+               host_cache=args.kv_host_cache, disk_cache=args.kv_disk_cache, disk_cache_dir=args.kv_disk_dir,
+               cpu_kernels=args.cpu_kernels)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

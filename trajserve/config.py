@@ -78,5 +78,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     num_threads: int | None = None
+    # float32 on the CPU: the C kernels of model/cpu_kernels.c (else torch only)
+    cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -28,7 +28,8 @@ class LLM:
                  max_prefill_chunk: int | None = None, max_model_len: int | None = None,
                  memory_fraction: float = 0.25, seed: int = 0, num_threads: int | None = None,
                  enable_prefix_caching: bool = True, host_cache: str | int | None = None,
-                 disk_cache: str | int | None = None, disk_cache_dir: str | None = None) -> None:
+                 disk_cache: str | int | None = None, disk_cache_dir: str | None = None,
+                 cpu_kernels: bool = True) -> None:
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             kv_cache_memory=parse_bytes(kv_cache_memory), memory_fraction=memory_fraction,
                             enable_prefix_caching=enable_prefix_caching,
@@ -38,7 +39,8 @@ class LLM:
                                 max_prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype,
                                              max_model_len=max_model_len, seed=seed,
-                                             num_threads=num_threads, cache=cache, scheduler=sched))
+                                             num_threads=num_threads, cpu_kernels=cpu_kernels,
+                                             cache=cache, scheduler=sched))
         self.tokenizer = self.engine.tokenizer
         self._sessions = None
 

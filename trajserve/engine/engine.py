@@ -79,7 +79,8 @@ class LLMEngine:
         self.model_config, weights = load_weights(self.model_path, self.dtype, self.device)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, self.device)
+        self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, self.device,
+                                use_cpu_kernels=config.cpu_kernels)
         del weights
 
         cc = config.cache
@@ -119,7 +120,8 @@ class LLMEngine:
         self.startup_summary = (
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
             f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
-            f"in {str(self.dtype).removeprefix('torch.')} ({dtype_reason})\n"
+            f"in {str(self.dtype).removeprefix('torch.')} ({dtype_reason})"
+            f"{', C kernels for decode' if self.model.kernels is not None else ''}\n"
             f"KV cache: m_token = {m_token:,} B (eq. 1) | block = {cc.block_size} tokens = "
             f"{bytes_per_block(mc, cc.block_size, self.dtype):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")

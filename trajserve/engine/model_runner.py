@@ -83,15 +83,20 @@ class ModelRunner:
             decode_rows=None, pair_seq=None, pair_block=None, pair_mask=None,
             num_decodes=len(dec_rows), prefills=prefills)
         if dec_rows:
-            nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
-            pair_seq = np.repeat(np.arange(len(dec_rows)), nblocks)
-            # Position of each pair's first slot = its index within the sequence * B.
-            starts = np.concatenate([np.arange(n) for n in nblocks]) * B
-            ctx = np.repeat(np.asarray(dec_ctx, dtype=np.int64), nblocks)
             meta.decode_rows = self._tensor(np.asarray(dec_rows, dtype=np.int64))
-            meta.pair_seq = self._tensor(pair_seq)
-            meta.pair_block = self._tensor(np.concatenate(dec_tables))
-            meta.pair_mask = self._tensor((starts[:, None] + self._in_block[None, :]) < ctx[:, None])
+            nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
+            if self.model.kernels is not None:  # the C kernel reads the tables as they are
+                meta.dec_tables = self._tensor(np.concatenate(dec_tables))
+                meta.dec_table_start = self._tensor(np.cumsum(nblocks) - nblocks)
+                meta.dec_ctx = self._tensor(np.asarray(dec_ctx, dtype=np.int64))
+            else:
+                pair_seq = np.repeat(np.arange(len(dec_rows)), nblocks)
+                # Position of each pair's first slot = its index within the sequence * B.
+                starts = np.concatenate([np.arange(n) for n in nblocks]) * B
+                ctx = np.repeat(np.asarray(dec_ctx, dtype=np.int64), nblocks)
+                meta.pair_seq = self._tensor(pair_seq)
+                meta.pair_block = self._tensor(np.concatenate(dec_tables))
+                meta.pair_mask = self._tensor((starts[:, None] + self._in_block[None, :]) < ctx[:, None])
         batch = PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
                               self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids)
         if out.copies:

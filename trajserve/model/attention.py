@@ -11,6 +11,9 @@ Two paths, chosen per sequence by query length:
   and softmax is taken across all pairs of a sequence with a scatter-max and
   an index-add (an exact, split-K "flash-decoding" reduction). Only the last
   block of each sequence carries masked (padding) slots.
+  On the CPU in float32 the C kernel of cpu_kernels.c does the same exact
+  softmax per (sequence, kv head) in one call, reading the block tables
+  directly (`dec_tables`); the pair tensors are then not built.
 * prefill chunk (n query tokens): the chunk attends to the cached prefix plus
   itself causally; K/V are gathered once per sequence and fed to SDPA with
   GQA, so K/V are never repeated per query head.
@@ -50,6 +53,11 @@ class AttentionMetadata:
     num_decodes: int
     # prefill path
     prefills: list[PrefillSeq]
+    # decode path of the C kernel: all decode block tables back to back,
+    # where each sequence's starts, and its context length.
+    dec_tables: torch.Tensor | None = None  # [sum of blocks] long
+    dec_table_start: torch.Tensor | None = None  # [D] long
+    dec_ctx: torch.Tensor | None = None  # [D] long
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -60,11 +68,16 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, d] -> out [T, H, d]."""
-    out = torch.empty_like(q)
+                    meta: AttentionMetadata, scale: float, kernels=None) -> torch.Tensor:
+    """q: [T, H, d] (rows may be strided) -> out [T, H, d]. `kernels`: the
+    CpuKernels to run the decodes with when the metadata has `dec_tables`."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+        if meta.dec_tables is not None:
+            kernels.decode_attention(q, k_cache, v_cache, meta.dec_tables, meta.dec_table_start,
+                                     meta.dec_ctx, meta.decode_rows, scale, out)
+        else:
+            out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for s in meta.prefills:
         out[s.q_start:s.q_start + s.q_len] = _prefill(q[s.q_start:s.q_start + s.q_len],
                                                       k_cache, v_cache, s, scale)

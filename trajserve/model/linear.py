@@ -5,13 +5,16 @@ On CPU in float32, oneDNN's linear (the op torch's inductor emits,
 behind F.linear on this project's shapes: measured on the 2-core AVX2 EPYC,
 a full SmolLM2 pass of weight matmuls took 32 vs 45 ms at batch 1 and 65 vs
 122 ms at batch 16 (MKL's M=1 path reads weights at ~10 GB/s, half the
-machine's bandwidth). Elsewhere (CUDA, bf16), or if the op is missing,
-plain F.linear.
+machine's bandwidth). With the C kernels of cpu_kernels.c (float32 CPU,
+the default where they build) their packed product replaces both. Elsewhere
+(CUDA, bf16), or if the op is missing, plain F.linear.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from trajserve.model.cpu_kernels import pack, pack_gate_up
 
 
 def _onednn_linear():
@@ -35,19 +38,51 @@ def use_onednn(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "onednn")
+    """y = x W^T + b. With CpuKernels the weight is kept only as packed
+    panels (cpu_kernels.pack) and every batch size runs the C product."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> None:
-        self.weight = weight.contiguous()
+    __slots__ = ("weight", "packed", "bias", "onednn", "kernels", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool, kernels=None) -> None:
+        self.out_features = weight.shape[0]
         self.bias = bias
         self.onednn = onednn
+        self.kernels = kernels
+        self.weight = None if kernels is not None else weight.contiguous()
+        self.packed = pack(weight) if kernels is not None else None
 
     @property
     def nbytes(self) -> int:
-        n = self.weight.numel() * self.weight.element_size()
+        """Bytes one product reads (the packed panels include their padding)."""
+        w = self.packed if self.packed is not None else self.weight
+        n = w.numel() * w.element_size()
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T + b; with `out` (the residual stream) the product is added
+        into it in place and `out` returned."""
+        if self.kernels is not None:
+            return self.kernels.linear(x, self.packed, self.out_features, self.bias, out)
         if self.onednn:
-            return _ONEDNN(x.contiguous(), self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = _ONEDNN(x.contiguous(), self.weight, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if out is None else out.add_(y)
+
+
+class GateUpSilu:
+    """silu(x gate^T) * (x up^T) in one C call over pack_gate_up panels."""
+
+    __slots__ = ("packed", "inter", "kernels")
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, kernels) -> None:
+        self.packed = pack_gate_up(gate, up)
+        self.inter = gate.shape[0]
+        self.kernels = kernels
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.gate_up_silu(x, self.packed, self.inter)

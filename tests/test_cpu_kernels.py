@@ -1,0 +1,174 @@
+"""The C kernels of trajserve/model/cpu_kernels.c against torch, on random
+shapes, and the embedded model's greedy output with and without them."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from trajserve.model import cpu_kernels
+from trajserve.model.attention import AttentionMetadata, dense_attention, paged_attention, write_kv
+from trajserve.model.rope import apply_rope, cos_sin_table
+
+K = cpu_kernels.load()
+needs_kernels = pytest.mark.skipif(K is None, reason="no C compiler or no AVX2 here")
+
+
+def test_kernels_build_where_they_can():
+    # Every other test here needs them: on a machine with a compiler and
+    # AVX2 (this one) they must build, or the model silently loses them.
+    if (shutil.which("cc") or shutil.which("gcc")) and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert K is not None
+
+
+def test_off_switch_and_a_failed_build_fall_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRAJSERVE_CPU_KERNELS", "0")
+    assert cpu_kernels.load.__wrapped__() is None
+    monkeypatch.setenv("TRAJSERVE_CPU_KERNELS", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")  # a compiler that always fails
+    assert cpu_kernels.load.__wrapped__() is None
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 130), k=st.integers(1, 300), n=st.integers(1, 70), bias=st.booleans(),
+       acc=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_matches_torch(m, k, n, bias, acc, seed):
+    """Any row count (tiles of 6, row blocks of 60, remainders), any width (panels of
+    16 and a partial last one), a row stride that is not k."""
+    g = _g(seed)
+    x = torch.randn(m, k + 3, generator=g)[:, 3:]
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    ref = F.linear(x, w, b)
+    if acc:
+        res = torch.randn(m, n, generator=g)
+        ref = ref + res
+        out = K.linear(x, cpu_kernels.pack(w), n, b, res)
+        assert out is res  # added in place
+    else:
+        out = K.linear(x, cpu_kernels.pack(w), n, b)
+    torch.testing.assert_close(out, ref, atol=1e-5 * k ** 0.5 + 1e-6, rtol=1e-5)
+
+
+@needs_kernels
+def test_a_row_does_not_depend_on_its_batch():
+    # One accumulator per output summed in order: the same bits for a row
+    # alone, in a tile of 6, or in a remainder tile.
+    g = _g(1)
+    w, x = cpu_kernels.pack(torch.randn(50, 200, generator=g)), torch.randn(13, 200, generator=g)
+    alone = torch.cat([K.linear(x[i:i + 1], w, 50, None) for i in range(13)])
+    assert torch.equal(K.linear(x, w, 50, None), alone)
+
+
+@needs_kernels
+def test_packed_rows_and_width_check():
+    w = torch.randn(37, 24)
+    ids = torch.tensor([0, 36, 15, 16, 5])
+    assert torch.equal(cpu_kernels.packed_rows(cpu_kernels.pack(w), ids), w[ids])
+    with pytest.raises(ValueError, match="input has 23 features, the packed weight 24"):
+        K.linear(torch.zeros(2, 23), cpu_kernels.pack(w), 37, None)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,k,inter", [(1, 576, 1536), (5, 64, 7), (16, 96, 33), (41, 40, 8)])
+def test_gate_up_silu_matches_torch(m, k, inter):
+    g = _g(m)
+    x = torch.randn(m, k, generator=g)
+    gate, up = torch.randn(inter, k, generator=g) / k ** 0.5, torch.randn(inter, k, generator=g) / k ** 0.5
+    ref = F.silu(x @ gate.T) * (x @ up.T)
+    out = K.gate_up_silu(x, cpu_kernels.pack_gate_up(gate, up), inter)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 16, 40])  # one thread up to 16 rows, all above
+def test_rms_norm_matches_torch(m):
+    g = _g(m)
+    x, w = torch.randn(m, 576, generator=g) * 3, torch.randn(576, generator=g)
+    torch.testing.assert_close(K.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 16, 1), (8, 2, 128, 8)])
+def test_rope_store_matches_torch(hq, hkv, d, bs):
+    g = _g(d)
+    T, nblocks = 21, 40
+    cos, sin = cos_sin_table(d, 512, 10000.0, None, "cpu")
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g)
+    pos = torch.randint(0, 512, (T,), generator=g)
+    slots = torch.randperm(nblocks * bs, generator=g)[:T]
+    kc, vc = torch.randn(nblocks, hkv, bs, d, generator=g), torch.randn(nblocks, hkv, bs, d, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qk = qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d)
+    ref = apply_rope(qk, cos[pos], sin[pos])
+    meta = AttentionMetadata(slots // bs, slots % bs, None, None, None, None, 0, [])
+    write_kv(ref[:, hq:], qkv[:, (hq + hkv) * d:].view(T, hkv, d), kc2, vc2, meta)
+    K.rope_store(qkv, hq, hkv, d, cos, sin, pos, kc, vc, slots // bs, slots % bs)
+    torch.testing.assert_close(qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d), ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kc, kc2, atol=1e-6, rtol=1e-5)
+    assert torch.equal(vc, vc2)  # untouched slots too
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(ctxs=st.lists(st.integers(1, 150), min_size=1, max_size=5), bs=st.sampled_from([1, 4, 16]),
+       gqa=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_decode_attention_matches_dense(ctxs, bs, gqa, d, seed):
+    """Decode queries (one per sequence, rows interleaved with other rows of
+    the batch, q with a row stride) read scattered blocks via the tables."""
+    heads, kvh = gqa
+    g = _g(seed)
+    nblocks = sum(-(-c // bs) for c in ctxs) + 2
+    kc = torch.randn(nblocks, kvh, bs, d, generator=g)  # garbage in slots no table covers
+    vc = torch.randn(nblocks, kvh, bs, d, generator=g)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    T = 2 * len(ctxs)  # decode rows at odd positions
+    qbuf = torch.randn(T, heads * d + 5, generator=g)
+    q = qbuf[:, : heads * d].view(T, heads, d)
+    tables, starts, rows, refs = [], [], [], []
+    for i, ctx in enumerate(ctxs):
+        table = [perm.pop() for _ in range(-(-ctx // bs))]
+        starts.append(len(tables))
+        tables += table
+        rows.append(2 * i + 1)
+        k = torch.randn(ctx, kvh, d, generator=g)
+        v = torch.randn(ctx, kvh, d, generator=g)
+        p = np.arange(ctx)
+        slots = torch.tensor(np.asarray(table)[p // bs] * bs + p % bs)
+        write_kv(k, v, kc, vc, AttentionMetadata(slots // bs, slots % bs, None, None, None, None, 0, []))
+        qs = torch.randn(ctx, heads, d, generator=g)
+        qs[-1] = q[2 * i + 1]
+        refs.append(dense_attention(qs, k, v, d ** -0.5)[-1])
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long),
+                             torch.tensor(rows), None, None, None, len(ctxs), [],
+                             dec_tables=torch.tensor(tables), dec_table_start=torch.tensor(starts),
+                             dec_ctx=torch.tensor(ctxs))
+    out = paged_attention(q, kc, vc, meta, d ** -0.5, K)
+    torch.testing.assert_close(out[rows], torch.stack(refs), atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
+    from trajserve.llm import LLM
+    from trajserve.sampling import SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "List three uses of a KV cache:"]
+    sp = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    outs = {}
+    for on in (True, False):
+        llm = LLM(num_blocks=64, cpu_kernels=on)
+        assert (llm.engine.model.kernels is not None) == on
+        outs[on] = llm.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp_a = [chosen for chosen, _ in a.outputs[0].logprobs]
+        lp_b = [chosen for chosen, _ in b.outputs[0].logprobs]
+        assert np.allclose(lp_a, lp_b, atol=1e-3)

@@ -1,6 +1,7 @@
 """Our Llama-family forward vs transformers on tiny random Llama (with Llama 3
 RoPE scaling), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) checkpoints:
-chunked prefill through the paged cache plus a decode step, every row."""
+chunked prefill through the paged cache plus a decode step, every row; with
+the C kernels (cpu_kernels.c) and with the torch forward."""
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.model.cpu_kernels import load as load_kernels
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import load_weights
 from trajserve.sampling import SamplingParams
@@ -25,12 +27,14 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
     ("qwen2", {}),
     ("qwen3", {"head_dim": 32}),
 ])
-def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrides: dict):
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch"])
+def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrides: dict, cpu_kernels: bool):
     hf = tiny_hf_model(kind, **overrides)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     cfg, weights = load_weights(tmp_path, torch.float32, "cpu")
     assert (cfg.rope_scaling is not None) == ("rope_scaling" in overrides)
-    model = LlamaModel(cfg, weights, 256, torch.float32, "cpu")
+    model = LlamaModel(cfg, weights, 256, torch.float32, "cpu", use_cpu_kernels=cpu_kernels)
+    assert (model.kernels is not None) == (cpu_kernels and load_kernels() is not None)
     block = 4
     kv = KVCacheManager(64, block, 0.0)
     runner = ModelRunner(model, allocate_kv_pool(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim,

@@ -116,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if 1 in by_batch:
         derived["batch1_step_over_floor"] = by_batch[1]["step_ms"] / (floor_s * 1e3)
     result = {
-        "command": command_line(), "machine": machine_info(), "dtype": args.dtype,
+        "command": command_line(), "machine": machine_info(),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "kernels": "C (cpu_kernels.c)" if engine.model.kernels is not None else "torch",
         "context_tokens": args.context, "decode_steps": args.decode_steps,
         "read_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "decode_floor_ms": floor_s * 1e3,
         "decode": decode, "prefill": prefill,
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"\n{result['command']}")
     m = result["machine"]
-    print(f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), dtype {args.dtype}")
+    print(f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+          f"dtype {result['dtype']}, kernels {result['kernels']}")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s, weights {wbytes / 1e6:.0f} MB "
           f"-> decode floor {floor_s * 1e3:.1f} ms/step\n")
     print(f"{'batch':>5} {'step ms':>9} {'p10-p90':>13} {'tok/s':>8} {'fwd ms':>8} {'outside':>8}")

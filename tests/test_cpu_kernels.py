@@ -118,6 +118,16 @@ def test_rope_store_matches_torch(hq, hkv, d, bs):
 
 
 @needs_kernels
+def test_index_tensors_must_be_int64():
+    # The C side reads them as int64 arrays; an int32 one must not be read as garbage.
+    cos, sin = cos_sin_table(16, 8, 10000.0, None, "cpu")
+    qkv, kc = torch.zeros(2, 64), torch.zeros(4, 1, 4, 16)
+    ok = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(TypeError, match="contiguous int64, got torch.int32"):
+        K.rope_store(qkv, 2, 1, 16, cos, sin, ok.int(), kc, kc.clone(), ok, ok)
+
+
+@needs_kernels
 @settings(max_examples=30, deadline=None)
 @given(ctxs=st.lists(st.integers(1, 150), min_size=1, max_size=5), bs=st.sampled_from([1, 4, 16]),
        gqa=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))

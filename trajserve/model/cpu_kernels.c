@@ -231,18 +231,25 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
  * every cached token, exact softmax (max, exp, sum), weighted sum of V.
  * tables: the block ids of all sequences back to back, sequence s's from
  * table_start[s]; ctx[s]: tokens in its cache (incl. this one); q row and
- * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. */
-void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
+ * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. Returns the
+ * number of (sequence, head) tasks that found no memory for their scores
+ * (their outputs are not written; the caller raises). */
+int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
                          int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
                          const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
                          const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
     const int64_t group = hq / hkv;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
+    int failed = 0;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)
     for (int64_t si = 0; si < n; si++) {
         for (int64_t h = 0; h < hkv; h++) {
             const int64_t len = ctx[si];
             const int64_t *table = tables + table_start[si];
             float *sc = malloc(sizeof(float) * group * len);  // scores, then probabilities
+            if (sc == NULL) {
+                failed++;
+                continue;
+            }
             float qs[group * d], acc[group * d], mx[group], sum[group];
             for (int64_t j = 0; j < group; j++) {
                 const float *qj = q + rows[si] * ldq + (h * group + j) * d;
@@ -292,4 +299,5 @@ void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
             free(sc);
         }
     }
+    return failed;
 }

@@ -119,6 +119,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _check_index(*ts: torch.Tensor) -> None:
+    # The C side reads these as int64 arrays: anything else is read as garbage.
+    for t in ts:
+        if t.dtype != torch.int64 or not t.is_contiguous():
+            raise TypeError(f"index tensors must be contiguous int64, got {t.dtype}")
+
+
 class CpuKernels:
     """Thin, checked wrappers. Every tensor is float32 on the CPU; matrices
     need a unit stride along their last dimension (row strides are passed)."""
@@ -126,7 +133,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, args in _SIGNATURES.items():
             getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = ctypes.c_int if name == "ts_decode_attention" else None
         self.lib = lib
 
     @staticmethod
@@ -168,6 +175,7 @@ class CpuKernels:
                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_block: torch.Tensor, slot_offset: torch.Tensor) -> None:
         """RoPE in place on qkv's q and k heads; k and v into their slots."""
+        _check_index(positions, slot_block, slot_offset)
         self.lib.ts_rope_store(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
                                cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
                                v_cache.data_ptr(), slot_block.data_ptr(), slot_offset.data_ptr(),
@@ -178,7 +186,10 @@ class CpuKernels:
                          rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows]."""
         _, num_heads, d = q.shape
-        self.lib.ts_decode_attention(q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d,
+        _check_index(tables, table_start, ctx, rows)
+        failed = self.lib.ts_decode_attention(q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d,
                                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2],
                                      tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
                                      rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
+        if failed:
+            raise MemoryError(f"decode attention: no memory for the scores of {failed} (sequence, head) tasks")

@@ -130,7 +130,10 @@ class LlamaModel:
         c, K = self.config, self.kernels
         eps = c.rms_norm_eps
         T = input_ids.shape[0]
-        x = self.embed[input_ids] if self.embed is not None else cpu_kernels.packed_rows(self.lm_head.packed, input_ids)
+        if self.embed is not None:
+            x = self.embed[input_ids]
+        else:
+            x = cpu_kernels.packed_rows(self.lm_head.packed, input_ids).contiguous()
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = L.qkv(K.rms_norm(x, L.in_norm, eps))
             if L.q_norm is not None:

@@ -121,7 +121,7 @@ class LLMEngine:
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
             f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
             f"in {str(self.dtype).removeprefix('torch.')} ({dtype_reason})"
-            f"{', C kernels for decode' if self.model.kernels is not None else ''}\n"
+            f"{', C kernels (cpu_kernels.c)' if self.model.kernels is not None else ''}\n"
             f"KV cache: m_token = {m_token:,} B (eq. 1) | block = {cc.block_size} tokens = "
             f"{bytes_per_block(mc, cc.block_size, self.dtype):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")

@@ -1,12 +1,13 @@
-/* Float32 CPU kernels for the decode path (AVX2 + FMA, OpenMP).
+/* Float32 CPU kernels for the model's layers (AVX2 + FMA, OpenMP).
  *
  * Why: a batch-1 decode step reads every weight once, so it is bound by
  * memory bandwidth, yet torch's CPU matmuls stream weights at a matrix-vector
  * product at ~14-20 GB/s on the 2-core AVX2 EPYC where a plain reduction
  * streams at ~27-37, and the ~35 small torch ops per layer cost 10-20 us of
- * dispatch each. These kernels read each weight row once with 4 FMA
- * accumulators (row-parallel over OpenMP threads) and fuse the small ops:
- * RMSNorm, RoPE + K/V store, paged decode attention, SiLU gate, residual add.
+ * dispatch each. Here the weight products run on packed panels with a
+ * register-tiled micro-kernel (every batch size, prefill chunks included)
+ * and the small ops are fused: RMSNorm, RoPE + K/V store, paged decode
+ * attention, SiLU gate, residual add.
  * Loaded with ctypes (trajserve/model/cpu_kernels.py), linked against the
  * OpenMP runtime torch already loaded (same soname), so both share one
  * thread pool.
@@ -26,8 +27,7 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* dot(a, b) over k floats; the same order of additions for every call, so a
- * row's result does not depend on which batch it is in. */
+/* dot(a, b) over k floats, four accumulators (RMSNorm, attention scores). */
 static inline float dot(const float *a, const float *b, int64_t k) {
     __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     int64_t i = 0;

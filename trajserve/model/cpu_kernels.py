@@ -1,7 +1,7 @@
 """The C kernels of cpu_kernels.c: built on first use, loaded with ctypes.
 
 The source ships with the package and is compiled once per machine with the
-system C compiler (`cc`, ~1 s) into the user's cache directory, keyed by a
+system C compiler (`cc`, ~2 s) into the user's cache directory, keyed by a
 hash of the source and flags. No compiler, no AVX2/FMA, a failed build or
 TRAJSERVE_CPU_KERNELS=0: `load()` returns None and the model keeps its torch
 path (same results within float rounding; the kernels are only faster).
@@ -86,26 +86,26 @@ def load() -> CpuKernels | None:
         return None
 
 
+def _row_groups(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """[n, k] -> [ceil(n / rows), rows, k] float32, zero rows past n."""
+    n, k = w.shape
+    groups = -(-n // rows)
+    padded = torch.zeros(groups * rows, k, dtype=torch.float32)
+    padded[:n] = w
+    return padded.view(groups, rows, k)
+
+
 def pack(w: torch.Tensor) -> torch.Tensor:
     """[n, k] -> panels [ceil(n / 16), k, 16]: panel p, step kk holds
     w[16p : 16p + 16, kk] contiguously (rows past n are zero)."""
-    n, k = w.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
-    padded[:n] = w
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    return _row_groups(w, PANEL).transpose(1, 2).contiguous()
 
 
 def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Panels of 8 gate rows then the same 8 up rows, so one tile yields
     silu(gate) * up for 8 outputs (ts_gate_up_silu)."""
-    inter, k = gate.shape
     half = PANEL // 2
-    panels = -(-inter // half)
-    g = torch.zeros(panels * half, k, dtype=torch.float32)
-    u = torch.zeros(panels * half, k, dtype=torch.float32)
-    g[:inter], u[:inter] = gate, up
-    both = torch.cat([g.view(panels, half, k), u.view(panels, half, k)], dim=1)
+    both = torch.cat([_row_groups(gate, half), _row_groups(up, half)], dim=1)  # [panels, 16, k]
     return both.transpose(1, 2).contiguous()
 
 
@@ -187,9 +187,9 @@ class CpuKernels:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows]."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
-        failed = self.lib.ts_decode_attention(q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d,
-                                     k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2],
-                                     tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
-                                     rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
+        failed = self.lib.ts_decode_attention(
+            q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
+            rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
         if failed:
             raise MemoryError(f"decode attention: no memory for the scores of {failed} (sequence, head) tasks")

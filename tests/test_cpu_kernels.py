@@ -165,6 +165,66 @@ def test_decode_attention_matches_dense(ctxs, bs, gqa, d, seed):
     torch.testing.assert_close(out[rows], torch.stack(refs), atol=2e-5, rtol=1e-4)
 
 
+def _paged_context(g, ctx, kvh, d, bs):
+    """K/V of `ctx` tokens written into scattered blocks of a pool whose
+    other slots hold garbage: (k, v, k_cache, v_cache, block_ids)."""
+    nb = -(-ctx // bs)
+    kc = torch.randn(nb + 3, kvh, bs, d, generator=g)
+    vc = torch.randn(nb + 3, kvh, bs, d, generator=g)
+    table = torch.randperm(nb + 3, generator=g)[:nb].contiguous()
+    k = torch.randn(ctx, kvh, d, generator=g)
+    v = torch.randn(ctx, kvh, d, generator=g)
+    p = torch.arange(ctx)
+    write_kv(k, v, kc, vc, AttentionMetadata(table[p // bs], p % bs, None, None, None, None, 0, []))
+    return k, v, kc, vc, table
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None)
+@given(prefix=st.integers(0, 200), n=st.integers(1, 90), bs=st.sampled_from([1, 4, 16]),
+       gqa=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([8, 24, 64]), seed=st.integers(0, 2**16))
+def test_prefill_attention_matches_dense(prefix, n, bs, gqa, d, seed):
+    """A chunk of n queries after `prefix` cached tokens (query blocks of 24
+    and key blocks of 64 both cut at odd places), q with a row stride."""
+    heads, kvh = gqa
+    g = _g(seed)
+    ctx = prefix + n
+    k, v, kc, vc, table = _paged_context(g, ctx, kvh, d, bs)
+    qs = torch.randn(ctx, heads, d, generator=g)
+    qbuf = torch.randn(n, heads * d + 5, generator=g)
+    qbuf[:, : heads * d] = qs[prefix:].reshape(n, -1)
+    out = torch.full((n, heads, d), float("nan"))
+    K.prefill_attention(qbuf[:, : heads * d].view(n, heads, d), kc, vc, table, ctx, d ** -0.5, out)
+    torch.testing.assert_close(out, dense_attention(qs, k, v, d ** -0.5)[prefix:], atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+def test_prefill_attention_does_not_depend_on_the_chunking():
+    # Caching and chunked prefill must not change a query's output by a bit:
+    # the same 300 queries in one chunk, or in chunks of 7 and 61 after a prefix.
+    g = _g(3)
+    k, v, kc, vc, table = _paged_context(g, 300, 3, 64, 16)
+    qs = torch.randn(300, 9, 64, generator=g)
+    whole = torch.empty(300, 9, 64)
+    K.prefill_attention(qs, kc, vc, table, 300, 0.125, whole)
+    for step in (7, 61):
+        parts = torch.empty(300, 9, 64)
+        for a in range(0, 300, step):
+            b = min(a + step, 300)
+            K.prefill_attention(qs[a:b], kc, vc, table, b, 0.125, parts[a:b])
+        assert torch.equal(parts, whole)
+
+
+@needs_kernels
+def test_prefill_attention_rejects_a_context_its_blocks_cannot_hold():
+    kc = torch.zeros(4, 1, 4, 8)
+    q, out = torch.zeros(3, 2, 8), torch.empty(3, 2, 8)
+    with pytest.raises(ValueError, match="context 9, 2 blocks of 4"):
+        K.prefill_attention(q, kc, kc, torch.tensor([0, 1]), 9, 1.0, out)
+    with pytest.raises(ValueError, match="chunk of 3 tokens, context 2"):
+        K.prefill_attention(q, kc, kc, torch.tensor([0, 1]), 2, 1.0, out)
+
+
 @needs_kernels
 def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
     from trajserve.llm import LLM

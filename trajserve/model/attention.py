@@ -16,7 +16,9 @@ Two paths, chosen per sequence by query length:
   directly (`dec_tables`); the pair tensors are then not built.
 * prefill chunk (n query tokens): the chunk attends to the cached prefix plus
   itself causally; K/V are gathered once per sequence and fed to SDPA with
-  GQA, so K/V are never repeated per query head.
+  GQA, so K/V are never repeated per query head. With the C kernels the
+  chunk's attention reads K/V in place through the block table instead
+  (flash-style, hidden key blocks skipped, no mask built).
 
 Pool layout per layer: [num_blocks, H_kv, B, d] (head-major inside a block),
 so a gathered block is already the [H_kv, B, d] operand a batched matmul
@@ -74,7 +76,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, kernels=None) -> torch.Tensor:
     """q: [T, H, d] (rows may be strided) -> out [T, H, d]. `kernels`: the
-    CpuKernels to run the decodes with when the metadata has `dec_tables`."""
+    CpuKernels that run the prefill chunks, and the decodes when the
+    metadata has `dec_tables`."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         if meta.dec_tables is not None:
@@ -83,8 +86,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for s in meta.prefills:
-        out[s.q_start:s.q_start + s.q_len] = _prefill(q[s.q_start:s.q_start + s.q_len],
-                                                      k_cache, v_cache, s, scale)
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        if kernels is not None:
+            kernels.prefill_attention(q[rows], k_cache, v_cache, s.block_ids, s.ctx_len, scale, out[rows])
+        else:
+            out[rows] = _prefill(q[rows], k_cache, v_cache, s, scale)
     return out
 
 

@@ -38,7 +38,9 @@ _SIGNATURES = {
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, ctypes.c_int],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I,
                             ctypes.c_int],
+    "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, ctypes.c_int],
 }
+_RETURNS_FAILURES = ("ts_decode_attention", "ts_prefill_attention")
 
 
 def _cpu_supported() -> bool:
@@ -133,7 +135,7 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         for name, args in _SIGNATURES.items():
             getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = ctypes.c_int if name == "ts_decode_attention" else None
+            getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_FAILURES else None
         self.lib = lib
 
     @staticmethod
@@ -193,3 +195,21 @@ class CpuKernels:
             rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
         if failed:
             raise MemoryError(f"decode attention: no memory for the scores of {failed} (sequence, head) tasks")
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor) -> None:
+        """One sequence's chunk: q, out [n, H, d] (row strides allowed), the
+        chunk's last query at position ctx_len - 1; K/V of all ctx_len tokens
+        are in the blocks `block_ids` (in order)."""
+        n, num_heads, d = q.shape
+        _check_index(block_ids)
+        bs = k_cache.shape[2]
+        if d % 8 or q.stride(2) != 1 or q.stride(1) != d or out.stride(2) != 1 or out.stride(1) != d:
+            raise ValueError(f"prefill attention needs head_dim % 8 == 0 and contiguous heads, got d={d}")
+        if not n <= ctx_len <= block_ids.shape[0] * bs:
+            raise ValueError(f"chunk of {n} tokens, context {ctx_len}, {block_ids.shape[0]} blocks of {bs}")
+        failed = self.lib.ts_prefill_attention(
+            q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
+            bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0), self.threads())
+        if failed:
+            raise MemoryError(f"prefill attention: no memory for {failed} (query block, head) tasks")

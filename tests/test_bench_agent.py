@@ -3,7 +3,9 @@ model-free replay on their own."""
 import json
 
 from test_cli import trajserve
+from trajserve.bench.agent import flop_floor
 from trajserve.bench.oracle import PrefixOracle
+from trajserve.model.loader import load_model_config
 
 
 def test_oracle_counts_leading_computed_blocks():
@@ -16,6 +18,17 @@ def test_oracle_counts_leading_computed_blocks():
     assert o.reusable(list(range(8))) == 4  # the last prompt token is always computed
     assert o.reusable([0, 1, 2, 3, 9, 9, 9, 9, 9]) == 4
     assert o.reusable([1, 1, 2, 3, 4, 5, 6, 7, 8]) == 0  # a block counts only under its own prefix
+
+
+def test_flop_floor_counts_the_history_the_new_tokens_attend_to():
+    cfg = load_model_config(None)  # SmolLM2-135M: attention per token ~ the weights' at ~3k tokens
+    req = {"prompt_tokens": 2905, "cached_tokens": 2430}
+    assert flop_floor(cfg, [{"prompt_tokens": 2905, "cached_tokens": 0}]) == 1.0
+    floor = flop_floor(cfg, [req])
+    must = 475 / 2905
+    # Each new token attends to ~2,700 keys where the average uncached one attends to ~1,450.
+    assert 1.1 * must < floor < 1.5 * must
+    assert flop_floor(cfg, [{"prompt_tokens": 2905, "cached_tokens": 2800}]) < floor
 
 
 def test_bench_agent_small_run():
@@ -32,6 +45,13 @@ def test_bench_agent_small_run():
     assert all(r["cached_tokens"] >= 144 for r in res["requests"][1:])
     assert res["targets"]["hit_rate_over_oracle"]["met"]
     assert all(t["ttft_uncached_ms"] is not None for t in res["per_turn"])
+    # Turn 1 of the re-run trajectory (the first request) had nothing cached: its floor is 1.
+    assert res["per_turn"][0]["flop_floor"] == 1.0
+    # Later turns: above the share of trajectory 0's prompt left to compute, since those tokens
+    # attend to the whole history.
+    for t in res["per_turn"][1:]:
+        (r0,) = [r for r in res["requests"] if r["trajectory"] == 0 and r["turn"] == t["turn"]]
+        assert 1 - r0["cached_tokens"] / r0["prompt_tokens"] < t["flop_floor"] < 1
     assert res["pool_sweep"][0]["hit_rate"] > 0.5
     assert "skipped" in res["pool_sweep"][1]  # 10% of the working set cannot hold a request
 

@@ -15,7 +15,10 @@ Three phases, one process:
      be the ones phase 1 produced. The TTFT target compares the same
      requests with and without the cache, summed from turn 3 on; per turn
      the table also shows the share of the prompt any cache must compute,
-     which bounds a single request's ratio from below;
+     which bounds a single request's ratio from below, and the FLOP floor:
+     the ratio an engine bound by compute would reach, the FLOPs of the
+     tokens left to compute (each attending to the whole cached history)
+     over the FLOPs of the whole prompt (plan/flops.py, causal attention);
   3. pool sweep: the recorded requests replayed through the real scheduler
      and KV manager (no model, bench/replay.py) at pools smaller than the
      working set: hit rate vs pool size. The replay at phase 1's pool size
@@ -34,6 +37,8 @@ from trajserve.bench.common import command_line, machine_info
 from trajserve.bench.oracle import PrefixOracle
 from trajserve.bench.replay import replay
 from trajserve.kv.block_table import blocks_for
+from trajserve.plan.flops import forward_flops
+from trajserve.plan.model_shapes import lm_head_params, matmul_params
 from trajserve.sampling import SamplingParams
 
 TARGETS = {
@@ -89,10 +94,23 @@ def uncached_phase(engine, records: list[dict], k: int) -> list[dict]:
     return out
 
 
-def per_turn(records: list[dict], uncached: list[dict]) -> list[dict]:
+def prefill_flops(cfg, prompt_tokens: int, cached_tokens: int) -> float:
+    """FLOPs to the first token: the uncached tokens through every layer,
+    attending causally to all before them, and one row of the LM head."""
+    return (forward_flops(matmul_params(cfg), cfg.num_layers, cfg.num_heads * cfg.head_dim,
+                          prompt_tokens - cached_tokens, cached_tokens) + 2 * lm_head_params(cfg))
+
+
+def flop_floor(cfg, rs: list[dict]) -> float:
+    """The TTFT ratio of requests `rs` if time were proportional to FLOPs."""
+    return (sum(prefill_flops(cfg, r["prompt_tokens"], r["cached_tokens"]) for r in rs)
+            / sum(prefill_flops(cfg, r["prompt_tokens"], 0) for r in rs))
+
+
+def per_turn(records: list[dict], uncached: list[dict], cfg) -> list[dict]:
     """Per turn: medians over all trajectories, and the TTFT ratio paired
     request by request (the same prompt with and without the cache) over the
-    trajectories phase 2 re-ran."""
+    trajectories phase 2 re-ran, with its FLOP floor."""
     by_key = {(r["turn"], r["trajectory"]): r for r in records}
     rows = []
     for turn in sorted({r["turn"] for r in records}):
@@ -110,7 +128,8 @@ def per_turn(records: list[dict], uncached: list[dict]) -> list[dict]:
                      "oracle_hit_rate": sum(r["oracle_tokens"] for r in rs) / prompt,
                      "ttft_cached_ms": statistics.median(r["ttft_s"] for r in rs) * 1e3,
                      "ttft_uncached_ms": statistics.median(u["ttft_s"] for u in us) * 1e3 if us else None,
-                     "ttft_ratio": paired_c / paired_u if us else None})
+                     "ttft_ratio": paired_c / paired_u if us else None,
+                     "flop_floor": flop_floor(cfg, [by_key[(u["turn"], u["trajectory"])] for u in us]) if us else None})
     return rows
 
 
@@ -171,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     records, oracle = cached_phase(engine, args, rng)
     cached_phase_s = time.perf_counter() - t0
     uncached = uncached_phase(engine, records, min(args.uncached_trajectories, args.trajectories))
-    turns = per_turn(records, uncached)
+    turns = per_turn(records, uncached, engine.model_config)
     fractions = [float(f) for f in args.pool_fractions.split(",")]
     sweep = pool_sweep(engine, records, oracle.num_blocks, fractions)
     check_replay = replay([(r["prompt_ids"], r["output_ids"]) for r in records], engine.num_blocks,
@@ -187,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
     if late:
         # Summed over every re-run request from turn 3 on (same prompts with and without the cache).
         derived["ttft_cached_over_uncached_turn3plus"] = sum(c for c, _ in late) / sum(u for _, u in late)
+    late_records = [by_key[(u["turn"], u["trajectory"])] for u in uncached if u["turn"] >= 3]
     result = {
         "command": command_line(), "machine": machine_info(), "dtype": str(engine.dtype).removeprefix("torch."),
         "trajectories": args.trajectories, "turns": args.turns, "preamble_tokens": args.preamble_tokens,
@@ -202,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         "per_turn": turns, "pool_sweep": sweep,
         "ttft_ratio_max_turn3plus": max((t["ttft_ratio"] for t in turns if t["turn"] >= 3
                                          and t["ttft_ratio"] is not None), default=None),
+        "flop_floor_turn3plus": flop_floor(engine.model_config, late_records) if late_records else None,
         "uncached_requests": uncached,
         "targets": {k: {"value": v, "rule": " ".join(map(str, TARGETS[k])), "met": check(v, TARGETS[k])}
                     for k, v in derived.items()},
@@ -228,15 +249,17 @@ def print_report(res: dict) -> None:
     print()
     print("TTFT: medians over the trajectories each phase ran; ratio: cached / uncached TTFT summed over the same")
     print("requests (the trajectories phase 2 re-ran without the cache)")
-    print("must: share of prompt tokens any cache must compute (1 - oracle)")
+    print("must: share of prompt tokens any cache must compute (1 - oracle); floor: the ratio if TTFT were")
+    print("proportional to FLOPs (the new tokens attend to the whole history, so floor > must)")
     print(f"{'turn':>4} {'prompt':>7} {'hit':>7} {'oracle':>7} {'must':>6} {'TTFT cached':>12} {'uncached':>9} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'floor':>6}")
     for t in res["per_turn"]:
         unc = f"{t['ttft_uncached_ms']:>7.0f}ms" if t["ttft_uncached_ms"] is not None else f"{'-':>9}"
         ratio = f"{t['ttft_ratio']:>6.3f}" if t["ttft_ratio"] is not None else f"{'-':>6}"
+        floor = f"{t['flop_floor']:>6.3f}" if t["flop_floor"] is not None else f"{'-':>6}"
         print(f"{t['turn']:>4} {t['prompt_tokens_median']:>7.0f} {t['hit_rate'] * 100:>6.1f}% "
               f"{t['oracle_hit_rate'] * 100:>6.1f}% {t['must_compute']:>6.3f} {t['ttft_cached_ms']:>10.0f}ms {unc} "
-              f"{ratio}")
+              f"{ratio} {floor}")
     print(f"\nall turns: hit rate {res['hit_rate'] * 100:.2f}%, oracle {res['oracle_hit_rate'] * 100:.2f}%; "
           f"greedy replies identical without the cache: {res['uncached_outputs_identical']}; "
           f"model-free replay reproduces the engine's hits: {res['replay_matches_engine']}\n")
@@ -253,6 +276,7 @@ def print_report(res: dict) -> None:
     for k, t in res["targets"].items():
         print(f"target {k}: {t['value']:.3g} ({t['rule']}) {'met' if t['met'] else 'NOT met'}")
     if res["ttft_ratio_max_turn3plus"] is not None:
-        print(f"(worst single turn from turn 3 on: {res['ttft_ratio_max_turn3plus']:.3g})")
+        print(f"(worst single turn from turn 3 on: {res['ttft_ratio_max_turn3plus']:.3g}; FLOP floor of turns 3 on: "
+              f"{res['flop_floor_turn3plus']:.3g})")
     print("\nJSON:")
     print(json.dumps({k: v for k, v in res.items() if k != "requests"}))

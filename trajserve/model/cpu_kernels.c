@@ -6,8 +6,8 @@
  * streams at ~27-37, and the ~35 small torch ops per layer cost 10-20 us of
  * dispatch each. Here the weight products run on packed panels with a
  * register-tiled micro-kernel (every batch size, prefill chunks included)
- * and the small ops are fused: RMSNorm, RoPE + K/V store, paged decode
- * attention, SiLU gate, residual add.
+ * and the small ops are fused: RMSNorm, RoPE + K/V store, paged decode and
+ * prefill attention, SiLU gate, residual add.
  * Loaded with ctypes (trajserve/model/cpu_kernels.py), linked against the
  * OpenMP runtime torch already loaded (same soname), so both share one
  * thread pool.

@@ -7,8 +7,8 @@ every prompt token.
 
 On the CPU in float32 the layers run through the C kernels of
 cpu_kernels.c (`_forward_kernels`): weight products on packed panels, fused
-RMSNorm, RoPE + K/V store, decode attention, SiLU gate and residual adds.
-Prefill attention stays with torch's SDPA. Elsewhere the plain torch forward.
+RMSNorm, RoPE + K/V store, paged decode and prefill attention, SiLU gate and
+residual adds. Elsewhere the plain torch forward.
 """
 from __future__ import annotations
 

@@ -422,8 +422,8 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                   *s = l + group * QB;
             const float **kp = (const float **)(s + KB * QB), **vp = kp + KB;
             for (int64_t j = 0; j < group; j++) {
-                for (int64_t r = 0; r < QB; r++) {
-                    const float *qr = q + (q0 + r) * ldq + (h * group + j) * d;
+                for (int64_t r = 0; r < QB; r++) {  // rows past the chunk: zero queries, outputs unused
+                    const float *qr = q + (q0 + (r < rows ? r : 0)) * ldq + (h * group + j) * d;
                     for (int64_t e = 0; e < d; e++) qt[(j * d + e) * QB + r] = r < rows ? qr[e] * scale : 0.0f;
                     m[j * QB + r] = -INFINITY;
                     l[j * QB + r] = 0.0f;

@@ -308,12 +308,12 @@ int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int6
  *
  * Why not SDPA: it needs the context gathered out of the pool into
  * contiguous K/V and an explicit mask for a chunk that sits after a cached
- * prefix (computing every masked score); for a 475-token chunk over 2,900
- * tokens that overhead was ~20 % of the attention, itself ~55 % of the
- * chunk. Here keys are read in place through the block table, the causal
- * limit is applied per key block (fully hidden blocks are never touched),
- * and a kv head's `group` query heads share each key block while it is in
- * cache.
+ * prefix (computing every masked score): a 475-token chunk over 2,430
+ * cached tokens took 37 ms per layer that way and 24 ms here (same
+ * process, docs/benchmarks.md). Here keys are read in place through the
+ * block table, the causal limit is applied per key block (fully hidden
+ * blocks are never touched), and a kv head's `group` query heads share each
+ * key block while it is in cache.
  *
  * Task (kv head, block of QB query positions); keys in blocks of KB with an
  * online (flash) softmax: running max m, running sum l, output o rescaled

@@ -116,9 +116,8 @@ def per_turn(records: list[dict], uncached: list[dict], cfg) -> list[dict]:
     for turn in sorted({r["turn"] for r in records}):
         rs = [r for r in records if r["turn"] == turn]
         us = [u for u in uncached if u["turn"] == turn]
+        paired = [by_key[(u["turn"], u["trajectory"])] for u in us]  # the same requests, with the cache
         prompt = sum(r["prompt_tokens"] for r in rs)
-        paired_c = sum(by_key[(u["turn"], u["trajectory"])]["ttft_s"] for u in us)
-        paired_u = sum(u["ttft_s"] for u in us)
         rows.append({"turn": turn, "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in rs),
                      # Share of prompt tokens any cache must still compute: the floor under
                      # the per-request TTFT ratio (a 600-token tool result on a 2,900-token
@@ -128,8 +127,8 @@ def per_turn(records: list[dict], uncached: list[dict], cfg) -> list[dict]:
                      "oracle_hit_rate": sum(r["oracle_tokens"] for r in rs) / prompt,
                      "ttft_cached_ms": statistics.median(r["ttft_s"] for r in rs) * 1e3,
                      "ttft_uncached_ms": statistics.median(u["ttft_s"] for u in us) * 1e3 if us else None,
-                     "ttft_ratio": paired_c / paired_u if us else None,
-                     "flop_floor": flop_floor(cfg, [by_key[(u["turn"], u["trajectory"])] for u in us]) if us else None})
+                     "ttft_ratio": sum(r["ttft_s"] for r in paired) / sum(u["ttft_s"] for u in us) if us else None,
+                     "flop_floor": flop_floor(cfg, paired) if us else None})
     return rows
 
 
@@ -201,12 +200,12 @@ def run(args: argparse.Namespace) -> int:
     cached = sum(r["cached_tokens"] for r in records)
     ideal = sum(r["oracle_tokens"] for r in records)
     by_key = {(r["turn"], r["trajectory"]): r for r in records}
-    late = [(by_key[(u["turn"], u["trajectory"])]["ttft_s"], u["ttft_s"]) for u in uncached if u["turn"] >= 3]
+    late = [(by_key[(u["turn"], u["trajectory"])], u) for u in uncached if u["turn"] >= 3]
     derived = {"hit_rate_over_oracle": cached / ideal if ideal else 1.0}
     if late:
         # Summed over every re-run request from turn 3 on (same prompts with and without the cache).
-        derived["ttft_cached_over_uncached_turn3plus"] = sum(c for c, _ in late) / sum(u for _, u in late)
-    late_records = [by_key[(u["turn"], u["trajectory"])] for u in uncached if u["turn"] >= 3]
+        derived["ttft_cached_over_uncached_turn3plus"] = (sum(c["ttft_s"] for c, _ in late)
+                                                          / sum(u["ttft_s"] for _, u in late))
     result = {
         "command": command_line(), "machine": machine_info(), "dtype": str(engine.dtype).removeprefix("torch."),
         "trajectories": args.trajectories, "turns": args.turns, "preamble_tokens": args.preamble_tokens,
@@ -222,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "per_turn": turns, "pool_sweep": sweep,
         "ttft_ratio_max_turn3plus": max((t["ttft_ratio"] for t in turns if t["turn"] >= 3
                                          and t["ttft_ratio"] is not None), default=None),
-        "flop_floor_turn3plus": flop_floor(engine.model_config, late_records) if late_records else None,
+        "flop_floor_turn3plus": flop_floor(engine.model_config, [c for c, _ in late]) if late else None,
         "uncached_requests": uncached,
         "targets": {k: {"value": v, "rule": " ".join(map(str, TARGETS[k])), "met": check(v, TARGETS[k])}
                     for k, v in derived.items()},

@@ -76,11 +76,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, kernels=None) -> torch.Tensor:
     """q: [T, H, d] (rows may be strided) -> out [T, H, d]. `kernels`: the
-    CpuKernels that run the prefill chunks, and the decodes when the
-    metadata has `dec_tables`."""
+    CpuKernels that run the decodes and the prefill chunks (the metadata
+    then carries `dec_tables`, not the pair tensors)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
-        if meta.dec_tables is not None:
+        if kernels is not None:
             kernels.decode_attention(q, k_cache, v_cache, meta.dec_tables, meta.dec_table_start,
                                      meta.dec_ctx, meta.decode_rows, scale, out)
         else:

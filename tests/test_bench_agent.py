@@ -34,24 +34,30 @@ def test_flop_floor_counts_the_history_the_new_tokens_attend_to():
 def test_bench_agent_small_run():
     r = trajserve("bench", "agent", "--json", "--dtype", "float32", "--trajectories", "3", "--turns", "3",
                   "--preamble-tokens", "150", "--tool-min-tokens", "20", "--tool-max-tokens", "60",
-                  "--reply-tokens", "4", "--uncached-trajectories", "1", "--pool-fractions", "1,0.1",
+                  "--reply-tokens", "4", "--uncached-trajectories", "2", "--pool-fractions", "1,0.1",
                   timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert len(res["per_turn"]) == 3 and len(res["requests"]) == 9
     assert res["uncached_outputs_identical"] and res["replay_matches_engine"]
+    # Phase 2's cached runs found exactly what phase 1's did: trajectory 1's turn 1 the preamble
+    # put back before it, every later turn the previous turn's uncached run.
+    assert res["paired_hits_match"]
+    pairs = res["paired_requests"]
+    assert [(p["trajectory"], p["turn"]) for p in pairs] == [(i, t) for i in range(2) for t in (1, 2, 3)]
+    assert pairs[0]["cached_tokens"] == 0 and pairs[3]["cached_tokens"] >= 144
+    assert all(0 < p["ttft_cached_s"] and 0 < p["ttft_uncached_s"] for p in pairs)
     # The preamble is shared from the second request on, the history from turn 2 on.
     assert res["requests"][0]["cached_tokens"] == 0
     assert all(r["cached_tokens"] >= 144 for r in res["requests"][1:])
     assert res["targets"]["hit_rate_over_oracle"]["met"]
     assert all(t["ttft_uncached_ms"] is not None for t in res["per_turn"])
-    # Turn 1 of the re-run trajectory (the first request) had nothing cached: its floor is 1.
-    assert res["per_turn"][0]["flop_floor"] == 1.0
-    # Later turns: above the share of trajectory 0's prompt left to compute, since those tokens
-    # attend to the whole history.
-    for t in res["per_turn"][1:]:
-        (r0,) = [r for r in res["requests"] if r["trajectory"] == 0 and r["turn"] == t["turn"]]
-        assert 1 - r0["cached_tokens"] / r0["prompt_tokens"] < t["flop_floor"] < 1
+    # Each turn's floor sits above the share of its two pairs' prompts left to compute, since
+    # those tokens attend to the whole history, and below 1 (turn 1: trajectory 1 found the preamble).
+    for t in res["per_turn"]:
+        ps = [p for p in pairs if p["turn"] == t["turn"]]
+        must = 1 - sum(p["cached_tokens"] for p in ps) / sum(p["prompt_tokens"] for p in ps)
+        assert must < t["flop_floor"] < 1
     assert res["pool_sweep"][0]["hit_rate"] > 0.5
     assert "skipped" in res["pool_sweep"][1]  # 10% of the working set cannot hold a request
 

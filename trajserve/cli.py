@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--wait-trace: longest trace gap kept, in trace seconds (longer ones are human breaks)")
     a.add_argument("--policies", default="keep,drop,host,policy", help="--tool-waits: policies to compare")
     a.add_argument("--uncached-trajectories", type=int, default=2,
-                   help="trajectories re-run with the cache emptied before each request")
+                   help="trajectories re-run in pairs: each request with the cache, then with it emptied, "
+                   "back to back (the TTFT ratio)")
     a.add_argument("--pool-fractions", default="1.0,0.75,0.5,0.35,0.25",
                    help="pool sizes for the hit-rate sweep, as fractions of the working set")
     a.add_argument("--json", action="store_true", help="print only JSON")

@@ -10,10 +10,13 @@ Three phases, one process:
   1. cached: the engine with the radix prefix cache; per request the TTFT,
      the tokens served from the cache, and the oracle (the most block-aligned
      tokens any cache could have reused, bench/oracle.py);
-  2. uncached: the same prompts for the first K trajectories with the cache
-     emptied before each request; TTFT per turn, and the greedy replies must
-     be the ones phase 1 produced. The TTFT target compares the same
-     requests with and without the cache, summed from turn 3 on; per turn
+  2. paired: the first K trajectories' requests again, each twice back to
+     back: with the cache holding what phase 1's request found (the
+     trajectory's previous turn), then with the cache emptied; the greedy
+     replies must be the ones phase 1 produced. This machine's speed drifts
+     by tens of percent over minutes, so the two TTFTs of a pair are taken
+     seconds apart, not a phase apart. The TTFT target compares the pairs,
+     summed from turn 3 on; per turn
      the table also shows the share of the prompt any cache must compute,
      which bounds a single request's ratio from below, and the FLOP floor:
      the ratio an engine bound by compute would reach, the FLOPs of the
@@ -81,16 +84,28 @@ def cached_phase(engine, args, rng: random.Random) -> tuple[list[dict], PrefixOr
     return records, oracle
 
 
-def uncached_phase(engine, records: list[dict], k: int) -> list[dict]:
+def paired_phase(engine, records: list[dict], k: int) -> list[dict]:
+    """Phase 2: trajectory by trajectory, turn by turn, request r with the
+    cache, then r with the cache emptied. The uncached run of turn t leaves
+    turn t's prompt and reply in the cache, which is what turn t + 1 found
+    in phase 1 (its hit is the oracle's: the longest computed prefix is its
+    own history); turn 1 finds the shared preamble, put back first."""
     out = []
-    for r in records:
-        if r["trajectory"] >= k:
-            continue
+    for i in range(k):
+        rs = sorted((r for r in records if r["trajectory"] == i), key=lambda r: r["turn"])
         engine.kv.clear_cache()
-        res = run_one(engine, r["prompt_ids"], SamplingParams(max_tokens=len(r["output_ids"]), temperature=0))
-        assert res.num_cached_tokens == 0
-        out.append({"turn": r["turn"], "trajectory": r["trajectory"], "ttft_s": res.metrics.ttft,
-                    "same_output": list(res.outputs[0].token_ids) == r["output_ids"]})
+        if rs and rs[0]["cached_tokens"]:
+            run_one(engine, rs[0]["prompt_ids"][: rs[0]["cached_tokens"]], SamplingParams(max_tokens=1, temperature=0))
+        for r in rs:
+            sp = SamplingParams(max_tokens=len(r["output_ids"]), temperature=0)
+            cached = run_one(engine, r["prompt_ids"], sp)
+            engine.kv.clear_cache()
+            uncached = run_one(engine, r["prompt_ids"], sp)
+            assert uncached.num_cached_tokens == 0
+            out.append({"turn": r["turn"], "trajectory": i, "prompt_tokens": r["prompt_tokens"],
+                        "cached_tokens": cached.num_cached_tokens,
+                        "ttft_cached_s": cached.metrics.ttft, "ttft_uncached_s": uncached.metrics.ttft,
+                        "same_output": all(list(x.outputs[0].token_ids) == r["output_ids"] for x in (cached, uncached))})
     return out
 
 
@@ -107,16 +122,18 @@ def flop_floor(cfg, rs: list[dict]) -> float:
             / sum(prefill_flops(cfg, r["prompt_tokens"], 0) for r in rs))
 
 
-def per_turn(records: list[dict], uncached: list[dict], cfg) -> list[dict]:
-    """Per turn: medians over all trajectories, and the TTFT ratio paired
-    request by request (the same prompt with and without the cache) over the
-    trajectories phase 2 re-ran, with its FLOP floor."""
-    by_key = {(r["turn"], r["trajectory"]): r for r in records}
+def ttft_ratio(pairs: list[dict]) -> float:
+    return sum(p["ttft_cached_s"] for p in pairs) / sum(p["ttft_uncached_s"] for p in pairs)
+
+
+def per_turn(records: list[dict], pairs: list[dict], cfg) -> list[dict]:
+    """Per turn: phase 1's hits and median TTFT over all trajectories; the
+    TTFT ratio over phase 2's pairs (the same prompt with and without the
+    cache), with its FLOP floor."""
     rows = []
     for turn in sorted({r["turn"] for r in records}):
         rs = [r for r in records if r["turn"] == turn]
-        us = [u for u in uncached if u["turn"] == turn]
-        paired = [by_key[(u["turn"], u["trajectory"])] for u in us]  # the same requests, with the cache
+        us = [u for u in pairs if u["turn"] == turn]
         prompt = sum(r["prompt_tokens"] for r in rs)
         rows.append({"turn": turn, "prompt_tokens_median": statistics.median(r["prompt_tokens"] for r in rs),
                      # Share of prompt tokens any cache must still compute: the floor under
@@ -126,9 +143,9 @@ def per_turn(records: list[dict], uncached: list[dict], cfg) -> list[dict]:
                      "hit_rate": sum(r["cached_tokens"] for r in rs) / prompt,
                      "oracle_hit_rate": sum(r["oracle_tokens"] for r in rs) / prompt,
                      "ttft_cached_ms": statistics.median(r["ttft_s"] for r in rs) * 1e3,
-                     "ttft_uncached_ms": statistics.median(u["ttft_s"] for u in us) * 1e3 if us else None,
-                     "ttft_ratio": sum(r["ttft_s"] for r in paired) / sum(u["ttft_s"] for u in us) if us else None,
-                     "flop_floor": flop_floor(cfg, paired) if us else None})
+                     "ttft_uncached_ms": statistics.median(u["ttft_uncached_s"] for u in us) * 1e3 if us else None,
+                     "ttft_ratio": ttft_ratio(us) if us else None,
+                     "flop_floor": flop_floor(cfg, us) if us else None})
     return rows
 
 
@@ -188,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     records, oracle = cached_phase(engine, args, rng)
     cached_phase_s = time.perf_counter() - t0
-    uncached = uncached_phase(engine, records, min(args.uncached_trajectories, args.trajectories))
-    turns = per_turn(records, uncached, engine.model_config)
+    pairs = paired_phase(engine, records, min(args.uncached_trajectories, args.trajectories))
+    turns = per_turn(records, pairs, engine.model_config)
     fractions = [float(f) for f in args.pool_fractions.split(",")]
     sweep = pool_sweep(engine, records, oracle.num_blocks, fractions)
     check_replay = replay([(r["prompt_ids"], r["output_ids"]) for r in records], engine.num_blocks,
@@ -200,12 +217,11 @@ def run(args: argparse.Namespace) -> int:
     cached = sum(r["cached_tokens"] for r in records)
     ideal = sum(r["oracle_tokens"] for r in records)
     by_key = {(r["turn"], r["trajectory"]): r for r in records}
-    late = [(by_key[(u["turn"], u["trajectory"])], u) for u in uncached if u["turn"] >= 3]
+    late = [u for u in pairs if u["turn"] >= 3]
     derived = {"hit_rate_over_oracle": cached / ideal if ideal else 1.0}
     if late:
-        # Summed over every re-run request from turn 3 on (same prompts with and without the cache).
-        derived["ttft_cached_over_uncached_turn3plus"] = (sum(c["ttft_s"] for c, _ in late)
-                                                          / sum(u["ttft_s"] for _, u in late))
+        # Summed over every pair from turn 3 on (same prompts with and without the cache).
+        derived["ttft_cached_over_uncached_turn3plus"] = ttft_ratio(late)
     result = {
         "command": command_line(), "machine": machine_info(), "dtype": str(engine.dtype).removeprefix("torch."),
         "trajectories": args.trajectories, "turns": args.turns, "preamble_tokens": args.preamble_tokens,
@@ -216,13 +232,16 @@ def run(args: argparse.Namespace) -> int:
         "promoted_blocks": engine.kv.num_promoted_blocks,
         "hit_rate": cached / prompt, "oracle_hit_rate": ideal / prompt,
         "cached_phase_s": cached_phase_s,  # wall time of phase 1: the makespan of the cached run
-        "uncached_outputs_identical": all(u["same_output"] for u in uncached),
+        "uncached_outputs_identical": all(u["same_output"] for u in pairs),
+        # Phase 2's cached runs found what phase 1's did (else the pairs measure another cache state).
+        "paired_hits_match": all(u["cached_tokens"] == by_key[(u["turn"], u["trajectory"])]["cached_tokens"]
+                                 for u in pairs),
         "replay_matches_engine": check_replay.cached_tokens == [r["cached_tokens"] for r in records],
         "per_turn": turns, "pool_sweep": sweep,
         "ttft_ratio_max_turn3plus": max((t["ttft_ratio"] for t in turns if t["turn"] >= 3
                                          and t["ttft_ratio"] is not None), default=None),
-        "flop_floor_turn3plus": flop_floor(engine.model_config, [c for c, _ in late]) if late else None,
-        "uncached_requests": uncached,
+        "flop_floor_turn3plus": flop_floor(engine.model_config, late) if late else None,
+        "paired_requests": pairs,
         "targets": {k: {"value": v, "rule": " ".join(map(str, TARGETS[k])), "met": check(v, TARGETS[k])}
                     for k, v in derived.items()},
         "requests": [{k: v for k, v in r.items() if not k.endswith("_ids")} for r in records],
@@ -246,8 +265,8 @@ def print_report(res: dict) -> None:
         print(f"prefix cache lower tiers: host {low['host']} blocks, disk {low['disk']} blocks; "
               f"{res['promoted_blocks']} blocks loaded back on hits")
     print()
-    print("TTFT: medians over the trajectories each phase ran; ratio: cached / uncached TTFT summed over the same")
-    print("requests (the trajectories phase 2 re-ran without the cache)")
+    print("TTFT cached: median of phase 1 (all trajectories); uncached: median of phase 2's pairs; ratio: cached /")
+    print("uncached TTFT summed over phase 2's pairs (each request with the cache, then without, back to back)")
     print("must: share of prompt tokens any cache must compute (1 - oracle); floor: the ratio if TTFT were")
     print("proportional to FLOPs (the new tokens attend to the whole history, so floor > must)")
     print(f"{'turn':>4} {'prompt':>7} {'hit':>7} {'oracle':>7} {'must':>6} {'TTFT cached':>12} {'uncached':>9} "
@@ -261,6 +280,7 @@ def print_report(res: dict) -> None:
               f"{ratio} {floor}")
     print(f"\nall turns: hit rate {res['hit_rate'] * 100:.2f}%, oracle {res['oracle_hit_rate'] * 100:.2f}%; "
           f"greedy replies identical without the cache: {res['uncached_outputs_identical']}; "
+          f"pairs found phase 1's hits: {res['paired_hits_match']}; "
           f"model-free replay reproduces the engine's hits: {res['replay_matches_engine']}\n")
     print("hit rate vs pool size (replay of the same requests"
           + (", same lower tiers):" if low["host"] or low["disk"] else "):"))

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trajserve.engine.scheduler import SchedulerOutput
-from trajserve.sim.cost_model import CostModel, StepCost
+from trajserve.sim.cost_model import CostModel, StepCost, causal_pairs
 
 
 @dataclass(slots=True)
@@ -42,7 +42,7 @@ class CostModelRunner:
         for c in out.chunks:
             k, h = c.num_tokens, c.start
             n += k
-            pairs += k * h + k * (k + 1) // 2  # N_pair (inference-optimization 8.2.3)
+            pairs += causal_pairs(k, h)
             kv += h + k
             if h + k == len(c.request.all_token_ids):  # chunk reaches the end: its logits are sampled
                 rows.append(c.request)

@@ -92,9 +92,9 @@ def paired_phase(engine, records: list[dict], k: int) -> list[dict]:
     own history); turn 1 finds the shared preamble, put back first."""
     out = []
     for i in range(k):
-        rs = sorted((r for r in records if r["trajectory"] == i), key=lambda r: r["turn"])
+        rs = [r for r in records if r["trajectory"] == i]  # in turn order: phase 1 ran turn-major
         engine.kv.clear_cache()
-        if rs and rs[0]["cached_tokens"]:
+        if rs[0]["cached_tokens"]:
             run_one(engine, rs[0]["prompt_ids"][: rs[0]["cached_tokens"]], SamplingParams(max_tokens=1, temperature=0))
         for r in rs:
             sp = SamplingParams(max_tokens=len(r["output_ids"]), temperature=0)

@@ -35,18 +35,23 @@ def test_bench_agent_small_run():
     r = trajserve("bench", "agent", "--json", "--dtype", "float32", "--trajectories", "3", "--turns", "3",
                   "--preamble-tokens", "150", "--tool-min-tokens", "20", "--tool-max-tokens", "60",
                   "--reply-tokens", "4", "--uncached-trajectories", "2", "--pool-fractions", "1,0.1",
-                  timeout=600)
+                  "--pair-repeats", "2", timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert len(res["per_turn"]) == 3 and len(res["requests"]) == 9
     assert res["uncached_outputs_identical"] and res["replay_matches_engine"]
     # Phase 2's cached runs found exactly what phase 1's did: trajectory 1's turn 1 the preamble
-    # put back before it, every later turn the previous turn's uncached run.
+    # put back before it, every later turn the previous turn's uncached run, and the repeat the
+    # same blocks again (what the first run added was invalidated).
     assert res["paired_hits_match"]
     pairs = res["paired_requests"]
     assert [(p["trajectory"], p["turn"]) for p in pairs] == [(i, t) for i in range(2) for t in (1, 2, 3)]
     assert pairs[0]["cached_tokens"] == 0 and pairs[3]["cached_tokens"] >= 144
     assert all(0 < p["ttft_cached_s"] and 0 < p["ttft_uncached_s"] for p in pairs)
+    for p in pairs:  # each side ran twice and keeps its fastest run
+        assert len(p["cached_tokens_runs"]) == len(p["ttft_cached_runs_s"]) == len(p["ttft_uncached_runs_s"]) == 2
+        assert p["ttft_cached_s"] == min(p["ttft_cached_runs_s"])
+        assert p["ttft_uncached_s"] == min(p["ttft_uncached_runs_s"])
     # The preamble is shared from the second request on, the history from turn 2 on.
     assert res["requests"][0]["cached_tokens"] == 0
     assert all(r["cached_tokens"] >= 144 for r in res["requests"][1:])

@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--uncached-trajectories", type=int, default=2,
                    help="trajectories re-run in pairs: each request with the cache, then with it emptied, "
                    "back to back (the TTFT ratio)")
+    a.add_argument("--pair-repeats", type=int, default=1,
+                   help="runs of each side of a pair; the fastest TTFT of each side counts (interference on a "
+                   "shared machine only slows a run down)")
     a.add_argument("--pool-fractions", default="1.0,0.75,0.5,0.35,0.25",
                    help="pool sizes for the hit-rate sweep, as fractions of the working set")
     a.add_argument("--json", action="store_true", help="print only JSON")

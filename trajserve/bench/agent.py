@@ -15,9 +15,10 @@ Three phases, one process:
      trajectory's previous turn), then with the cache emptied; the greedy
      replies must be the ones phase 1 produced. This machine's speed drifts
      by tens of percent over minutes, so the two TTFTs of a pair are taken
-     seconds apart, not a phase apart. The TTFT target compares the pairs,
-     summed from turn 3 on; per turn
-     the table also shows the share of the prompt any cache must compute,
+     seconds apart, not a phase apart (with --pair-repeats R, each side
+     runs R times and keeps its fastest). The TTFT target compares the
+     pairs, summed from turn 3 on; per turn the table also shows the share
+     of the prompt any cache must compute,
      which bounds a single request's ratio from below, and the FLOP floor:
      the ratio an engine bound by compute would reach, the FLOPs of the
      tokens left to compute (each attending to the whole cached history)
@@ -84,28 +85,49 @@ def cached_phase(engine, args, rng: random.Random) -> tuple[list[dict], PrefixOr
     return records, oracle
 
 
-def paired_phase(engine, records: list[dict], k: int) -> list[dict]:
+def paired_phase(engine, records: list[dict], k: int, repeats: int = 1) -> list[dict]:
     """Phase 2: trajectory by trajectory, turn by turn, request r with the
     cache, then r with the cache emptied. The uncached run of turn t leaves
     turn t's prompt and reply in the cache, which is what turn t + 1 found
     in phase 1 (its hit is the oracle's: the longest computed prefix is its
-    own history); turn 1 finds the shared preamble, put back first."""
+    own history); turn 1 finds the shared preamble, put back first.
+
+    With `repeats` > 1 each side of a pair runs that many times and its
+    fastest TTFT counts (a shared machine's interference only slows a run
+    down; both sides are treated alike). A cached repeat runs on the same
+    cached blocks as the first: the blocks the first run added are
+    invalidated, so it finds phase 1's hit again. Repeats stop at the first
+    token; the first cached and the last uncached run decode the whole
+    reply, and the last leaves turn t in the cache."""
+    one = SamplingParams(max_tokens=1, temperature=0)
     out = []
     for i in range(k):
         rs = [r for r in records if r["trajectory"] == i]  # in turn order: phase 1 ran turn-major
         engine.kv.clear_cache()
         if rs[0]["cached_tokens"]:
-            run_one(engine, rs[0]["prompt_ids"][: rs[0]["cached_tokens"]], SamplingParams(max_tokens=1, temperature=0))
+            run_one(engine, rs[0]["prompt_ids"][: rs[0]["cached_tokens"]], one)
         for r in rs:
-            sp = SamplingParams(max_tokens=len(r["output_ids"]), temperature=0)
-            cached = run_one(engine, r["prompt_ids"], sp)
-            engine.kv.clear_cache()
-            uncached = run_one(engine, r["prompt_ids"], sp)
-            assert uncached.num_cached_tokens == 0
+            ids, want = r["prompt_ids"], r["output_ids"]
+            full = SamplingParams(max_tokens=len(want), temperature=0)
+            cached = [run_one(engine, ids, full)]
+            for _ in range(repeats - 1):
+                engine.invalidate(ids[: cached[0].num_cached_tokens + 1])  # blocks from the first uncached token on
+                cached.append(run_one(engine, ids, one))
+            uncached = []
+            for j in range(repeats):
+                engine.kv.clear_cache()
+                uncached.append(run_one(engine, ids, full if j == repeats - 1 else one))
+            assert all(u.num_cached_tokens == 0 for u in uncached)
+            # The full runs must give phase 1's reply, the one-token repeats its first token.
+            expect = [(cached[0], want), *((x, want[:1]) for x in cached[1:] + uncached[:-1]), (uncached[-1], want)]
             out.append({"turn": r["turn"], "trajectory": i, "prompt_tokens": r["prompt_tokens"],
-                        "cached_tokens": cached.num_cached_tokens,
-                        "ttft_cached_s": cached.metrics.ttft, "ttft_uncached_s": uncached.metrics.ttft,
-                        "same_output": all(list(x.outputs[0].token_ids) == r["output_ids"] for x in (cached, uncached))})
+                        "cached_tokens": cached[0].num_cached_tokens,
+                        "cached_tokens_runs": [c.num_cached_tokens for c in cached],
+                        "ttft_cached_s": min(c.metrics.ttft for c in cached),
+                        "ttft_uncached_s": min(u.metrics.ttft for u in uncached),
+                        "ttft_cached_runs_s": [c.metrics.ttft for c in cached],
+                        "ttft_uncached_runs_s": [u.metrics.ttft for u in uncached],
+                        "same_output": all(list(x.outputs[0].token_ids) == w for x, w in expect)})
     return out
 
 
@@ -193,6 +215,8 @@ def check(value: float, rule: tuple[str, float]) -> bool:
 def run(args: argparse.Namespace) -> int:
     from trajserve.cli import make_llm
 
+    if args.pair_repeats < 1:
+        raise ValueError(f"--pair-repeats must be at least 1, got {args.pair_repeats}")
     if not 1 <= args.tool_min_tokens <= args.tool_max_tokens:
         raise ValueError(f"tool result range [{args.tool_min_tokens}, {args.tool_max_tokens}] is empty")
     if args.num_blocks is None and args.kv_cache_memory is None:
@@ -205,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     records, oracle = cached_phase(engine, args, rng)
     cached_phase_s = time.perf_counter() - t0
-    pairs = paired_phase(engine, records, min(args.uncached_trajectories, args.trajectories))
+    pairs = paired_phase(engine, records, min(args.uncached_trajectories, args.trajectories), args.pair_repeats)
     turns = per_turn(records, pairs, engine.model_config)
     fractions = [float(f) for f in args.pool_fractions.split(",")]
     sweep = pool_sweep(engine, records, oracle.num_blocks, fractions)
@@ -234,8 +258,9 @@ def run(args: argparse.Namespace) -> int:
         "cached_phase_s": cached_phase_s,  # wall time of phase 1: the makespan of the cached run
         "uncached_outputs_identical": all(u["same_output"] for u in pairs),
         # Phase 2's cached runs found what phase 1's did (else the pairs measure another cache state).
-        "paired_hits_match": all(u["cached_tokens"] == by_key[(u["turn"], u["trajectory"])]["cached_tokens"]
-                                 for u in pairs),
+        "paired_hits_match": all(h == by_key[(u["turn"], u["trajectory"])]["cached_tokens"]
+                                 for u in pairs for h in u["cached_tokens_runs"]),
+        "pair_repeats": args.pair_repeats,
         "replay_matches_engine": check_replay.cached_tokens == [r["cached_tokens"] for r in records],
         "per_turn": turns, "pool_sweep": sweep,
         "ttft_ratio_max_turn3plus": max((t["ttft_ratio"] for t in turns if t["turn"] >= 3
@@ -266,7 +291,8 @@ def print_report(res: dict) -> None:
               f"{res['promoted_blocks']} blocks loaded back on hits")
     print()
     print("TTFT cached: median of phase 1 (all trajectories); uncached: median of phase 2's pairs; ratio: cached /")
-    print("uncached TTFT summed over phase 2's pairs (each request with the cache, then without, back to back)")
+    print("uncached TTFT summed over phase 2's pairs (each request with the cache, then without, back to back"
+          + (f"; each side the fastest of {res['pair_repeats']} runs)" if res["pair_repeats"] > 1 else ")"))
     print("must: share of prompt tokens any cache must compute (1 - oracle); floor: the ratio if TTFT were")
     print("proportional to FLOPs (the new tokens attend to the whole history, so floor > must)")
     print(f"{'turn':>4} {'prompt':>7} {'hit':>7} {'oracle':>7} {'must':>6} {'TTFT cached':>12} {'uncached':>9} "

@@ -18,11 +18,11 @@ Three phases, one process:
      seconds apart, not a phase apart (with --pair-repeats R, each side
      runs R times and keeps its fastest). The TTFT target compares the
      pairs, summed from turn 3 on; per turn the table also shows the share
-     of the prompt any cache must compute,
-     which bounds a single request's ratio from below, and the FLOP floor:
-     the ratio an engine bound by compute would reach, the FLOPs of the
-     tokens left to compute (each attending to the whole cached history)
-     over the FLOPs of the whole prompt (plan/flops.py, causal attention);
+     of the prompt any cache must compute, which bounds a single request's
+     ratio from below, and the FLOP floor: the ratio an engine bound by
+     compute would reach, the FLOPs of the tokens left to compute (each
+     attending to the whole cached history) over the FLOPs of the whole
+     prompt (plan/flops.py, causal attention);
   3. pool sweep: the recorded requests replayed through the real scheduler
      and KV manager (no model, bench/replay.py) at pools smaller than the
      working set: hit rate vs pool size. The replay at phase 1's pool size

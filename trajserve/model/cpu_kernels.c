@@ -325,10 +325,11 @@ int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int6
  * pool already stores contiguously. A chunk's last, short block computes
  * only the vectors and output tiles its queries fill: a cached request that
  * adds 8 tokens pays for 8 queries, not 24 (1.6x faster at 8 new tokens
- * over 2,300 cached, 1.09x at 150, docs/benchmarks.md). Hidden scores are -inf for the max and
- * exactly 0 after exp, and key blocks are aligned at 0, so a query's result
- * does not depend on which chunk or query block it was computed in (a real
- * score of -inf, impossible with finite q and k, would be treated as hidden).
+ * over 2,300 cached, 1.08x at 150, docs/benchmarks.md). Hidden scores are
+ * -inf for the max and exactly 0 after exp, and key blocks are aligned at
+ * 0, so a query's result does not depend on which chunk or query block it
+ * was computed in (a real score of -inf, impossible with finite q and k,
+ * would be treated as hidden).
  * Requires d % 8 == 0. Returns the number of tasks that found no memory
  * (their outputs are not written; the caller raises). */
 #define QB 24

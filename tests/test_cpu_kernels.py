@@ -201,13 +201,14 @@ def test_prefill_attention_matches_dense(prefix, n, bs, gqa, d, seed):
 @needs_kernels
 def test_prefill_attention_does_not_depend_on_the_chunking():
     # Caching and chunked prefill must not change a query's output by a bit:
-    # the same 300 queries in one chunk, or in chunks of 7 and 61 after a prefix.
+    # the same 300 queries in one chunk, or in chunks of 7, 20 and 61 after a
+    # prefix (short last query blocks of one, three and two 8-query vectors).
     g = _g(3)
     k, v, kc, vc, table = _paged_context(g, 300, 3, 64, 16)
     qs = torch.randn(300, 9, 64, generator=g)
     whole = torch.empty(300, 9, 64)
     K.prefill_attention(qs, kc, vc, table, 300, 0.125, whole)
-    for step in (7, 61):
+    for step in (7, 20, 61):
         parts = torch.empty(300, 9, 64)
         for a in range(0, 300, step):
             b = min(a + step, 300)

@@ -445,8 +445,9 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                 }
             }
             memset(o, 0, sizeof(float) * group * QB * d);
-            // Rows >= R of s are never written: zero, they are probabilities
-            // 0 for the PV tiles (whole tiles of 6 rows may reach past R).
+            // Rows >= R of s are never written, yet whole PV tiles of 6 rows
+            // may read them (into output rows that are never stored): zero
+            // them once, so no stale NaN or denormal from malloc enters an FMA.
             memset(s, 0, sizeof(float) * KB * QB);
             for (int64_t kb0 = 0; kb0 < kend; kb0 += KB) {
                 const int64_t nk = kend - kb0 < KB ? kend - kb0 : KB, nk4 = (nk + 3) & ~(int64_t)3;

@@ -12,9 +12,11 @@ from test_cli import _command
 
 
 class ServerProcess:
-    def __init__(self, *args: str, startup_timeout: float = 180) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 180, tmpdir: str | None = None) -> None:
         env = dict(os.environ)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if tmpdir is not None:  # where the server's temporary files go
+            env["TMPDIR"] = tmpdir
         self.proc = subprocess.Popen([*_command(), "serve", "--port", "0", *args], stderr=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, text=True, env=env)
         self.url = self._wait_for_port(startup_timeout)
@@ -60,9 +62,14 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self) -> int | None:
+        """SIGTERM, as a process manager stops a server; the exit status (None: killed after 30 s)."""
+        if self.proc.poll() is not None:
+            return self.proc.returncode
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=30)
+            return self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+            return None

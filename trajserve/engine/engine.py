@@ -394,6 +394,14 @@ class LLMEngine:
         self._seq_to_group.pop(seq.request_id, None)
         self.sampler.release(seq.request_id)
 
+    def close(self) -> None:
+        """Stop the background copy threads: queued disk writes of the prefix
+        cache's tiers land, its temporary directory goes. Call once no step runs
+        (the server: after its engine thread has stopped)."""
+        if self.lower is not None:
+            self.lower.close()
+        self.runner.copy.shutdown()
+
     # ----------------------------------------------------------------- metrics
     def invalidate(self, prefix_tokens: str | list[int] | None = None, cache_salt: str | None = None) -> int:
         """Drop cached state under a token prefix (or a whole salt): when a file

@@ -73,6 +73,11 @@ class AsyncEngine:
         self._thread.join(timeout=30)
 
     @property
+    def running(self) -> bool:
+        """The engine thread has not returned (shutdown waits at most 30 s)."""
+        return self._thread.is_alive()
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 

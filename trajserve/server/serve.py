@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -41,8 +42,31 @@ def serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"trajserve serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal
+    # again under the handler found before it started. With the default one the
+    # process would die right there, before the engine below is shut down: the
+    # sessions' temporary directory would stay behind and queued disk writes
+    # would be lost. So the handler it finds only notes the signal.
+    # (One that comes before uvicorn has put in its own handlers still stops it.)
+    server = uvicorn.Server(config)
+    stopped_by: list[int] = []
+
+    def note(signum: int, _frame) -> None:
+        stopped_by.append(signum)
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, note)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         aengine.shutdown()
+        if aengine.running:
+            log.warning("the engine thread did not stop within 30 s; its state is left as it is")
+        else:  # nothing steps any more: the main thread may touch the engine
+            if app.state.sessions is not None:
+                app.state.sessions.shutdown()
+            engine.close()
+    if stopped_by:
+        log.info("stopped by %s", signal.Signals(stopped_by[0]).name)
     return 0

@@ -89,6 +89,21 @@ def test_gate_up_silu_matches_torch(m, k, inter):
 
 
 @needs_kernels
+def test_gate_up_silu_holds_at_extreme_gates():
+    # The vector SiLU's exp(-g) is capped at exp(88): past it the exponent
+    # would overflow into garbage. Gates up to +-1000 (and 21 of them: the
+    # last panel is partial) must still give silu(g) * 1.
+    vals = torch.tensor([-1000., -100., -88.7, -88.5, -88., -87.5, -20., -1e-30, 0., 1e-30, 3., 20., 87.,
+                         88.5, 100., 1000., float("inf"), -3.5, 0.5, 7.25, float("nan")])
+    gate, up = torch.zeros(len(vals), 8), torch.zeros(len(vals), 8)
+    gate[:, 0], up[:, 1] = vals, 1.0
+    x = torch.zeros(1, 8)
+    x[0, :2] = 1.0
+    out = K.gate_up_silu(x, cpu_kernels.pack_gate_up(gate, up), len(vals))[0]
+    torch.testing.assert_close(out, F.silu(vals), atol=1e-34, rtol=1e-6, equal_nan=True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 16, 40])  # one thread up to 16 rows, all above
 def test_rms_norm_matches_torch(m):
     g = _g(m)

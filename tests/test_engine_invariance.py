@@ -186,6 +186,52 @@ def test_chunk_size_does_not_change_tokens(engine, prompts, reference, chunk):
     assert steps >= MAX_TOKENS + (longest - 1) // chunk
 
 
+@pytest.mark.parametrize("kernels", [True, False])
+def test_last_layer_goes_on_with_the_sampled_rows_alone(engine, prompts, reference, kernels):
+    """The last layer stores every row's K/V, then runs attention, o, MLP and
+    the final norm for the sampled rows only (LlamaModel.forward's
+    sample_meta). Every step's logits must equal those of the whole last
+    layer: bit for bit on the C kernels, within float rounding on the torch
+    forward. The steps cover a chunk that samples nothing alone, chunks that
+    do not sample beside decodes, and prompts' last chunks beside decodes."""
+    eng = engine if kernels else LLMEngine(EngineConfig(dtype="float32", cpu_kernels=False,
+                                                         cache=CacheConfig(num_blocks=256)))
+    model = eng.runner.model
+    assert (model.kernels is not None) == kernels
+    forward, seen = model.forward, []
+
+    def both(input_ids, positions, meta, kv, sample_rows, before_layer=None, sample_meta=None):
+        whole = forward(input_ids, positions, meta, kv, sample_rows, before_layer, None)
+        alone = forward(input_ids, positions, meta, kv, sample_rows, before_layer, sample_meta)
+        if kernels:
+            assert torch.equal(alone, whole)
+        else:
+            torch.testing.assert_close(alone, whole, rtol=1e-5, atol=1e-4)
+        seen.append((meta.num_decodes, len(meta.prefills), sample_rows.numel()))
+        return alone
+
+    long = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    rest = [i for i in range(len(prompts)) if i != long and len(prompts[i]) < 150]
+    model.forward = both
+    try:
+        with sched_config(eng, max_prefill_chunk=64, max_num_batched_tokens=64, max_num_seqs=64):
+            clear_prefix_cache(eng)
+            ids = [eng.add_request(prompts[long], GREEDY)]
+            eng.step()  # the long prompt's first chunk, alone: nothing to sample
+            ids += [eng.add_request(prompts[i], GREEDY) for i in rest]
+            results: dict = {}
+            drain(eng, results)
+    finally:
+        del model.forward
+    if kernels:  # (the torch forward's rounding may part from the reference's on a near tie)
+        got = [results[i].outputs[0].token_ids for i in ids]
+        want = [reference[i] for i in [long, *rest]]
+        assert got == want, _diff(got, want)
+    assert seen[0] == (0, 1, 0)
+    assert any(d and p and s < d + p for d, p, s in seen), "no step where a chunk beside decodes sampled nothing"
+    assert any(d and s == d + p and p for d, p, s in seen), "no step where a prompt's last chunk sampled beside decodes"
+
+
 def test_warm_prefix_cache_does_not_change_tokens(engine, prompts, reference):
     """The same batch twice: the second run reads every full prompt block from
     the radix prefix cache instead of computing it."""

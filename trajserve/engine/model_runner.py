@@ -29,6 +29,8 @@ class PreparedBatch:
     copy_dst: torch.Tensor | None = None
     # Reloads still streaming into blocks this batch reads (kv/copy_engine.py).
     loads: list[CopyJob] = field(default_factory=list)
+    # The last layer's attention for the sampled rows alone (row i: sample_rows[i]).
+    sample_meta: AttentionMetadata | None = None
 
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -56,8 +58,7 @@ class ModelRunner:
         B = self.block_size
         ids, pos, slots = [], [], []
         sample_rows, sample_ids = [], []
-        dec_rows, dec_ctx, dec_tables = [], [], []
-        prefills: list[PrefillSeq] = []
+        spans, sampled = [], []  # (first row, rows, context incl. them, block table, decode?)
         row = 0
         for c in out.chunks:
             table = np.asarray(c.block_ids, dtype=np.int64)
@@ -65,23 +66,46 @@ class ModelRunner:
             ids.append(np.asarray(c.request.all_token_ids[c.start:c.end], dtype=np.int64))
             pos.append(p)
             slots.append(table[p // B] * B + p % B)
-            nb = -(-c.end // B)
-            if c.num_tokens == 1:
-                dec_rows.append(row)
-                dec_ctx.append(c.end)
-                dec_tables.append(table[:nb])
-            else:
-                prefills.append(PrefillSeq(row, c.num_tokens, c.end, self._tensor(table[:nb])))
+            decode = c.num_tokens == 1
+            spans.append((row, c.num_tokens, c.end, table, decode))
             row += c.num_tokens
             if c.sample:
+                # In the last layer only this row goes on: its query alone,
+                # over the same context (computed as it is inside the chunk).
+                sampled.append((len(sample_rows), 1, c.end, table, decode))
                 sample_rows.append(row - 1)
                 sample_ids.append(c.request.request_id)
 
         slots = np.concatenate(slots)
-        meta = AttentionMetadata(
-            slot_block=self._tensor(slots // B), slot_offset=self._tensor(slots % B),
-            decode_rows=None, pair_seq=None, pair_block=None, pair_mask=None,
-            num_decodes=len(dec_rows), prefills=prefills)
+        meta = self._attention_meta(spans)
+        meta.slot_block, meta.slot_offset = self._tensor(slots // B), self._tensor(slots % B)
+        batch = PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
+                              self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids,
+                              sample_meta=self._attention_meta(sampled))
+        if out.copies:
+            cp = np.asarray(out.copies, dtype=np.int64)
+            batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])
+        if self.copy.loading:  # rare: only while a reload streams in
+            batch.loads = self.copy.jobs_for([c.block_ids for c in out.chunks] + [[s for s, _ in out.copies]])
+        return batch
+
+    def _attention_meta(self, spans: list[tuple]) -> AttentionMetadata:
+        """Attention over the pool for query rows (first row, rows, context
+        length incl. them, block table, decode?) per sequence; the K/V slots
+        are the caller's."""
+        B = self.block_size
+        dec_rows, dec_ctx, dec_tables = [], [], []
+        prefills: list[PrefillSeq] = []
+        for row, n, end, table, decode in spans:
+            nb = -(-end // B)
+            if decode:
+                dec_rows.append(row)
+                dec_ctx.append(end)
+                dec_tables.append(table[:nb])
+            else:
+                prefills.append(PrefillSeq(row, n, end, self._tensor(table[:nb])))
+        meta = AttentionMetadata(slot_block=None, slot_offset=None, decode_rows=None, pair_seq=None,
+                                 pair_block=None, pair_mask=None, num_decodes=len(dec_rows), prefills=prefills)
         if dec_rows:
             meta.decode_rows = self._tensor(np.asarray(dec_rows, dtype=np.int64))
             nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
@@ -97,14 +121,7 @@ class ModelRunner:
                 meta.pair_seq = self._tensor(pair_seq)
                 meta.pair_block = self._tensor(np.concatenate(dec_tables))
                 meta.pair_mask = self._tensor((starts[:, None] + self._in_block[None, :]) < ctx[:, None])
-        batch = PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
-                              self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids)
-        if out.copies:
-            cp = np.asarray(out.copies, dtype=np.int64)
-            batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])
-        if self.copy.loading:  # rare: only while a reload streams in
-            batch.loads = self.copy.jobs_for([c.block_ids for c in out.chunks] + [[s for s, _ in out.copies]])
-        return batch
+        return meta
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """pool[dst] = pool[src] in every layer. All sources are read before
@@ -134,7 +151,7 @@ class ModelRunner:
                 self.copy.wait_s += job.wait_layer(job.num_layers - 1)
             self.copy_blocks(batch.copy_src, batch.copy_dst)
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                  batch.sample_rows, self.copy.layer_barrier(batch.loads))
+                                  batch.sample_rows, self.copy.layer_barrier(batch.loads), batch.sample_meta)
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
         batch = self.prepare(out)

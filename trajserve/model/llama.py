@@ -88,17 +88,27 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor,
-                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                before_layer: Callable[[int], None] | None = None,
+                sample_meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Returns float32 logits [len(sample_rows), vocab]. `before_layer(l)`
         runs before layer l touches the KV pool: a reload still streaming in
-        (kv/copy_engine.py) is waited for one layer at a time."""
+        (kv/copy_engine.py) is waited for one layer at a time.
+
+        `sample_meta`: the attention of the sampled rows alone (row i is
+        sample_rows[i]). Given it, the last layer stores every row's K/V and
+        then goes on with the sampled rows only: nothing reads the other rows'
+        outputs, and a prefill chunk's last layer is ~1/30 of its work. A row's
+        result does not depend on the rows beside it (the C kernels guarantee
+        it bit for bit), so the logits are the same."""
         if self.kernels is not None:
-            return self._forward_kernels(input_ids, positions, meta, kv_caches, sample_rows, before_layer)
+            return self._forward_kernels(input_ids, positions, meta, kv_caches, sample_rows, before_layer,
+                                         sample_meta)
         c = self.config
         T = input_ids.shape[0]
         x = self.embed[input_ids]
         cos = self.cos[positions].to(self.dtype)
         sin = self.sin[positions].to(self.dtype)
+        last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = self._rms(x, L.in_norm)
             qkv = L.qkv(h)
@@ -113,8 +123,10 @@ class LlamaModel:
             if before_layer is not None:
                 before_layer(i)
             write_kv(k, v, k_cache, v_cache, meta)
+            if i == last and sample_meta is not None:
+                q, x, meta, sample_rows = q[sample_rows], x[sample_rows], sample_meta, slice(None)
             a = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            x = x + L.o(a.reshape(T, self.q_size))
+            x = x + L.o(a.reshape(x.shape[0], self.q_size))
             h = self._rms(x, L.post_norm)
             gu = L.gate_up(h)
             inter = gu.shape[-1] // 2
@@ -124,7 +136,8 @@ class LlamaModel:
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor,
-                         before_layer: Callable[[int], None] | None) -> torch.Tensor:
+                         before_layer: Callable[[int], None] | None,
+                         sample_meta: AttentionMetadata | None) -> torch.Tensor:
         """The forward above, float32 on the CPU, in 8 calls per layer
         instead of ~35 torch ops: x is the residual stream, updated in place."""
         c, K = self.config, self.kernels
@@ -134,6 +147,7 @@ class LlamaModel:
             x = self.embed[input_ids]
         else:
             x = cpu_kernels.packed_rows(self.lm_head.packed, input_ids).contiguous()
+        last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = L.qkv(K.rms_norm(x, L.in_norm, eps))
             if L.q_norm is not None:
@@ -144,8 +158,11 @@ class LlamaModel:
                 before_layer(i)
             K.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin, positions,
                          k_cache, v_cache, meta.slot_block, meta.slot_offset)
-            q = qkv[:, : self.q_size].view(T, c.num_heads, c.head_dim)
-            a = paged_attention(q, k_cache, v_cache, meta, self.scale, K)
-            L.o(a.view(T, self.q_size), out=x)
+            q = qkv[:, : self.q_size]
+            if i == last and sample_meta is not None:
+                q, x, meta, sample_rows = q[sample_rows], x[sample_rows], sample_meta, slice(None)
+            n = x.shape[0]
+            a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale, K)
+            L.o(a.view(n, self.q_size), out=x)
             L.down(L.gate_up(K.rms_norm(x, L.post_norm, eps)), out=x)
         return self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps))

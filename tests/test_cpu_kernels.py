@@ -144,11 +144,12 @@ def test_index_tensors_must_be_int64():
 
 @needs_kernels
 @settings(max_examples=30, deadline=None)
-@given(ctxs=st.lists(st.integers(1, 150), min_size=1, max_size=5), bs=st.sampled_from([1, 4, 16]),
+@given(ctxs=st.lists(st.integers(1, 700), min_size=1, max_size=5), bs=st.sampled_from([1, 4, 16]),
        gqa=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
 def test_decode_attention_matches_dense(ctxs, bs, gqa, d, seed):
     """Decode queries (one per sequence, rows interleaved with other rows of
-    the batch, q with a row stride) read scattered blocks via the tables."""
+    the batch, q with a row stride) read scattered blocks via the tables;
+    contexts past 256 keys are split into segments and merged."""
     heads, kvh = gqa
     g = _g(seed)
     nblocks = sum(-(-c // bs) for c in ctxs) + 2
@@ -178,6 +179,40 @@ def test_decode_attention_matches_dense(ctxs, bs, gqa, d, seed):
                              dec_ctx=torch.tensor(ctxs))
     out = paged_attention(q, kc, vc, meta, d ** -0.5, K)
     torch.testing.assert_close(out[rows], torch.stack(refs), atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+def test_decode_attention_does_not_depend_on_the_batch_or_the_threads():
+    # Segments sit at fixed key positions: a sequence's output is the same
+    # bits alone or beside others, on 1 thread or 2 (contexts of 1 to 3
+    # segments, one ending exactly on a segment's edge).
+    g = _g(7)
+    hq, kvh, d, bs = 9, 3, 64, 16
+    ctxs = [700, 5, 512, 256, 1000]
+    nb = sum(-(-c // bs) for c in ctxs)
+    kc, vc = torch.randn(nb, kvh, bs, d, generator=g), torch.randn(nb, kvh, bs, d, generator=g)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables = [[perm.pop() for _ in range(-(-c // bs))] for c in ctxs]
+    q = torch.randn(len(ctxs), hq, d, generator=g)
+
+    def run(idx: list[int]) -> torch.Tensor:
+        flat = [b for i in idx for b in tables[i]]
+        starts = np.cumsum([0] + [len(tables[i]) for i in idx])[:-1]
+        out = torch.full((len(ctxs), hq, d), float("nan"))
+        K.decode_attention(q, kc, vc, torch.tensor(flat), torch.tensor(starts), torch.tensor([ctxs[i] for i in idx]),
+                           torch.tensor(idx), d ** -0.5, out)
+        return out
+
+    batch = run(list(range(len(ctxs))))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = run(list(range(len(ctxs))))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, one_thread)
+    for i in range(len(ctxs)):
+        assert torch.equal(run([i])[i], batch[i]), f"sequence {i} (context {ctxs[i]}) alone differs"
 
 
 def _paged_context(g, ctx, kvh, d, bs):

@@ -243,79 +243,132 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
 }
 
 /* Decode attention for n sequences of one query token each, through block
- * tables. Task (sequence, kv head): the head's `group` query heads score
- * every cached token, exact softmax (max, exp, sum), weighted sum of V.
+ * tables, split by keys ("flash-decoding"). Task (sequence, kv head, segment
+ * of DSEG keys): the head's `group` query heads score the segment's keys,
+ * exact softmax over them (max, exp, sum), weighted sum of V; then per
+ * (sequence, kv head) the segments merge in order, each rescaled by
+ * exp(m_seg - m). Why split: one task per (sequence, kv head) gave a batch
+ * of one sequence 3 tasks (SmolLM2's kv heads) for 2 threads, and a long
+ * context makes that the step's critical path. The segments sit at fixed key
+ * positions, so a sequence's result depends neither on the batch nor on
+ * the thread count, and a context of up to DSEG keys (one segment, rescaled
+ * by exp(0) = 1) gives exactly the one-pass result.
  * tables: the block ids of all sequences back to back, sequence s's from
  * table_start[s]; ctx[s]: tokens in its cache (incl. this one); q row and
  * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. Returns the
- * number of (sequence, head) tasks that found no memory for their scores
- * (their outputs are not written; the caller raises). */
-int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
-                         int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
-                         const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
-                         const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
-    const int64_t group = hq / hkv;
-    int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)
-    for (int64_t si = 0; si < n; si++) {
-        for (int64_t h = 0; h < hkv; h++) {
-            const int64_t len = ctx[si];
-            const int64_t *table = tables + table_start[si];
-            float *sc = malloc(sizeof(float) * group * len);  // scores, then probabilities
-            if (sc == NULL) {
-                failed++;
-                continue;
-            }
-            float qs[group * d], acc[group * d], mx[group], sum[group];
-            for (int64_t j = 0; j < group; j++) {
-                const float *qj = q + rows[si] * ldq + (h * group + j) * d;
-                for (int64_t e = 0; e < d; e++) qs[j * d + e] = qj[e] * scale;
-                mx[j] = -INFINITY;
-            }
-            for (int64_t p = 0; p < len; p++) {
-                const float *kp = k_cache + ((table[p / bs] * hkv + h) * bs + p % bs) * d;
-                for (int64_t j = 0; j < group; j++) {
-                    float s = dot(qs + j * d, kp, d);
-                    sc[j * len + p] = s;
-                    if (s > mx[j]) mx[j] = s;
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *sj = sc + j * len;
-                __m256 m8 = _mm256_set1_ps(mx[j]), t8 = _mm256_setzero_ps();
-                int64_t p = 0;
-                for (; p + 8 <= len; p += 8) {
-                    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + p), m8));
-                    _mm256_storeu_ps(sj + p, e);
-                    t8 = _mm256_add_ps(t8, e);
-                }
-                float tot = hsum8(t8);
-                if (p < len) {  // tail through the same exp, padded with -inf (exp -> ~0)
-                    float buf[8];
-                    for (int64_t e = 0; e < 8; e++) buf[e] = p + e < len ? sj[p + e] - mx[j] : -INFINITY;
-                    _mm256_storeu_ps(buf, exp8(_mm256_loadu_ps(buf)));
-                    for (int64_t e = 0; p + e < len; e++) { sj[p + e] = buf[e]; tot += buf[e]; }
-                }
-                sum[j] = tot;
-            }
-            memset(acc, 0, sizeof(acc));
-            for (int64_t p = 0; p < len; p++) {
-                const float *vp = v_cache + ((table[p / bs] * hkv + h) * bs + p % bs) * d;
-                for (int64_t j = 0; j < group; j++) {
-                    __m256 pj = _mm256_set1_ps(sc[j * len + p]);
-                    float *aj = acc + j * d;
-                    for (int64_t e = 0; e < d; e += 8)
-                        _mm256_storeu_ps(aj + e, _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp + e), _mm256_loadu_ps(aj + e)));
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *o = out + rows[si] * ldo + (h * group + j) * d, inv = 1.0f / sum[j];
-                for (int64_t e = 0; e < d; e++) o[e] = acc[j * d + e] * inv;
-            }
-            free(sc);
+ * number of sequences that found no memory (their outputs are not
+ * written; the caller raises). */
+#define DSEG 256
+
+/* One segment, keys [k0, k1): m[j], l[j] and the unnormalized acc[j][d]
+ * into out = m | l | acc. Everything is summed in locals and copied out at
+ * the end: accumulating into `out` itself (memory the compiler must assume
+ * may alias the pool) made the kernel 1.2-1.6x slower. */
+static void decode_segment(const float *qs, int64_t group, int64_t d, const float *k_cache,
+                           const float *v_cache, int64_t bs, int64_t hkv, int64_t h, const int64_t *table,
+                           int64_t k0, int64_t k1, float *out) {
+    const int64_t len = k1 - k0;
+    float sc[group * DSEG], m[group], l[group], acc[group * d];  // sc: scores, then probabilities
+    for (int64_t j = 0; j < group; j++) m[j] = -INFINITY;
+    for (int64_t p = 0; p < len; p++) {
+        const int64_t key = k0 + p;
+        const float *kp = k_cache + ((table[key / bs] * hkv + h) * bs + key % bs) * d;
+        for (int64_t j = 0; j < group; j++) {
+            float s = dot(qs + j * d, kp, d);
+            sc[j * DSEG + p] = s;
+            if (s > m[j]) m[j] = s;
         }
     }
-    return failed;
+    for (int64_t j = 0; j < group; j++) {
+        float *sj = sc + j * DSEG;
+        __m256 m8 = _mm256_set1_ps(m[j]), t8 = _mm256_setzero_ps();
+        int64_t p = 0;
+        for (; p + 8 <= len; p += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + p), m8));
+            _mm256_storeu_ps(sj + p, e);
+            t8 = _mm256_add_ps(t8, e);
+        }
+        float tot = hsum8(t8);
+        if (p < len) {  // tail through the same exp, padded with -inf (exp -> ~0)
+            float buf[8];
+            for (int64_t e = 0; e < 8; e++) buf[e] = p + e < len ? sj[p + e] - m[j] : -INFINITY;
+            _mm256_storeu_ps(buf, exp8(_mm256_loadu_ps(buf)));
+            for (int64_t e = 0; p + e < len; e++) { sj[p + e] = buf[e]; tot += buf[e]; }
+        }
+        l[j] = tot;
+    }
+    memset(acc, 0, sizeof(acc));
+    for (int64_t p = 0; p < len; p++) {
+        const int64_t key = k0 + p;
+        const float *vp = v_cache + ((table[key / bs] * hkv + h) * bs + key % bs) * d;
+        for (int64_t j = 0; j < group; j++) {
+            __m256 pj = _mm256_set1_ps(sc[j * DSEG + p]);
+            float *aj = acc + j * d;
+            for (int64_t e = 0; e < d; e += 8)
+                _mm256_storeu_ps(aj + e, _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp + e), _mm256_loadu_ps(aj + e)));
+        }
+    }
+    memcpy(out, m, sizeof(m));
+    memcpy(out + group, l, sizeof(l));
+    memcpy(out + 2 * group, acc, sizeof(acc));
+}
+
+int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
+                        int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
+                        const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
+                        const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
+    const int64_t group = hq / hkv, stride = group * (d + 2);  // one segment's m, l, acc
+    if (n <= 0) return 0;
+    int64_t *first = malloc(sizeof(int64_t) * (n + 1));  // sequence s's segments: [first[s], first[s + 1])
+    if (first == NULL) return (int)n;
+    first[0] = 0;
+    for (int64_t si = 0; si < n; si++) first[si + 1] = first[si] + (ctx[si] + DSEG - 1) / DSEG;
+    const int64_t nseg = first[n];
+    int64_t *seq_of = malloc(sizeof(int64_t) * nseg);
+    float *part = malloc(sizeof(float) * nseg * hkv * stride);
+    if (seq_of == NULL || part == NULL) {
+        free(first), free(seq_of), free(part);
+        return (int)n;
+    }
+    for (int64_t si = 0; si < n; si++)
+        for (int64_t g = first[si]; g < first[si + 1]; g++) seq_of[g] = si;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t g = 0; g < nseg; g++) {
+            for (int64_t h = 0; h < hkv; h++) {
+                const int64_t si = seq_of[g], k0 = (g - first[si]) * DSEG;
+                const int64_t k1 = ctx[si] - k0 < DSEG ? ctx[si] : k0 + DSEG;
+                float qs[group * d], *pm = part + (g * hkv + h) * stride;
+                for (int64_t j = 0; j < group; j++) {
+                    const float *qj = q + rows[si] * ldq + (h * group + j) * d;
+                    for (int64_t e = 0; e < d; e++) qs[j * d + e] = qj[e] * scale;
+                }
+                decode_segment(qs, group, d, k_cache, v_cache, bs, hkv, h, tables + table_start[si], k0, k1, pm);
+            }
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t si = 0; si < n; si++) {
+            for (int64_t h = 0; h < hkv; h++) {
+                for (int64_t j = 0; j < group; j++) {
+                    float mx = -INFINITY, tot = 0.0f, o[d];
+                    for (int64_t g = first[si]; g < first[si + 1]; g++)
+                        mx = fmaxf(mx, part[(g * hkv + h) * stride + j]);
+                    memset(o, 0, sizeof(o));
+                    for (int64_t g = first[si]; g < first[si + 1]; g++) {
+                        const float *pm = part + (g * hkv + h) * stride;
+                        const float a = expf(pm[j] - mx), *acc = pm + 2 * group + j * d;  // 1 for the max's segment
+                        tot += a * pm[group + j];
+                        for (int64_t e = 0; e < d; e++) o[e] += a * acc[e];
+                    }
+                    float *orow = out + rows[si] * ldo + (h * group + j) * d, inv = 1.0f / tot;
+                    for (int64_t e = 0; e < d; e++) orow[e] = o[e] * inv;
+                }
+            }
+        }
+    }
+    free(first), free(seq_of), free(part);
+    return 0;
 }
 
 /* Paged prefill attention for one sequence's chunk of n query tokens over

@@ -194,7 +194,7 @@ class CpuKernels:
             v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
             rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
         if failed:
-            raise MemoryError(f"decode attention: no memory for the scores of {failed} (sequence, head) tasks")
+            raise MemoryError(f"decode attention: no memory for the partial results of {failed} sequences")
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor) -> None:

@@ -52,6 +52,7 @@ def test_every_prefill_row_matches_transformers(engine_f32, hf_gguf_model):
         for start, end in ((0, 11), (11, len(ids))):
             batch = eng.runner.prepare(SchedulerOutput([ScheduledChunk(req, start, end - start, table)]))
             batch.sample_rows = torch.arange(end - start)
+            batch.sample_meta = None  # every row through the whole last layer
             rows.append(eng.runner.run(batch))
     finally:
         eng.kv.free("rows")

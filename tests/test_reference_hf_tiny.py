@@ -49,6 +49,7 @@ def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrid
     for start, end in ((0, 7), (7, 89), (89, 90)):
         batch = runner.prepare(SchedulerOutput([ScheduledChunk(req, start, end - start, table)]))
         batch.sample_rows = torch.arange(end - start)
+        batch.sample_meta = None  # every row through the whole last layer
         rows.append(runner.run(batch))
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()

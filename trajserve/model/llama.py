@@ -100,6 +100,10 @@ class LlamaModel:
         outputs, and a prefill chunk's last layer is ~1/30 of its work. A row's
         result does not depend on the rows beside it (the C kernels guarantee
         it bit for bit), so the logits are the same."""
+        if sample_meta is not None and (sample_meta.num_decodes + sum(s.q_len for s in sample_meta.prefills)
+                                        != sample_rows.shape[0]):
+            raise ValueError(f"sample_meta describes {sample_meta.num_decodes} decode rows and "
+                             f"{len(sample_meta.prefills)} prefill spans, not the {sample_rows.shape[0]} sampled rows")
         if self.kernels is not None:
             return self._forward_kernels(input_ids, positions, meta, kv_caches, sample_rows, before_layer,
                                          sample_meta)

@@ -29,7 +29,8 @@ class PreparedBatch:
     copy_dst: torch.Tensor | None = None
     # Reloads still streaming into blocks this batch reads (kv/copy_engine.py).
     loads: list[CopyJob] = field(default_factory=list)
-    # The last layer's attention for the sampled rows alone (row i: sample_rows[i]).
+    # The last layer's attention for the sampled rows alone (row i: sample_rows[i]);
+    # None: the whole last layer (every row is sampled).
     sample_meta: AttentionMetadata | None = None
 
 
@@ -81,7 +82,8 @@ class ModelRunner:
         meta.slot_block, meta.slot_offset = self._tensor(slots // B), self._tensor(slots % B)
         batch = PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
                               self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids,
-                              sample_meta=self._attention_meta(sampled))
+                              # every row sampled (a step of decodes only): nothing to leave out
+                              sample_meta=self._attention_meta(sampled) if len(sample_rows) < row else None)
         if out.copies:
             cp = np.asarray(out.copies, dtype=np.int64)
             batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])

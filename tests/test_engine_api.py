@@ -409,3 +409,18 @@ def test_generate_with_one_bad_prompt_queues_nothing(llm):
 def test_unknown_model_path(path):
     with pytest.raises((FileNotFoundError, ValueError), match=path):
         LLMEngine(EngineConfig(model=path, dtype="float32"))
+
+
+def test_close_removes_the_sessions_directory(tmp_path, monkeypatch):
+    """LLM.close() (here through a with block) closes every session and the
+    engine's background threads at once: the session manager's temporary
+    directory goes then, not whenever the garbage collector finds it."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with LLM(dtype="float32", num_blocks=96, block_size=16) as llm:
+        session = llm.open_session(STORY)
+        session.generate(greedy(2))
+        assert list(tmp_path.glob("trajserve-kv-*")), "the sessions' directory exists while the LLM is open"
+    assert llm.sessions is None  # the LLM is still referenced: only close() can have removed the directory
+    assert list(tmp_path.iterdir()) == []

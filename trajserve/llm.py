@@ -101,6 +101,21 @@ class LLM:
         """The SessionManager (None until the first open_session)."""
         return self._sessions
 
+    def close(self) -> None:
+        """Close every session and the engine's background threads; the
+        sessions' and tiers' temporary directories go now, not when the
+        garbage collector finds them. The LLM is not usable afterwards."""
+        if self._sessions is not None:
+            self._sessions.shutdown()
+            self._sessions = None
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _encode_chat(self, text: str) -> list[int]:
         # The template already holds any BOS/special tokens as text.
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -327,7 +327,9 @@ int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int6
     int64_t *seq_of = malloc(sizeof(int64_t) * nseg);
     float *part = malloc(sizeof(float) * nseg * hkv * stride);
     if (seq_of == NULL || part == NULL) {
-        free(first), free(seq_of), free(part);
+        free(first);
+        free(seq_of);
+        free(part);
         return (int)n;
     }
     for (int64_t si = 0; si < n; si++)
@@ -367,7 +369,9 @@ int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int6
             }
         }
     }
-    free(first), free(seq_of), free(part);
+    free(first);
+    free(seq_of);
+    free(part);
     return 0;
 }
 

@@ -127,7 +127,7 @@ class LlamaModel:
             if before_layer is not None:
                 before_layer(i)
             write_kv(k, v, k_cache, v_cache, meta)
-            if i == last and sample_meta is not None:
+            if i == last and sample_meta is not None:  # from here on x holds the sampled rows only
                 q, x, meta, sample_rows = q[sample_rows], x[sample_rows], sample_meta, slice(None)
             a = paged_attention(q, k_cache, v_cache, meta, self.scale)
             x = x + L.o(a.reshape(x.shape[0], self.q_size))
@@ -163,7 +163,7 @@ class LlamaModel:
             K.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin, positions,
                          k_cache, v_cache, meta.slot_block, meta.slot_offset)
             q = qkv[:, : self.q_size]
-            if i == last and sample_meta is not None:
+            if i == last and sample_meta is not None:  # from here on x holds the sampled rows only
                 q, x, meta, sample_rows = q[sample_rows], x[sample_rows], sample_meta, slice(None)
             n = x.shape[0]
             a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale, K)

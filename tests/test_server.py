@@ -101,6 +101,20 @@ def test_n2_stop_and_seed(client):
     assert " 7" not in c.choices[0].text and c.choices[0].text.strip().startswith("5")
 
 
+def test_the_readme_client_example_runs_against_the_server(server, capsys):
+    """README's OpenAI-client block as written, only the port is the test
+    server's: the model it lists, a reply and the cached-token count."""
+    from test_readme import python_blocks
+
+    (block,) = python_blocks(client=True)
+    assert "http://127.0.0.1:8000/v1" in block
+    ns: dict = {}
+    exec(compile(block.replace("http://127.0.0.1:8000/v1", server.url + "/v1"), "README.md", "exec"), ns)
+    assert ns["model"] == MODEL
+    assert ns["r"].choices[0].message.content and ns["r"].usage.completion_tokens <= 32
+    assert capsys.readouterr().out.startswith(ns["r"].choices[0].message.content)
+
+
 def test_second_turn_reports_cached_tokens(client):
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "List the files."}]
     first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)

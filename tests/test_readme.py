@@ -1,0 +1,77 @@
+"""The README's Python examples run as written: a new user copies them first.
+
+Until this test, `from trajserve import LLM, SamplingParams` (the README's
+first line of Python) raised ImportError, because the package exported
+nothing; every test imported from the submodules and never noticed."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def python_blocks(client: bool) -> list[str]:
+    """The README's Python blocks: the OpenAI-client ones (they need a
+    server: tests/test_server.py runs them) or the offline ones."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for b in blocks if ("OpenAI(" in b) == client]
+
+
+def test_the_readme_python_examples_run_as_written(capsys):
+    blocks = python_blocks(client=False)
+    assert len(blocks) >= 2, "README lost its Python examples"
+    ns: dict = {}
+    for block in blocks:  # one namespace: the sessions block uses the first block's `llm`
+        exec(compile(block, str(README), "exec"), ns)
+    printed = capsys.readouterr().out
+    assert ns["outs"][0].outputs[0].text and ns["outs"][0].outputs[0].text in printed
+    assert ns["reply"].outputs[0].token_ids  # the session's second turn
+    assert ns["d"].decision.value in {"keep", "host", "disk", "drop"} and ns["d"].reason in printed
+    assert len(ns["kids"]) == 2
+    assert ns["llm"].sessions is None  # the example ends with llm.close()
+
+
+def test_the_package_exports_the_offline_api_and_nothing_else():
+    import trajserve
+    from trajserve import LLM, SamplingParams
+    from trajserve.llm import LLM as LLM_
+    from trajserve.sampling import SamplingParams as SP_
+
+    assert LLM is LLM_ and SamplingParams is SP_
+    assert set(trajserve.__all__) >= {"LLM", "SamplingParams"}
+    try:
+        trajserve.NoSuchThing
+    except AttributeError as e:
+        assert "NoSuchThing" in str(e)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
+
+
+def readme_commands() -> list[list[str]]:
+    """Every `.venv/bin/trajserve ...` line of the README's bash blocks, as
+    argv (comments dropped)."""
+    import shlex
+
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith(".venv/bin/trajserve "):
+                cmds.append(shlex.split(line)[1:])
+    return cmds
+
+
+def test_every_readme_command_line_parses():
+    """A flag renamed in the code and not in the README fails here (argparse
+    exits 2 naming it)."""
+    from trajserve.cli import build_parser
+
+    cmds = readme_commands()
+    assert len(cmds) >= 15, "README lost its command examples"
+    for argv in cmds:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # argparse's way of saying no
+            raise AssertionError(f"README command does not parse: trajserve {' '.join(argv)}") from e
+        assert args.command == argv[0]

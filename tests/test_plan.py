@@ -541,3 +541,16 @@ def test_cli_plan_bad_input_exit_2():
     assert "error: tp=3 does not divide the 64 attention heads" in r.stderr
     r = _trajserve("plan", "--model", "llama-3-70b", "--gpu", "v100")
     assert r.returncode == 2 and "allowed: a100-80gb" in r.stderr
+
+
+def test_cli_plan_default_contexts_leave_out_those_under_the_shared_prefix():
+    """README's example: a 24,576-token shared prefix and no --context asks
+    about the default contexts that can hold it (it used to fail on 8,192)."""
+    r = _trajserve("plan", "--model", "llama-3-70b", "--gpu", "h100", "--num-gpus", "8", "--tp", "8",
+                   "--output-tokens", "2048", "--shared-prefix", "24576", "--json")
+    assert r.returncode == 0, r.stderr
+    assert [row["context"] for row in json.loads(r.stdout)["rows"]] == [32768, 131072]
+    r = _trajserve("plan", "--model", "llama-3-8b", "--gpu", "h100", "--shared-prefix", "200000")
+    assert r.returncode == 2 and "longer than every default context (up to 131072 tokens)" in r.stderr
+    r = _trajserve("plan", "--model", "llama-3-8b", "--gpu", "h100", "--shared-prefix", "24576", "--context", "8192")
+    assert r.returncode == 2 and "shared prefix (24576 tokens) is longer than the context (8192 tokens)" in r.stderr

@@ -1,8 +1,11 @@
-"""The README's Python examples run as written: a new user copies them first.
+"""The README's examples (and the docs' command lines) work as written: a
+new user copies them first.
 
-Until this test, `from trajserve import LLM, SamplingParams` (the README's
+Until these tests, `from trajserve import LLM, SamplingParams` (the README's
 first line of Python) raised ImportError, because the package exported
-nothing; every test imported from the submodules and never noticed."""
+nothing; every test imported from the submodules and never noticed. The
+README's and docs/plan.md's first `plan` lines failed too (a shared prefix
+longer than a context they asked about)."""
 from __future__ import annotations
 
 import re
@@ -48,30 +51,46 @@ def test_the_package_exports_the_offline_api_and_nothing_else():
         raise AssertionError("an unknown name must raise AttributeError")
 
 
-def readme_commands() -> list[list[str]]:
-    """Every `.venv/bin/trajserve ...` line of the README's bash blocks, as
-    argv (comments dropped)."""
+def readme_commands(doc: Path = README) -> list[list[str]]:
+    """Every `trajserve ...` line of a document's bash blocks (with its
+    backslash continuations), as argv without the comments."""
     import shlex
 
     cmds = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        for line in block.splitlines():
-            line = line.split("  #")[0].strip()
-            if line.startswith(".venv/bin/trajserve "):
+    for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip().removeprefix(".venv/bin/")
+            if line.startswith("trajserve "):
                 cmds.append(shlex.split(line)[1:])
     return cmds
 
 
-def test_every_readme_command_line_parses():
-    """A flag renamed in the code and not in the README fails here (argparse
+def test_every_readme_and_docs_command_line_parses():
+    """A flag renamed in the code and not in the docs fails here (argparse
     exits 2 naming it)."""
     from trajserve.cli import build_parser
 
-    cmds = readme_commands()
-    assert len(cmds) >= 15, "README lost its command examples"
+    cmds = [c for doc in [README, *sorted(README.parent.glob("docs/*.md"))] for c in readme_commands(doc)]
+    assert len(cmds) >= 30, "the docs lost their command examples"
     for argv in cmds:
         try:
             args = build_parser().parse_args(argv)
         except SystemExit as e:  # argparse's way of saying no
             raise AssertionError(f"README command does not parse: trajserve {' '.join(argv)}") from e
         assert args.command == argv[0]
+
+
+def test_the_readme_plan_examples_run(capsys, tmp_path, monkeypatch):
+    """The capacity examples answer in seconds, so they run, not only parse:
+    the README's line failed on the first default context (8,192 tokens,
+    under its 24,576-token shared prefix) and docs/plan.md's asked for it."""
+    from trajserve.cli import main
+
+    monkeypatch.chdir(tmp_path)  # --plot wall.png lands here
+    plans = [argv for doc in (README, README.parent / "docs" / "plan.md") for argv in readme_commands(doc)
+             if argv[0] == "plan" and "path/to/config.json" not in argv]  # that one names the reader's file
+    assert len(plans) >= 4
+    for argv in plans:
+        assert main(argv) == 0, f"trajserve {' '.join(argv)}"
+        out = capsys.readouterr().out
+        assert "m_token" in out and ("B max" in out or '"rows"' in out)

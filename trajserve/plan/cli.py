@@ -18,6 +18,9 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+DEFAULT_CONTEXTS = (8192, 32768, 131072)
+
+
 def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help=f"{' | '.join(model_names())}, a config.json / HF directory, or a .gguf file")
@@ -25,8 +28,9 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpus", type=int, default=None, help="devices in all (default tp*pp: one replica)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (divides the heads)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (divides the layers)")
-    p.add_argument("--context", type=_ints, default=(8192, 32768, 131072),
-                   help="context tokens per trajectory, comma-separated (default 8192,32768,131072)")
+    p.add_argument("--context", type=_ints, default=None,
+                   help="context tokens per trajectory, comma-separated (default 8192,32768,131072, "
+                        "leaving out those shorter than --shared-prefix)")
     p.add_argument("--output-tokens", type=int, default=0, help="tokens each trajectory generates (K_avg)")
     share = p.add_mutually_exclusive_group()
     share.add_argument("--shared-prefix", type=int, default=0,
@@ -59,8 +63,14 @@ def request_from(args: argparse.Namespace):
         if args.params <= 0:
             raise ValueError(f"--params must be > 0, got {args.params}")
         model = dataclasses.replace(model, params=int(args.params), weight_bytes=None)
+    contexts = args.context
+    if contexts is None:  # a shared prefix longer than a default context asks about the longer ones
+        contexts = tuple(c for c in DEFAULT_CONTEXTS if c >= args.shared_prefix)
+        if not contexts:
+            raise ValueError(f"shared prefix ({args.shared_prefix} tokens) is longer than every default context "
+                             f"(up to {DEFAULT_CONTEXTS[-1]} tokens); give --context")
     return PlanRequest(
-        model=model, device=get_device(args.gpu), contexts=args.context, num_gpus=args.num_gpus,
+        model=model, device=get_device(args.gpu), contexts=contexts, num_gpus=args.num_gpus,
         tp=args.tp, pp=args.pp, output_tokens=args.output_tokens, shared_prefix=args.shared_prefix,
         shared_fraction=args.shared_fraction, headroom=args.headroom, kv_dtype=args.kv_dtype,
         weight_dtype=args.weight_dtype, block_size=args.block_size,

@@ -74,3 +74,17 @@ def test_chat_replies_and_quits_on_empty_line():
     reply = lines[0][2:]
     assert reply.strip(), f"no reply in {r.stdout!r}"
     assert lines[-1] == "> "
+
+
+def test_commands_without_a_model_do_not_import_torch():
+    """Every command builds the whole parser; `plan` answers from arithmetic.
+    The bench-resume parser imported torch at the top of its module, which
+    made `trajserve plan` take ~4 s here instead of ~0.5 s."""
+    code = ("import contextlib, io, sys\n"
+            "from trajserve.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['plan', '--model', 'llama-3-8b', '--gpu', 'h200']) == 0\n"
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "torch" not in r.stdout, r.stdout

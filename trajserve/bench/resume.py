@@ -22,10 +22,6 @@ import json
 import statistics
 import time
 
-import torch
-
-from trajserve.bench.common import command_line, machine_info
-from trajserve.engine.session import SessionManager
 from trajserve.sampling import SamplingParams
 
 MODES = ("keep", "host", "host-serial", "disk", "disk-serial", "drop")
@@ -37,7 +33,13 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
+    # Imported here, not at the top: `trajserve` builds this parser for every
+    # command, and torch alone costs ~3 s that `plan` and `simulate` never use.
+    import torch
+
+    from trajserve.bench.common import command_line, machine_info
     from trajserve.cli import make_llm
+    from trajserve.engine.session import SessionManager
 
     eng = make_llm(args).engine
     g = torch.Generator().manual_seed(args.seed)

@@ -31,6 +31,7 @@ from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
+from trajserve.server.tool_calls import StreamParser, parse
 
 log = logging.getLogger("trajserve")
 
@@ -256,10 +257,16 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if req.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, f"tool_choice {json.dumps(req.tool_choice)} needs constrained decoding, which "
+                                "trajserve does not do; use \"auto\" or \"none\"", param="tool_choice")
+        # A template that does not render tool_calls (SmolLM2's) gets them as text.
+        calls_as_text = "tool_calls" not in (tok.chat_template or "")
         try:
-            text = tok.apply_chat_template([m.as_template_dict() for m in req.messages],
+            text = tok.apply_chat_template([m.as_template_dict(calls_as_text) for m in req.messages],
                                            add_generation_prompt=req.add_generation_prompt,
-                                           **({"tools": req.tools} if req.tools else {}))
+                                           **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+                                              if req.tools else {}))
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
             raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
         ids = tok.encode(text, add_special_tokens=False)
@@ -282,9 +289,9 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
             end_session(sess, final, req)
         if final is None:
             return Response(status_code=499)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.token_ids, c.logprobs, tok) if req.logprobs else None,
-                    "finish_reason": c.finish_reason} for c in final.outputs]
+        choices = [{"index": c.index, **_chat_message(c, req.parses_tool_calls),
+                    "logprobs": _chat_logprobs(c.token_ids, c.logprobs, tok) if req.logprobs else None}
+                   for c in final.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
                 "choices": choices, "usage": _usage([final])}
 
@@ -345,6 +352,15 @@ def _chat_logprobs(ids: list[int], lps, tok) -> dict | None:
     return {"content": content}
 
 
+def _chat_message(c: CompletionOutput, tools: bool) -> dict:
+    """A finished choice's message and finish_reason; with tools, its tool calls."""
+    parsed = parse(c.text) if tools else None
+    if parsed is None or not parsed.tool_calls:
+        return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+    return {"message": {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls},
+            "finish_reason": "tool_calls"}
+
+
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
         async for chunk in chunks:
@@ -387,6 +403,7 @@ async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, to
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent: dict[int, int] = {}
     started: set[int] = set()
+    parsers: dict[int, StreamParser] = {}  # per choice, with tools: holds back what may be a call
     final = None
 
     def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
@@ -401,15 +418,27 @@ async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, to
         for c in out.outputs:
             if c.index not in started:
                 started.add(c.index)
+                if req.parses_tool_calls:
+                    parsers[c.index] = StreamParser()
                 yield chunk(c.index, {"role": "assistant", "content": ""}, None)
             if not c.delta_token_ids:
                 continue
             new = _new_logprobs(c, sent)
             lp = _chat_logprobs(*new, tok) if new and req.logprobs else None
-            if c.delta_text or lp:
-                yield chunk(c.index, {"content": c.delta_text}, None, lp)
+            text = parsers[c.index].feed(c.delta_text) if c.index in parsers else c.delta_text
+            if text or lp:
+                yield chunk(c.index, {"content": text}, None, lp)
             if c.finished:
-                yield chunk(c.index, {}, c.finish_reason)
+                finish = c.finish_reason
+                if c.index in parsers:
+                    rest = parsers[c.index].finish()
+                    if rest.content:
+                        yield chunk(c.index, {"content": rest.content}, None)
+                    if rest.tool_calls:
+                        finish = "tool_calls"
+                        yield chunk(c.index, {"tool_calls": [{"index": i, **call}
+                                                             for i, call in enumerate(rest.tool_calls)]}, None)
+                yield chunk(c.index, {}, finish)
     if include_usage and final is not None:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                "usage": _usage([final])}

@@ -6,11 +6,13 @@ fields are 422s; values outside their range are 400s naming the field and
 its limit (SamplingParams.validate)."""
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from trajserve.sampling import SamplingParams
+from trajserve.server.tool_calls import hermes_text
 
 
 class StreamOptions(BaseModel):
@@ -69,14 +71,48 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict = "{}"
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made in an earlier turn (the client sends it back)."""
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")  # strict, and whatever else a template may read
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
-    def as_template_dict(self) -> dict:
+    def as_template_dict(self, calls_as_text: bool = False) -> dict:
+        """The message as chat templates read it. Tool calls go in as
+        templates expect them (Qwen's writes `arguments | tojson`, so a JSON
+        string becomes an object, as vLLM does); with calls_as_text (a
+        template that does not render tool_calls), they are written into the
+        content in the Hermes form the model produced them in, so the history
+        keeps them and the prefix cache still matches the reply's tokens."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
@@ -88,7 +124,25 @@ class ChatMessage(BaseModel):
             d["name"] = self.name
         if self.tool_call_id:
             d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": _json_object(c.function.arguments)}}
+                     for c in self.tool_calls]
+            if calls_as_text:
+                d["content"] += "\n".join(hermes_text(c["function"]["name"], c["function"]["arguments"])
+                                          for c in calls)
+            else:
+                d["tool_calls"] = calls
         return d
+
+
+def _json_object(arguments: str | dict):
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments  # the template gets what the client sent
 
 
 class ChatCompletionRequest(_Common):
@@ -97,8 +151,15 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     add_generation_prompt: bool = True
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """OpenAI's default is "auto" when tools are given. "required" and a
+        named function need constrained decoding (refused in the app)."""
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -1,0 +1,121 @@
+"""Tool calls in the Hermes format: what the model writes, what OpenAI sends.
+
+Qwen2/2.5/3 were trained to call a tool by writing
+
+    <tool_call>
+    {"name": "run_tests", "arguments": {"path": "tests/"}}
+    </tool_call>
+
+(a JSON list of such objects inside one block is read as several calls,
+as some fine-tunes write them). With `tools`
+in a chat request and tool_choice "auto", the reply is parsed: each block
+becomes an OpenAI `tool_calls` entry (arguments as a JSON string), the text
+outside the blocks is the message content (None when only whitespace), and
+finish_reason is "tool_calls". A block that is not such JSON, or one left
+open (the reply hit max_tokens), makes the whole reply plain content: a
+client is never handed a call the model did not finish writing. This is
+vLLM's `--tool-call-parser hermes`.
+
+Streaming sends the text before the first block as it comes, holding back
+only a tail that could be the start of `<tool_call>`; the calls go out
+whole, once the reply has finished. A client sees a call only after it is
+complete, never half of its arguments.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class Parsed:
+    content: str | None
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+def _call(obj) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(args, str):
+        args = json.dumps(args, ensure_ascii=False)
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": args}}
+
+
+def hermes_text(name: str, arguments) -> str:
+    """One call as the model writes it (what an earlier reply held)."""
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def parse(text: str) -> Parsed:
+    """Split a finished reply into content and tool calls (see the module doc)."""
+    start = text.find(OPEN)
+    if start < 0:
+        return Parsed(text)
+    calls, pos, outside = [], start, [text[:start]]
+    while True:
+        end = text.find(CLOSE, pos)
+        if end < 0:
+            return Parsed(text)  # left open
+        try:
+            body = json.loads(text[pos + len(OPEN):end])
+        except json.JSONDecodeError:
+            return Parsed(text)
+        for obj in body if isinstance(body, list) else [body]:
+            call = _call(obj)
+            if call is None:
+                return Parsed(text)
+            calls.append(call)
+        pos = text.find(OPEN, end)
+        if pos < 0:
+            outside.append(text[end + len(CLOSE):])
+            break
+        outside.append(text[end + len(CLOSE):pos])
+    if not calls:
+        return Parsed(text)
+    content = "".join(outside)
+    return Parsed(content if content.strip() else None, calls)
+
+
+class StreamParser:
+    """One choice's streamed reply: `feed` returns the content that can go
+    out now; `finish` returns what is left (content, tool calls)."""
+
+    def __init__(self) -> None:
+        self.text = ""   # the whole reply so far
+        self.sent = 0    # characters of it already sent as content
+        self.opened = False
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.opened:
+            return ""
+        at = self.text.find(OPEN, self.sent)
+        if at >= 0:
+            self.opened = True
+            return self._send(at)
+        # Hold back the longest tail that is a proper prefix of OPEN.
+        keep = next((k for k in range(min(len(OPEN) - 1, len(self.text) - self.sent), 0, -1)
+                     if OPEN.startswith(self.text[-k:])), 0)
+        return self._send(len(self.text) - keep)
+
+    def finish(self) -> Parsed:
+        """The rest of the content (None if nothing is left to send) and the calls."""
+        parsed = parse(self.text)
+        if not parsed.tool_calls:
+            rest = self.text[self.sent:]
+            return Parsed(rest or None)
+        # Content before the first block went out already; what follows the
+        # blocks goes now, unless the reply's content is only whitespace.
+        before = self.text.find(OPEN)
+        rest = (parsed.content or "")[before:] if parsed.content is not None else ""
+        return Parsed(rest or None, parsed.tool_calls)
+
+    def _send(self, upto: int) -> str:
+        out = self.text[self.sent:upto]
+        self.sent = max(self.sent, upto)
+        return out

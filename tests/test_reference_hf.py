@@ -13,7 +13,7 @@ def test_logits_and_greedy_text_match_transformers(engine_f32, hf_gguf_model, mo
     ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(PROMPT), add_special_tokens=False)
     seen = []  # the logits the sampler sees, per step
     orig = eng.sampler.sample
-    monkeypatch.setattr(eng.sampler, "sample", lambda lg, i, p: (seen.append(lg.clone()), orig(lg, i, p))[1])
+    monkeypatch.setattr(eng.sampler, "sample", lambda lg, *rest: (seen.append(lg.clone()), orig(lg, *rest))[1])
     eng.add_request(ids, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
@@ -60,3 +60,49 @@ def test_every_prefill_row_matches_transformers(engine_f32, hf_gguf_model):
         ref = hf_gguf_model(torch.tensor([ids])).logits[0].float()
     diff = (torch.cat(rows) - ref).abs().max().item()
     assert diff < 1e-3, f"max |logit diff| = {diff}"
+
+
+def _run(eng, prompts_params):
+    rids = [eng.add_request(ids, p) for ids, p in prompts_params]
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    return [outs[r] for r in rids]
+
+
+def test_penalties_and_bias_match_transformers_and_leave_the_batch_alone(engine_f32, hf_gguf_model):
+    """Greedy with a repetition penalty against transformers' own
+    (generate(repetition_penalty=)); frequency / presence penalties and a
+    logit bias against a loop over transformers' logits written here from
+    the OpenAI definition. All three run in one batch with a plain request,
+    which must come out as it does alone."""
+    from collections import Counter
+
+    eng, steps = engine_f32, 24
+    ids = eng.tokenizer.encode("List the colors: red, blue, green, red, blue, green, red,")
+    rep = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, repetition_penalty=1.3)
+    freq = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+                          presence_penalty=0.5, logit_bias={28: -5.0})  # 28: ","
+    plain = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    (alone,) = _run(eng, [(ids, plain)])
+    got_rep, got_freq, got_plain = _run(eng, [(ids, rep), (ids, freq), (ids, plain)])
+    assert got_plain == alone
+    assert got_rep != alone and got_freq != alone  # the penalties did something here
+    with torch.inference_mode():
+        ref_rep = hf_gguf_model.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps,
+                                         do_sample=False, repetition_penalty=1.3)[0, len(ids):].tolist()
+        ref_freq = []
+        for _ in range(steps):
+            logits = hf_gguf_model(torch.tensor([ids + ref_freq])).logits[0, -1].float()
+            logits[28] -= 5.0
+            for t, n in Counter(ref_freq).items():
+                logits[t] -= 1.5 * n + 0.5
+            ref_freq.append(int(logits.argmax()))
+    assert got_rep == ref_rep
+    assert got_freq == ref_freq
+    # A bias on a token the vocabulary does not have is refused by name.
+    import pytest
+    with pytest.raises(ValueError, match=r"logit_bias token id 49152 is outside the vocabulary \[0, 49152\)"):
+        eng.add_request(ids, SamplingParams(logit_bias={49152: 1.0}))

@@ -229,3 +229,48 @@ def test_logprobs_are_log_softmax_of_raw_logits(random_logits):
                                                         abs=1e-5))
     assert lps[0][0] == pytest.approx(max(lps[0][1].values()))  # greedy picks the top alternative
     assert lps[3] is None
+
+
+# --------------------------------------------------- bias and penalties
+def test_adjust_logits_by_hand():
+    from trajserve.model.sampler import adjust_logits
+
+    row = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
+    ctx = [0, 1, 3, 3, 3, 5]  # prompt [0, 1], output [3, 3, 3, 5]
+    out = adjust_logits(row, sp(logit_bias={2: 5.0, 4: -100.0}), ctx, 2)
+    assert out.tolist() == [2.0, -1.0, 5.5, 3.0, -102.0, 1.0] and row[2] == 0.5  # the input is not changed
+    out = adjust_logits(row, sp(repetition_penalty=2.0), ctx, 2)
+    assert out.tolist() == [1.0, -2.0, 0.5, 1.5, -2.0, 0.5]  # prompt and output tokens; sign-aware
+    out = adjust_logits(row, sp(frequency_penalty=0.5, presence_penalty=0.25), ctx, 2)
+    assert out.tolist() == [2.0, -1.0, 0.5, 3.0 - 1.5 - 0.25, -2.0, 1.0 - 0.5 - 0.25]  # output tokens only
+    assert torch.equal(adjust_logits(row, sp(frequency_penalty=2.0), [0, 1], 2), row)  # no output yet
+
+
+def test_bias_and_penalties_steer_only_their_own_row(random_logits):
+    ids = [f"r{i}" for i in range(8)]
+    plain = [sp(temperature=0)] * 8
+    base, base_lps = Sampler().sample(random_logits, ids, [sp(temperature=0, logprobs=2)] * 8)
+    params = list(plain)
+    params[3] = sp(temperature=0, logit_bias={17: 100.0}, logprobs=2)
+    params[5] = sp(temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
+    contexts = [None] * 8
+    contexts[5] = ([1, 2, base[5], base[5]], 2)  # its greedy token came out twice already
+    tokens, lps = Sampler().sample(random_logits, ids, params, contexts)
+    assert tokens[3] == 17
+    assert tokens[5] != base[5]
+    assert [t for i, t in enumerate(tokens) if i not in (3, 5)] == [t for i, t in enumerate(base) if i not in (3, 5)]
+    # logprobs are the model's, before the bias (vLLM's default)
+    assert lps[3][1] == base_lps[3][1]
+    # a seeded random row draws from the adjusted distribution
+    t, _ = Sampler().sample(random_logits[:1], ["s"], [sp(temperature=1.0, seed=1, logit_bias={17: 100.0})])
+    assert t == [17]
+
+
+def test_out_of_range_bias_and_penalties_name_the_field():
+    for kw, words in (({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+                      ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+                      ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 10]"),
+                      ({"logit_bias": {5: 101}}, "logit_bias values must be in [-100, 100]"),
+                      ({"logit_bias": {-1: 1}}, "logit_bias keys must be token ids")):
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(")):
+            sp(**kw)

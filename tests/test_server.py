@@ -138,6 +138,16 @@ def test_completions_logprobs_and_batch(client):
         assert all(abs(max(t.values()) - v) < 1e-5 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_logit_bias_and_penalties_reach_the_sampler(client):
+    """OpenAI's logit_bias (string token ids) forces a token; a frequency
+    penalty changes a greedy reply that repeats itself."""
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logit_bias={"28": 100})
+    assert r.choices[0].text == "," * 3  # token 28 is ","
+    kw = dict(model=MODEL, prompt="red, blue, red, blue, red, blue,", max_tokens=12, temperature=0)
+    assert client.completions.create(**kw).choices[0].text != \
+        client.completions.create(frequency_penalty=2.0, **kw).choices[0].text
+
+
 # --------------------------------------------------------------- bad input
 BAD = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": "smol", "messages": [', 400, "JSON"),
@@ -155,6 +165,12 @@ BAD = [
     ("prompt over the context", "/v1/completions", {"model": MODEL, "prompt": [1] * 9000}, 400, "8,192"),
     ("token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "vocabulary"),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+    ("presence_penalty out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5},
+     400, "presence_penalty must be in [-2, 2]"),
+    ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 1}},
+     400, "logit_bias keys must be token ids"),
+    ("logit_bias outside the vocabulary", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias token id 49152"),
 ]
 
 

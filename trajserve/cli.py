@@ -58,11 +58,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], per occurrence in the output")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], once per token in the output")
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.sampling_seed, stop=list(args.stop))
+                          top_k=args.top_k, seed=args.sampling_seed, stop=list(args.stop),
+                          repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                          presence_penalty=args.presence_penalty)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

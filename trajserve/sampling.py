@@ -17,6 +17,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; k = chosen token + top-k alternatives
     n: int = 1
+    # Penalties on tokens already there (OpenAI and vLLM semantics): presence
+    # subtracts once per token that appeared in the output, frequency once per
+    # occurrence; repetition divides positive logits and multiplies negative
+    # ones for tokens in the prompt or the output (1 = off).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -26,6 +34,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change this request's logits before choosing."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -43,3 +57,14 @@ class SamplingParams:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (-2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1 = off), got {self.repetition_penalty!r}")
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if not (-100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")

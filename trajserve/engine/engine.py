@@ -133,7 +133,7 @@ class LLMEngine:
         """Validate and queue. Raises ValueError (naming the limit) before
         anything is allocated; requests already in flight are unaffected."""
         params = params or SamplingParams()
-        params.validate()
+        self._validate_params(params)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
@@ -182,7 +182,7 @@ class LLMEngine:
             raise ValueError(f"fork: n must be >= 1, got {n}")
         parent, pcomp = group.seqs[0], group.completions[0]
         params = params or parent.sampling_params
-        params.validate()
+        self._validate_params(params)
         if params.n != 1:
             raise ValueError(f"fork: child params must have n=1, got n={params.n}")
         now = time.monotonic()
@@ -213,6 +213,13 @@ class LLMEngine:
         if i == 0 or params.seed is None:
             return params
         return dataclasses.replace(params, seed=hash((params.seed, i)) & 0x7FFF_FFFF)
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        params.validate()
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -271,7 +278,9 @@ class LLMEngine:
             logits, ids = self._fork_samples(sched, logits, ids)
         by_id = {c.request.request_id: c.request for c in sched.chunks}
         params = [by_id[r].sampling_params for r in ids]
-        tokens, logprobs = self.sampler.sample(logits, ids, params)
+        contexts = [(by_id[r].all_token_ids, by_id[r].num_prompt_tokens) if p.adjusts_logits else None
+                    for r, p in zip(ids, params)]
+        tokens, logprobs = self.sampler.sample(logits, ids, params, contexts)
         t4 = time.perf_counter()
         now = time.monotonic()
         self.scheduler.update(sched, dict(zip(ids, tokens)), now)

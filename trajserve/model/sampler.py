@@ -2,7 +2,9 @@
 
 Greedy rows are one vectorized argmax. Random rows use a per-request
 torch.Generator (seeded from SamplingParams.seed when given), so a seeded
-request draws the same tokens whatever else is in the batch.
+request draws the same tokens whatever else is in the batch. Logit bias and
+the repetition / frequency / presence penalties change a row before either
+(vLLM's order); logprobs are the model's own, before them (vLLM's default).
 """
 from __future__ import annotations
 
@@ -29,6 +31,25 @@ def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def adjust_logits(row: torch.Tensor, sp: SamplingParams, token_ids: list[int], num_prompt: int) -> torch.Tensor:
+    """One row's logits after logit_bias, then the repetition penalty (tokens
+    of the prompt and the output), then frequency and presence (the output's
+    tokens: logit -= frequency * count + presence)."""
+    row = row.clone()
+    if sp.logit_bias:
+        row.index_add_(0, torch.tensor(list(sp.logit_bias), dtype=torch.long),
+                       torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype))
+    if sp.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(token_ids, dtype=torch.long).unique()
+        v = row[seen]
+        row[seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+    out = token_ids[num_prompt:]
+    if (sp.frequency_penalty or sp.presence_penalty) and out:
+        ids, counts = torch.tensor(out, dtype=torch.long).unique(return_counts=True)
+        row[ids] -= sp.frequency_penalty * counts.to(row.dtype) + sp.presence_penalty
+    return row
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seed = seed
@@ -47,16 +68,26 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               contexts: list[tuple[list[int], int] | None] | None = None,
                ) -> tuple[list[int], list[tuple[float, dict[int, float]] | None]]:
-        """logits: float32 [N, vocab] on any device. Returns tokens and, for rows
-        that asked, (logprob of the chosen token, top-k {token: logprob})."""
+        """logits: float32 [N, vocab] on any device. contexts[i]: row i's
+        (token ids so far, how many of them are the prompt), needed by rows
+        whose params adjust logits. Returns tokens and, for rows that asked,
+        (logprob of the chosen token, top-k {token: logprob})."""
         logits = logits.cpu()
-        tokens = logits.argmax(dim=-1).tolist()
+        chosen = logits
+        for i, sp in enumerate(params):
+            if sp.adjusts_logits:
+                if chosen is logits:
+                    chosen = logits.clone()
+                ids, num_prompt = contexts[i] if contexts is not None and contexts[i] is not None else ([], 0)
+                chosen[i] = adjust_logits(logits[i], sp, ids, num_prompt)
+        tokens = chosen.argmax(dim=-1).tolist()
         for i, (rid, sp) in enumerate(zip(request_ids, params)):
             if sp.greedy:
                 continue
-            probs = filter_logits(logits[i], sp).softmax(-1)
+            probs = filter_logits(chosen[i], sp).softmax(-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(rid, sp)))
         logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(tokens)
         for i, sp in enumerate(params):

@@ -31,6 +31,10 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension (vLLM)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -43,12 +47,20 @@ class _Common(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias = {}
+        for k, v in (self.logit_bias or {}).items():
+            if not k.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            bias[int(k)] = v
         sp = SamplingParams(
             n=self.n, max_tokens=default_max if max_tokens is None else max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias)
         sp.validate()
         return sp
 

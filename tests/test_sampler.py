@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from trajserve.model.sampler import Sampler, filter_logits
+from trajserve.model.sampler import RowContext, Sampler, filter_logits
 from trajserve.sampling import SamplingParams
 
 
@@ -254,7 +254,7 @@ def test_bias_and_penalties_steer_only_their_own_row(random_logits):
     params[3] = sp(temperature=0, logit_bias={17: 100.0}, logprobs=2)
     params[5] = sp(temperature=0, presence_penalty=2.0, frequency_penalty=2.0)
     contexts = [None] * 8
-    contexts[5] = ([1, 2, base[5], base[5]], 2)  # its greedy token came out twice already
+    contexts[5] = RowContext([1, 2, base[5], base[5]], 2)  # its greedy token came out twice already
     tokens, lps = Sampler().sample(random_logits, ids, params, contexts)
     assert tokens[3] == 17
     assert tokens[5] != base[5]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -148,6 +149,53 @@ def test_logit_bias_and_penalties_reach_the_sampler(client):
         client.completions.create(frequency_penalty=2.0, **kw).choices[0].text
 
 
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+    "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "run_tests", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string", "maxLength": 30}}, "required": ["path"],
+        "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_forced_tool_choice_makes_the_model_call_as_asked(client):
+    """The embedded model never calls a tool by itself; a forced tool_choice
+    holds its reply to the call's JSON, so it does."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER, max_tokens=60, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "run_tests"}})
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content is None
+    assert call.function.name == "run_tests" and set(json.loads(call.function.arguments)) == {"path"}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER, max_tokens=80, temperature=0,
+                                       tool_choice="required")
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls
+    for c in calls:
+        args = json.loads(c.function.arguments)
+        assert (c.function.name, set(args)) in (("get_weather", {"city"}), ("run_tests", {"path"}))
+    streamed = [tc for ch in client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER, max_tokens=80,
+                                                            temperature=0, tool_choice="required", stream=True)
+                if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+
+
+def test_response_format_and_guided_fields_hold_the_reply(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "celsius": {"type": "integer"}},
+              "required": ["city", "celsius"], "additionalProperties": False}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": schema}})
+    d = json.loads(r.choices[0].message.content)
+    assert set(d) == {"city", "celsius"} and type(d["celsius"]) is int
+    r = client.completions.create(model=MODEL, prompt="Is the sky green? Answer:", max_tokens=5, temperature=0,
+                                  extra_body={"guided_choice": [" yes", " no"]})
+    assert r.choices[0].text in (" yes", " no")
+    r = client.completions.create(model=MODEL, prompt="A phone number:", max_tokens=20, temperature=0,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{3}-[0-9]{4}"}})
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.choices[0].text)
+
+
 # --------------------------------------------------------------- bad input
 BAD = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": "smol", "messages": [', 400, "JSON"),
@@ -169,6 +217,13 @@ BAD = [
      400, "presence_penalty must be in [-2, 2]"),
     ("logit_bias key not a token id", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"a": 1}},
      400, "logit_bias keys must be token ids"),
+    ("constraint that does not compile", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "guided_json": {"type": "nonsense"}}, 400, "does not compile"),
+    ("two constraints", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+     "guided_regex": "a+", "response_format": {"type": "json_object"}}, 400, "one output constraint per request"),
+    ("forced tool not among the tools", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": WEATHER,
+      "tool_choice": {"type": "function", "function": {"name": "rm_rf"}}}, 400, "'rm_rf', which is not among"),
     ("logit_bias outside the vocabulary", "/v1/completions",
      {"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias token id 49152"),
 ]

@@ -195,13 +195,16 @@ def test_a_returned_call_goes_back_into_the_prompt(scripted):
 
 
 @pytest.mark.parametrize("body, status, words", [
-    ({"tool_choice": "required"}, 400, "tool_choice \"required\" needs constrained decoding"),
-    ({"tool_choice": {"type": "function", "function": {"name": "run_tests"}}}, 400, "needs constrained decoding"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400,
+     "names the function 'nope', which is not among the tools (run_tests)"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, 400, "cannot both hold"),
+    ({"tool_choice": "required", "tools": None}, 400, "tool_choice 'required' needs tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 422, "tools.0.function.name"),
     ({"tools": [{"type": "retrieval"}]}, 422, "tools.0.type"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(scripted, body, status, words):
     body = {"tools": TOOLS, **body}
+    body = {k: v for k, v in body.items() if v is not None}
     with pytest.raises(openai.APIStatusError) as e:
         scripted["client"].chat.completions.create(model="m", messages=MSGS, **body)
     assert e.value.status_code == status and words in e.value.message

@@ -7,7 +7,8 @@ need no model do not pay for importing torch (~3 s against ~0.2 s).
 from importlib import import_module
 
 _EXPORTS = {"LLM": "trajserve.llm", "SamplingParams": "trajserve.sampling",
-            "RequestOutput": "trajserve.outputs", "CompletionOutput": "trajserve.outputs"}
+            "RequestOutput": "trajserve.outputs", "CompletionOutput": "trajserve.outputs",
+            "StructuredOutput": "trajserve.structured"}
 __all__ = list(_EXPORTS)
 
 

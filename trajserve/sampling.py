@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trajserve.structured import StructuredOutput
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -25,6 +27,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    structured: StructuredOutput | None = None  # JSON schema / object, regex, choice, grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,3 +71,5 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
             if not (-100.0 <= b <= 100.0):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")

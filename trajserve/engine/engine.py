@@ -29,7 +29,7 @@ from trajserve.kv.preemption import PreemptionPricer
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
-from trajserve.model.sampler import Sampler
+from trajserve.model.sampler import RowContext, Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from trajserve.sampling import SamplingParams
@@ -105,6 +105,7 @@ class LLMEngine:
             self.scheduler.pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                                      lambda n: n * block_bytes <= host.byte_cap)
         self.sampler = Sampler(config.seed)
+        self._grammars = None  # structured outputs: built on the first request that asks
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         # n > 1: the prompt is prefilled once; when its first token is sampled
@@ -152,8 +153,10 @@ class LLMEngine:
             raise ValueError(f"request_id {rid!r}: sequence id {clash!r} is already in flight")
         cap = min(self.max_model_len, self.kv.token_capacity)
         now = time.monotonic()
+        matcher = self._matcher(params)  # a constraint that does not compile fails here, before queuing
         seqs = [Request(sid, ids, self._seq_params(params, i), cap,
-                        frozenset(self.tokenizer.eos_token_ids), arrival_time=now, cache_salt=cache_salt)
+                        frozenset(self.tokenizer.eos_token_ids), arrival_time=now, cache_salt=cache_salt,
+                        matcher=matcher.deep_copy() if matcher is not None and i else matcher)
                 for i, sid in enumerate(seq_ids)]
         group = _Group(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
                        [0] * params.n, [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)])
@@ -186,13 +189,20 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError(f"fork: child params must have n=1, got n={params.n}")
         now = time.monotonic()
+        if params.structured is not None and params.structured == parent.sampling_params.structured:
+            matcher = parent.matcher  # copied per child below: at the parent's place in the constraint
+        else:
+            matcher = self._matcher(params)
+            if matcher is not None and not matcher.consume_tokens(pcomp.token_ids):
+                raise ValueError("fork: the parent's output so far does not fit the child's structured output")
         children, ids = [], []
         for j in range(n):
             cid = f"{request_id}.fork{next(self._ids)}"
             child = Request(cid, parent.prompt_token_ids, self._seq_params(params, j + 1),
                             parent.max_total_tokens, parent.eos_token_ids, arrival_time=now,
                             cache_salt=parent.cache_salt, first_token_time=parent.first_token_time,
-                            last_token_time=parent.last_token_time)
+                            last_token_time=parent.last_token_time,
+                            matcher=matcher.deep_copy() if matcher is not None else None)
             detok = IncrementalDetokenizer(self.tokenizer)
             detok.extend(pcomp.token_ids)
             comp = CompletionOutput(0, pcomp.text, list(pcomp.token_ids), logprobs=(
@@ -213,6 +223,16 @@ class LLMEngine:
         if i == 0 or params.seed is None:
             return params
         return dataclasses.replace(params, seed=hash((params.seed, i)) & 0x7FFF_FFFF)
+
+    def _matcher(self, params: SamplingParams):
+        """The structured output's matcher at the start of the output, or None."""
+        if params.structured is None:
+            return None
+        if self._grammars is None:
+            from trajserve.structured import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars.matcher(params.structured)
 
     def _validate_params(self, params: SamplingParams) -> None:
         params.validate()
@@ -278,8 +298,8 @@ class LLMEngine:
             logits, ids = self._fork_samples(sched, logits, ids)
         by_id = {c.request.request_id: c.request for c in sched.chunks}
         params = [by_id[r].sampling_params for r in ids]
-        contexts = [(by_id[r].all_token_ids, by_id[r].num_prompt_tokens) if p.adjusts_logits else None
-                    for r, p in zip(ids, params)]
+        contexts = [RowContext(by_id[r].all_token_ids, by_id[r].num_prompt_tokens, by_id[r].matcher)
+                    if p.adjusts_logits or by_id[r].matcher is not None else None for r, p in zip(ids, params)]
         tokens, logprobs = self.sampler.sample(logits, ids, params, contexts)
         t4 = time.perf_counter()
         now = time.monotonic()

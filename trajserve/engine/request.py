@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from trajserve.sampling import SamplingParams
 
@@ -57,6 +58,9 @@ class Request:
     inter_token_times: list[float] = field(default_factory=list)
     # Per output token: (logprob of chosen, {token: logprob} top-k) if asked.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # Structured output: the llguidance matcher, at the end of the output so
+    # far (the sampler masks with it and advances it).
+    matcher: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -102,6 +106,11 @@ class Request:
             return RequestStatus.FINISHED_STOPPED
         if last in sp.stop_token_ids:
             self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error()):
+            # The constraint is complete (ignore_eos kept the request going
+            # past the end it allowed), or broken: nothing more can follow.
+            self.stop_reason = self.matcher.get_error() or None
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH

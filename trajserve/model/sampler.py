@@ -4,15 +4,35 @@ Greedy rows are one vectorized argmax. Random rows use a per-request
 torch.Generator (seeded from SamplingParams.seed when given), so a seeded
 request draws the same tokens whatever else is in the batch. Logit bias and
 the repetition / frequency / presence penalties change a row before either
-(vLLM's order); logprobs are the model's own, before them (vLLM's default).
+(vLLM's order), then a structured output's mask sets the tokens it does
+not accept to -inf (trajserve/structured.py); logprobs are the model's
+own, before all of them (vLLM's default).
 """
 from __future__ import annotations
 
 import zlib
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from trajserve.sampling import SamplingParams
+
+
+class RowContext(NamedTuple):
+    """What a row's logit changes need beyond its params."""
+    token_ids: list[int]   # prompt + output so far
+    num_prompt: int
+    matcher: Any = None    # structured output (llguidance.LLMatcher), advanced here
+
+
+def allowed_tokens(matcher, vocab_size: int) -> torch.Tensor:
+    """bool [vocab_size]: the tokens a structured-output matcher accepts next."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    out = torch.zeros(vocab_size, dtype=torch.bool)
+    n = min(vocab_size, bits.shape[0])
+    out[:n] = torch.from_numpy(bits[:n].astype(bool))
+    return out
 
 
 def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -69,20 +89,24 @@ class Sampler:
         self._generators.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               contexts: list[tuple[list[int], int] | None] | None = None,
+               contexts: list[RowContext | None] | None = None,
                ) -> tuple[list[int], list[tuple[float, dict[int, float]] | None]]:
-        """logits: float32 [N, vocab] on any device. contexts[i]: row i's
-        (token ids so far, how many of them are the prompt), needed by rows
-        whose params adjust logits. Returns tokens and, for rows that asked,
-        (logprob of the chosen token, top-k {token: logprob})."""
+        """logits: float32 [N, vocab] on any device. contexts[i]: what row i
+        needs if its params adjust logits or it has a structured output (whose
+        matcher takes the chosen token here). Returns tokens and, for rows
+        that asked, (logprob of the chosen token, top-k {token: logprob})."""
         logits = logits.cpu()
         chosen = logits
-        for i, sp in enumerate(params):
+        contexts = contexts or [None] * len(params)
+        for i, (sp, ctx) in enumerate(zip(params, contexts)):
+            if not sp.adjusts_logits and (ctx is None or ctx.matcher is None):
+                continue
+            if chosen is logits:
+                chosen = logits.clone()
             if sp.adjusts_logits:
-                if chosen is logits:
-                    chosen = logits.clone()
-                ids, num_prompt = contexts[i] if contexts is not None and contexts[i] is not None else ([], 0)
-                chosen[i] = adjust_logits(logits[i], sp, ids, num_prompt)
+                chosen[i] = adjust_logits(logits[i], sp, *(ctx[:2] if ctx is not None else ([], 0)))
+            if ctx is not None and ctx.matcher is not None:
+                chosen[i] = chosen[i].masked_fill(~allowed_tokens(ctx.matcher, chosen.shape[-1]), float("-inf"))
         tokens = chosen.argmax(dim=-1).tolist()
         for i, (rid, sp) in enumerate(zip(request_ids, params)):
             if sp.greedy:
@@ -97,4 +121,7 @@ class Sampler:
             top = torch.topk(lp, sp.logprobs) if sp.logprobs else None
             alts = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
             logprobs[i] = (float(lp[tokens[i]]), alts)
+        for t, ctx in zip(tokens, contexts):
+            if ctx is not None and ctx.matcher is not None:
+                ctx.matcher.consume_token(t)
         return tokens, logprobs

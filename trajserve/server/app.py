@@ -29,9 +29,10 @@ from trajserve.engine.memory import bytes_per_block
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.metrics import ServerMetrics
+from trajserve.structured import StructuredOutput
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
-from trajserve.server.tool_calls import StreamParser, parse
+from trajserve.server.tool_calls import ForcedStream, StreamParser, forced_schema, parse, parse_forced
 
 log = logging.getLogger("trajserve")
 
@@ -121,9 +122,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}`",
                            param="model", code="model_not_found")
 
-    def sampling(req, max_tokens, default_max, logprobs):
+    def sampling(req, max_tokens, default_max, logprobs, structured=None):
         try:
-            return req.sampling_params(max_tokens, default_max, logprobs)
+            structured = structured or req.structured()
+            return req.sampling_params(max_tokens, default_max, logprobs, structured)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -257,9 +259,19 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        if req.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, f"tool_choice {json.dumps(req.tool_choice)} needs constrained decoding, which "
-                                "trajserve does not do; use \"auto\" or \"none\"", param="tool_choice")
+        forced = None  # tool_choice "required" or a named function: the reply is held to the call's JSON
+        if req.forced_tool is not None:
+            names = [t.function.name for t in req.tools or []]
+            if not names:
+                raise APIError(400, f"tool_choice {req.forced_tool!r} needs tools", param="tool_choice")
+            if req.forced_tool != "required" and req.forced_tool not in names:
+                raise APIError(400, f"tool_choice names the function {req.forced_tool!r}, which is not among "
+                                    f"the tools ({', '.join(names)})", param="tool_choice")
+            if req.structured_given:
+                raise APIError(400, "a forced tool_choice and an output constraint (response_format, "
+                                    "structured_outputs, guided_*) cannot both hold", param="tool_choice")
+            forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
+                                                                req.forced_tool))
         # A template that does not render tool_calls (SmolLM2's) gets them as text.
         calls_as_text = "tool_calls" not in (tok.chat_template or "")
         try:
@@ -272,7 +284,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
         ids = tok.encode(text, add_special_tokens=False)
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
         sp = sampling(req, req.requested_max_tokens, max(1, engine.max_model_len - len(ids)),
-                      (req.top_logprobs or 0) if req.logprobs else None)
+                      (req.top_logprobs or 0) if req.logprobs else None, forced)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         sess = await begin_session(req, request)
         try:
@@ -289,7 +301,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
             end_session(sess, final, req)
         if final is None:
             return Response(status_code=499)
-        choices = [{"index": c.index, **_chat_message(c, req.parses_tool_calls),
+        choices = [{"index": c.index, **_chat_message(c, req),
                     "logprobs": _chat_logprobs(c.token_ids, c.logprobs, tok) if req.logprobs else None}
                    for c in final.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
@@ -352,13 +364,28 @@ def _chat_logprobs(ids: list[int], lps, tok) -> dict | None:
     return {"content": content}
 
 
-def _chat_message(c: CompletionOutput, tools: bool) -> dict:
+def _chat_message(c: CompletionOutput, req: ChatCompletionRequest) -> dict:
     """A finished choice's message and finish_reason; with tools, its tool calls."""
-    parsed = parse(c.text) if tools else None
+    if req.forced_tool is not None:
+        parsed = parse_forced(c.text, req.forced_tool)
+    else:
+        parsed = parse(c.text) if req.parses_tool_calls else None
     if parsed is None or not parsed.tool_calls:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
     return {"message": {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls},
-            "finish_reason": "tool_calls"}
+            "finish_reason": _calls_finish(req)}
+
+
+def _calls_finish(req: ChatCompletionRequest) -> str:
+    # OpenAI's: a call the client named ends as "stop", one the model chose as "tool_calls".
+    return "stop" if req.forced_tool not in (None, "required") else "tool_calls"
+
+
+def _call_stream(req: ChatCompletionRequest):
+    """A choice's streaming parser when the reply may hold tool calls, else None."""
+    if req.forced_tool is not None:
+        return ForcedStream(req.forced_tool)
+    return StreamParser() if req.parses_tool_calls else None
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -418,8 +445,9 @@ async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, to
         for c in out.outputs:
             if c.index not in started:
                 started.add(c.index)
-                if req.parses_tool_calls:
-                    parsers[c.index] = StreamParser()
+                p = _call_stream(req)
+                if p is not None:
+                    parsers[c.index] = p
                 yield chunk(c.index, {"role": "assistant", "content": ""}, None)
             if not c.delta_token_ids:
                 continue
@@ -435,7 +463,7 @@ async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, to
                     if rest.content:
                         yield chunk(c.index, {"content": rest.content}, None)
                     if rest.tool_calls:
-                        finish = "tool_calls"
+                        finish = _calls_finish(req)
                         yield chunk(c.index, {"tool_calls": [{"index": i, **call}
                                                              for i, call in enumerate(rest.tool_calls)]}, None)
                 yield chunk(c.index, {}, finish)

@@ -13,11 +13,36 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trajserve.sampling import SamplingParams
 from trajserve.server.tool_calls import hermes_text
+from trajserve.structured import StructuredOutput
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` body field: one constraint."""
+    model_config = ConfigDict(extra="ignore")
+    json_: dict | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Common(BaseModel):
@@ -44,8 +69,47 @@ class _Common(BaseModel):
     tool_wait_s: float | None = Field(default=None, ge=0, description="a tool pause follows this turn: "
                                       "the session's state waits where the keep policy puts it")
     tool: str | None = Field(default=None, description="the tool about to run (its wait history informs the policy)")
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs
+    # / guided_* fields (trajserve/structured.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, default_max: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def structured_given(self) -> bool:
+        rf = self.response_format
+        return (rf is not None and rf.type != "text") or any(
+            getattr(self, k) is not None for k in ("structured_outputs", "guided_json", "guided_regex",
+                                                   "guided_choice", "guided_grammar"))
+
+    def structured(self) -> StructuredOutput | None:
+        """The one output constraint the request asks for (ValueError if it
+        asks for more than one, naming them)."""
+        found = {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found["response_format"] = StructuredOutput(json_object=True)
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            found["response_format"] = StructuredOutput(json_schema=rf.json_schema.schema_)
+        so = self.structured_outputs
+        if so is not None:
+            found["structured_outputs"] = StructuredOutput(json_schema=so.json_, json_object=bool(so.json_object),
+                                                           regex=so.regex, choice=so.choice, grammar=so.grammar)
+        for name, kw in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                         ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found[name] = StructuredOutput(**{kw: getattr(self, name)})
+        if len(found) > 1:
+            raise ValueError(f"one output constraint per request; got {', '.join(found)}")
+        return next(iter(found.values()), None)
+
+    def sampling_params(self, max_tokens: int | None, default_max: int, logprobs: int | None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for k, v in (self.logit_bias or {}).items():
@@ -60,7 +124,7 @@ class _Common(BaseModel):
             logprobs=logprobs, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=bias)
+            logit_bias=bias, structured=structured)
         sp.validate()
         return sp
 
@@ -157,6 +221,17 @@ def _json_object(arguments: str | dict):
         return arguments  # the template gets what the client sent
 
 
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -164,14 +239,22 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True
 
     @property
     def parses_tool_calls(self) -> bool:
-        """OpenAI's default is "auto" when tools are given. "required" and a
-        named function need constrained decoding (refused in the app)."""
+        """OpenAI's default is "auto" when tools are given: the reply may call
+        them in the Hermes form (server/tool_calls.py)."""
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    @property
+    def forced_tool(self) -> str | None:
+        """"required" or the name of the function tool_choice names (the
+        reply is then held to JSON for the call: server/tool_calls.py)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return "required" if self.tool_choice == "required" else None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -119,3 +119,47 @@ class StreamParser:
         out = self.text[self.sent:upto]
         self.sent = max(self.sent, upto)
         return out
+
+
+# ------------------------------------------- tool_choice "required" / named
+# A forced call is not left to the model's own format: the reply is held to
+# JSON (trajserve/structured.py) -- the named function's arguments, or for
+# "required" a list of {"name", "arguments"} objects over the given tools --
+# and that JSON becomes the calls. As vLLM does it.
+def forced_schema(tools: list[dict], forced: str) -> dict:
+    """The JSON schema a reply is held to. tools: OpenAI tool dicts;
+    forced: "required" or a function name (one of the tools')."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
+    if forced != "required":
+        return params[forced]
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": name}, "arguments": p},
+         "required": ["name", "arguments"], "additionalProperties": False} for name, p in params.items()]}}
+
+
+def parse_forced(text: str, forced: str) -> Parsed:
+    """A finished forced reply as calls; one cut short (max_tokens) stays text."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return Parsed(text)
+    if forced != "required":
+        return Parsed(None, [_call({"name": forced, "arguments": text.strip()})])
+    calls = [_call(o) for o in body] if isinstance(body, list) else []
+    if not calls or None in calls:
+        return Parsed(text)
+    return Parsed(None, calls)
+
+
+class ForcedStream:
+    """Streaming a forced reply: nothing goes out as text; the calls at the end."""
+
+    def __init__(self, forced: str) -> None:
+        self.forced, self.text = forced, ""
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        return ""
+
+    def finish(self) -> Parsed:
+        return parse_forced(self.text, self.forced)

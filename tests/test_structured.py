@@ -1,0 +1,107 @@
+"""Structured output (trajserve/structured.py) on the embedded model: every
+reply fits its constraint, greedy or sampled, n > 1 and forked; requests
+without one come out as they do alone; a constraint that does not compile
+fails by name before anything is queued."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from trajserve.sampling import SamplingParams
+from trajserve.structured import StructuredOutput
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+          "required": ["city", "days"], "additionalProperties": False}
+PROMPT = "Plan a trip. Answer in JSON with the city and the number of days:"
+
+
+def fits(text: str) -> bool:
+    d = json.loads(text)
+    return (set(d) == {"city", "days"} and isinstance(d["city"], str) and len(d["city"]) <= 20
+            and type(d["days"]) is int and 1 <= d["days"] <= 9)
+
+
+def run(eng, reqs):
+    rids = [eng.add_request(p, sp) for p, sp in reqs]
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return [outs[r] for r in rids]
+
+
+def test_json_schema_greedy_sampled_and_n3_beside_a_free_request(engine_f32):
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    (alone,) = run(engine_f32, [(PROMPT, free)])
+    so = StructuredOutput(json_schema=SCHEMA)
+    greedy, sampled, free_again = run(engine_f32, [
+        (PROMPT, SamplingParams(max_tokens=80, temperature=0, structured=so)),
+        (PROMPT, SamplingParams(max_tokens=80, temperature=1.0, seed=7, n=3, structured=so)),
+        (PROMPT, free)])
+    assert free_again.outputs[0].token_ids == alone.outputs[0].token_ids  # the batch did not touch it
+    for c in greedy.outputs + sampled.outputs:
+        assert c.finish_reason == "stop" and fits(c.text), c.text
+    assert len({c.text for c in sampled.outputs}) > 1  # three samples, not one repeated
+
+
+def test_a_complete_constraint_ends_the_reply_even_with_ignore_eos(engine_f32):
+    (out,) = run(engine_f32, [("Pick one:", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True,
+                                                          structured=StructuredOutput(choice=["red", "green"])))])
+    assert out.outputs[0].text in ("red", "green") and out.outputs[0].finish_reason == "stop"
+    (out,) = run(engine_f32, [("Phone:", SamplingParams(max_tokens=50, temperature=0,
+                                                       structured=StructuredOutput(regex=r"[0-9]{3}-[0-9]{4}")))])
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.outputs[0].text)
+
+
+def test_forked_branches_keep_the_parents_place_in_the_constraint(engine_f32):
+    """Fork mid-reply: each branch continues from the parent's partial JSON
+    and must still close it validly."""
+    eng = engine_f32
+    rid = eng.add_request(PROMPT, SamplingParams(max_tokens=80, temperature=0,
+                                                 structured=StructuredOutput(json_schema=SCHEMA)))
+    for _ in range(4):  # prefill + a few tokens of the JSON
+        eng.step()
+    kids = eng.fork(rid, 2, SamplingParams(max_tokens=80, temperature=1.0, seed=3,
+                                           structured=StructuredOutput(json_schema=SCHEMA)))
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+    for r in [rid, *kids]:
+        assert fits(outs[r].text), outs[r].text
+    prefix = outs[rid].token_ids[:3]
+    assert all(outs[k].token_ids[:3] == prefix for k in kids)
+    # A child whose constraint the parent's output so far already breaks is refused.
+    rid = eng.add_request(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    with pytest.raises(ValueError, match="does not fit the child's structured output"):
+        eng.fork(rid, 1, SamplingParams(structured=StructuredOutput(regex="[0-9]+")))
+    eng.abort_request(rid)
+
+
+@pytest.mark.parametrize("so, words", [
+    (dict(json_schema={"type": "nonsense"}), "does not compile: Invalid type: nonsense"),
+    (dict(regex="("), "does not compile"),
+    (dict(grammar="start: undefined_rule"), "does not compile"),
+])
+def test_a_constraint_that_does_not_compile_is_refused_before_queuing(engine_f32, so, words):
+    with pytest.raises(ValueError, match=words):
+        engine_f32.add_request("x", SamplingParams(structured=StructuredOutput(**so)))
+    assert not engine_f32.has_unfinished_requests()
+
+
+def test_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one of .* got regex, choice"):
+        StructuredOutput(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutput()
+    with pytest.raises(ValueError, match="non-empty list"):
+        StructuredOutput(choice=[])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutput(json_schema="{")

@@ -29,10 +29,10 @@ from trajserve.engine.memory import bytes_per_block
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.metrics import ServerMetrics
-from trajserve.structured import StructuredOutput
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
 from trajserve.server.tool_calls import ForcedStream, StreamParser, forced_schema, parse, parse_forced
+from trajserve.structured import StructuredOutput
 
 log = logging.getLogger("trajserve")
 
@@ -430,7 +430,7 @@ async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, to
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent: dict[int, int] = {}
     started: set[int] = set()
-    parsers: dict[int, StreamParser] = {}  # per choice, with tools: holds back what may be a call
+    parsers: dict[int, StreamParser | ForcedStream] = {}  # per choice, with tools: holds back calls
     final = None
 
     def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:

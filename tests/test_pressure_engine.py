@@ -1,6 +1,7 @@
 """The admission ceiling and fork throttling on the real model never change
 greedy output; engine.metrics() reports latency percentiles."""
 import pytest
+from engine_util import run_requests
 
 from trajserve.sampling import SamplingParams
 
@@ -9,13 +10,7 @@ PROMPTS = [f"Task {i}: list the files under src/ and say which one parses the co
 
 
 def run_all(engine, prompts, params):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-    return [done[i] for i in ids]
+    return run_requests(engine, [(p, params) for p in prompts])
 
 
 @pytest.fixture()

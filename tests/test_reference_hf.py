@@ -62,16 +62,6 @@ def test_every_prefill_row_matches_transformers(engine_f32, hf_gguf_model):
     assert diff < 1e-3, f"max |logit diff| = {diff}"
 
 
-def _run(eng, prompts_params):
-    rids = [eng.add_request(ids, p) for ids, p in prompts_params]
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
-    return [outs[r] for r in rids]
-
-
 def test_penalties_and_bias_match_transformers_and_leave_the_batch_alone(engine_f32, hf_gguf_model):
     """Greedy with a repetition penalty against transformers' own
     (generate(repetition_penalty=)); frequency / presence penalties and a
@@ -80,14 +70,17 @@ def test_penalties_and_bias_match_transformers_and_leave_the_batch_alone(engine_
     which must come out as it does alone."""
     from collections import Counter
 
+    from engine_util import run_requests
+
     eng, steps = engine_f32, 24
     ids = eng.tokenizer.encode("List the colors: red, blue, green, red, blue, green, red,")
     rep = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, repetition_penalty=1.3)
     freq = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, frequency_penalty=1.5,
                           presence_penalty=0.5, logit_bias={28: -5.0})  # 28: ","
     plain = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    (alone,) = _run(eng, [(ids, plain)])
-    got_rep, got_freq, got_plain = _run(eng, [(ids, rep), (ids, freq), (ids, plain)])
+    (alone,) = [o.outputs[0].token_ids for o in run_requests(eng, [(ids, plain)])]
+    got_rep, got_freq, got_plain = [o.outputs[0].token_ids
+                                    for o in run_requests(eng, [(ids, rep), (ids, freq), (ids, plain)])]
     assert got_plain == alone
     assert got_rep != alone and got_freq != alone  # the penalties did something here
     with torch.inference_mode():

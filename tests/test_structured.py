@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+from engine_util import run_requests as run
 
 from trajserve.sampling import SamplingParams
 from trajserve.structured import StructuredOutput
@@ -22,16 +23,6 @@ def fits(text: str) -> bool:
     d = json.loads(text)
     return (set(d) == {"city", "days"} and isinstance(d["city"], str) and len(d["city"]) <= 20
             and type(d["days"]) is int and 1 <= d["days"] <= 9)
-
-
-def run(eng, reqs):
-    rids = [eng.add_request(p, sp) for p, sp in reqs]
-    outs = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                outs[o.request_id] = o
-    return [outs[r] for r in rids]
 
 
 def test_json_schema_greedy_sampled_and_n3_beside_a_free_request(engine_f32):

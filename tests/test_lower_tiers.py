@@ -237,3 +237,34 @@ def test_engine_resumes_a_conversation_from_a_lower_tier_with_identical_output(r
         assert eng.metrics()["lower_tiers"]["corrupt_blocks"] >= 1
     eng.kv.clear_cache()
     assert eng.kv.pool.num_free == eng.kv.num_blocks
+
+
+@pytest.mark.parametrize("files", [True, False])
+def test_clear_empties_both_tiers_and_they_work_after(tmp_path, files):
+    """clear() drops everything at once (files included); the counts and byte
+    totals go to zero, and a later spill / load round works as before."""
+    if files:
+        kv, pool, lower = manager(num_blocks=6, host_blocks=2, disk_blocks=16, tmp_path=tmp_path)
+    else:  # the simulator's tiers: one-byte stand-in blocks, caps in blocks
+        kv, pool, _ = manager(num_blocks=6, host_blocks=0)
+        lower = LowerTiers.stand_in(host_blocks=2, disk_blocks=16)
+        kv.attach_lower_tiers(lower)
+
+    def fill(base):
+        for i in range(4):
+            run_request(kv, pool, f"r{base}-{i}", list(range(base + 100 * i, base + 100 * i + 16)))
+        lower.flush()
+
+    fill(1000)
+    held = lower.num_host_blocks + lower.num_disk_blocks
+    assert lower.num_host_blocks == 2 and lower.num_disk_blocks > 0
+    lower.clear()
+    assert lower.num_host_blocks == lower.num_disk_blocks == 0
+    assert lower.metrics()["host_bytes"] == lower.metrics()["disk_bytes"] == 0
+    assert lower.stats.discarded_blocks == held
+    assert not list(tmp_path.glob("*.kv"))
+    fill(5000)
+    assert lower.num_host_blocks == 2 and lower.num_disk_blocks > 0
+    if files:  # an evicted prompt comes back from the tiers with its tokens (run_request checks them)
+        assert run_request(kv, pool, "again", list(range(5000, 5016)) + [1]) == 16
+    lower.close()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,7 +42,7 @@ import torch
 
 from trajserve.kv.tiers import DiskKVStore, HostKVStore
 
-ReadBlocks = Callable[[list[int]], torch.Tensor]        # ModelRunner.read_blocks
+ReadBlocks = Callable[[list[int]], Sequence[torch.Tensor]]  # ModelRunner.read_blocks: a tensor of rows
 WriteBlocks = Callable[[list[int], torch.Tensor], None]  # ModelRunner.write_blocks
 
 
@@ -64,7 +64,7 @@ class _DiskBookkeeping(HostKVStore):
 
     @staticmethod
     def file_bytes(block: torch.Tensor) -> int:
-        return block.numel() * block.element_size()
+        return block.nbytes
 
     def put(self, key: str, block: torch.Tensor, copy: bool = False) -> bool:
         return super().put(key, block, copy)
@@ -105,7 +105,8 @@ class LowerTiers:
         one-byte stand-in blocks under caps of host_blocks / disk_blocks
         blocks, so they evict, demote and load back as the real ones would."""
         block = torch.zeros(1, dtype=torch.uint8)
-        return cls(lambda ids: block.expand(len(ids), 1), lambda ids, data: None, host_blocks, disk_blocks,
+        # A list, not a tensor of rows: millions of spilled blocks need no row views.
+        return cls(lambda ids: [block] * len(ids), lambda ids, data: None, host_blocks, disk_blocks,
                    files=False, copy=False)
 
     # ------------------------------------------------------------ the spill
@@ -162,9 +163,21 @@ class LowerTiers:
             self.stats.discarded_blocks += 1
 
     def clear(self) -> None:
-        for key in list(self._ns):
-            self._forget(key)
-            self.stats.discarded_blocks += 1
+        """Drop every block in both tiers (in bulk: a simulated run may end with
+        millions of them)."""
+        self.stats.discarded_blocks += len(self._ns)
+        self.host.clear()
+        if isinstance(self.disk, _DiskBookkeeping):
+            self.disk.clear()
+        elif self.disk is not None:
+            with self._lock:
+                self._pending.clear()
+                for key in self._disk_lru:  # each one's file
+                    self.disk.discard(key)
+        self._disk_lru.clear()
+        self._disk_used = 0
+        self._ns.clear()
+        self._by_ns.clear()
 
     def flush(self) -> None:
         """Wait until every queued disk write has landed (or been skipped)."""
@@ -205,7 +218,7 @@ class LowerTiers:
 
     # ------------------------------------------------------------- private
     def _to_host(self, key: str, block: torch.Tensor) -> bool:
-        size = block.numel() * block.element_size()
+        size = block.nbytes
         if size > self.host.byte_cap:
             return False
         while self.host.free_bytes < size:

@@ -47,7 +47,7 @@ class HostKVStore:
 
     def put(self, key: str, block: torch.Tensor, copy: bool = True) -> bool:
         """copy=False: keep the caller's tensor (it must not change later)."""
-        size = block.numel() * block.element_size()
+        size = block.nbytes
         if key in self._blocks:
             self.discard(key)
         if size > self.free_bytes:
@@ -66,7 +66,11 @@ class HostKVStore:
     def discard(self, key: str) -> None:
         b = self._blocks.pop(key, None)
         if b is not None:
-            self.nbytes -= b.numel() * b.element_size()
+            self.nbytes -= b.nbytes
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self.nbytes = 0
 
 
 class DiskKVStore:
@@ -92,7 +96,7 @@ class DiskKVStore:
     @staticmethod
     def file_bytes(block: torch.Tensor) -> int:
         """Bytes one block takes on disk (header + payload)."""
-        return _HEADER.size + block.numel() * block.element_size()
+        return _HEADER.size + block.nbytes
 
     def path(self, key: str) -> Path:
         return self.dir / f"{key}.kv"

@@ -1,6 +1,7 @@
 """The `trajserve` command in a subprocess: exit codes, stdout, error messages."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -88,3 +89,12 @@ def test_commands_without_a_model_do_not_import_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "torch" not in r.stdout, r.stdout
+
+
+def test_bench_structured_prints_a_table_and_json():
+    r = trajserve("bench", "structured", "--batch-sizes", "2", "--steps", "6", "--repeats", "1", *SMALL_POOL)
+    assert r.returncode == 0, r.stderr
+    table, js = r.stdout.split("{", 1)
+    assert "step free" in table and "sampler json" in table
+    (row,) = json.loads("{" + js)["rows"]
+    assert row["batch"] == 2 and row["steps_free"] > 0 and row["steps_json"] > 0 and row["step_ratio"] > 0

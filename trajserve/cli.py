@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from trajserve.bench.resume import add_parser as add_resume_parser
     add_resume_parser(bsub)
+    from trajserve.bench.structured import add_parser as add_structured_parser
+    add_structured_parser(bsub)
 
     v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000")

@@ -8,6 +8,7 @@ README's and docs/plan.md's first `plan` lines failed too (a shared prefix
 longer than a context they asked about)."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -30,6 +31,7 @@ def test_the_readme_python_examples_run_as_written(capsys):
     printed = capsys.readouterr().out
     assert ns["outs"][0].outputs[0].text and ns["outs"][0].outputs[0].text in printed
     assert ns["reply"].outputs[0].token_ids  # the session's second turn
+    assert isinstance(json.loads(ns["order"][0].outputs[0].text)["apples"], int)  # the structured example
     assert ns["d"].decision.value in {"keep", "host", "disk", "drop"} and ns["d"].reason in printed
     assert len(ns["kids"]) == 2
     assert ns["llm"].sessions is None  # the example ends with llm.close()

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajserve.server.protocol import ChatMessage
-from trajserve.server.tool_calls import StreamParser, hermes_text, parse
+from trajserve.server.tool_calls import (Llama3JsonStream, StreamParser, format_for_template, hermes_text, parse,
+                                        parse_llama3_json)
 
 CALL = '<tool_call>\n{"name": "run_tests", "arguments": {"path": "tests/", "k": 3}}\n</tool_call>'
 
@@ -110,6 +111,40 @@ def test_history_tool_calls_reach_the_template_as_objects_or_as_text():
     assert names_args(parse(d["content"])) == [("run_tests", {"path": "tests/"})]
 
 
+# ------------------------------------------------------- Llama 3's JSON form
+L3 = '{"name": "run_tests", "parameters": {"path": "tests/", "k": 3}}'
+
+
+def test_llama3_json_calls():
+    assert names_args(parse_llama3_json(L3)) == [("run_tests", {"path": "tests/", "k": 3})]
+    p = parse_llama3_json('<|python_tag|>' + L3 + '; {"name": "lint", "parameters": {}}')
+    assert p.content is None and [n for n, _ in names_args(p)] == ["run_tests", "lint"]
+    for text in ("The tests pass.", L3 + " and then more", '{"name": "x", "parameters": {', '{"nome": "x"}'):
+        assert parse_llama3_json(text).content == text and parse_llama3_json(text).tool_calls == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([L3, "  " + L3, "<|python_tag|>" + L3, "Plain text { not a call", "<|python", '{"oops": 1}',
+                        L3 + "; " + L3]),
+       st.lists(st.integers(min_value=0, max_value=80), max_size=10))
+def test_llama3_streaming_in_any_pieces_gives_the_one_shot_result(text, cuts):
+    sp, sent, at = Llama3JsonStream(), [], 0
+    for c in sorted({c for c in cuts if c <= len(text)}) + [len(text)]:
+        sent.append(sp.feed(text[at:c]))
+        at = c
+    rest, whole = sp.finish(), parse_llama3_json(text)
+    if whole.tool_calls:
+        assert names_args(rest) == names_args(whole) and "".join(sent) == ""
+    else:
+        assert rest.tool_calls == [] and "".join(sent) + (rest.content or "") == text
+
+
+def test_the_format_follows_the_template():
+    assert format_for_template("{{ '<tool_call>' }}") == "hermes"
+    assert format_for_template("{% if tools %}{{ '<|python_tag|>' }}{% endif %}") == "llama3_json"
+    assert format_for_template(None) == "hermes"
+
+
 # ------------------------------------------------------------ the endpoint
 @pytest.fixture(scope="module")
 def scripted():
@@ -139,9 +174,9 @@ def scripted():
             yield RequestOutput("r", None, list(prompt), [c], done, RequestMetrics(0.0))
 
     aengine.generate = generate
-    app = build_app(aengine, "m")
-    state["client"] = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
-                                    http_client=TestClient(app))
+    for key, parser in (("client", "auto"), ("llama3", "llama3_json")):
+        state[key] = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
+                                   http_client=TestClient(build_app(aengine, "m", tool_call_parser=parser)))
     state["tok"] = engine.tokenizer
     return state
 
@@ -179,6 +214,25 @@ def test_streamed_tool_calls_as_the_client_assembles_them(scripted):
     chunks = list(scripted["client"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == scripted["reply"]
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_server_reading_llama3_json_returns_its_calls(scripted):
+    scripted["reply"] = "<|python_tag|>" + L3
+    for stream in (False, True):
+        r = scripted["llama3"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, stream=stream)
+        if stream:
+            chunks = list(r)
+            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            calls, text, finish = r.choices[0].message.tool_calls, r.choices[0].message.content, r.choices[0].finish_reason
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("run_tests", {"path": "tests/", "k": 3})]
+        assert not text and finish == "tool_calls"
+    scripted["reply"] = "No call here."
+    r = scripted["llama3"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS)
+    assert r.choices[0].message.content == "No call here." and not r.choices[0].message.tool_calls
 
 
 def test_a_returned_call_goes_back_into_the_prompt(scripted):

@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="admission queue limit; a request beyond it gets 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body cap (413 above it)")
+    s.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
+                   help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
+                        "for Qwen, Llama 3's JSON form)")
     add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -31,7 +31,8 @@ from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
-from trajserve.server.tool_calls import ForcedStream, StreamParser, forced_schema, parse, parse_forced
+from trajserve.server.tool_calls import (FORMATS, ForcedStream, call_stream, forced_schema, format_for_template,
+                                        parse_calls, parse_forced)
 from trajserve.structured import StructuredOutput
 
 log = logging.getLogger("trajserve")
@@ -59,9 +60,13 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
                         status_code=status, headers=headers)
 
 
-def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int = 8 * 2**20) -> FastAPI:
+def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int = 8 * 2**20,
+              tool_call_parser: str = "auto") -> FastAPI:
     engine = aengine.engine
     tok = engine.tokenizer
+    if tool_call_parser not in ("auto", *FORMATS):
+        raise ValueError(f"tool call parser must be auto or one of {', '.join(FORMATS)}, got {tool_call_parser!r}")
+    calls_format = format_for_template(tok.chat_template) if tool_call_parser == "auto" else tool_call_parser
     metrics = ServerMetrics(lambda: aengine.snapshot,
                             bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype))
     aengine.on_finished = metrics.observe
@@ -293,7 +298,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
             end_session(sess, None, req)
             raise
         if req.stream:
-            return _sse(_chat_chunks(session_stream(outs, sess, req), rid, created, served_model_name, req, tok))
+            return _sse(_chat_chunks(session_stream(outs, sess, req), rid, created, served_model_name, req, tok,
+                                     calls_format))
         final = None
         try:
             final = await _last(outs)
@@ -301,7 +307,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
             end_session(sess, final, req)
         if final is None:
             return Response(status_code=499)
-        choices = [{"index": c.index, **_chat_message(c, req),
+        choices = [{"index": c.index, **_chat_message(c, req, calls_format),
                     "logprobs": _chat_logprobs(c.token_ids, c.logprobs, tok) if req.logprobs else None}
                    for c in final.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
@@ -364,12 +370,13 @@ def _chat_logprobs(ids: list[int], lps, tok) -> dict | None:
     return {"content": content}
 
 
-def _chat_message(c: CompletionOutput, req: ChatCompletionRequest) -> dict:
-    """A finished choice's message and finish_reason; with tools, its tool calls."""
+def _chat_message(c: CompletionOutput, req: ChatCompletionRequest, fmt: str) -> dict:
+    """A finished choice's message and finish_reason; with tools, its tool
+    calls (fmt: the model's tool-call format, server/tool_calls.py)."""
     if req.forced_tool is not None:
         parsed = parse_forced(c.text, req.forced_tool)
     else:
-        parsed = parse(c.text) if req.parses_tool_calls else None
+        parsed = parse_calls(c.text, fmt) if req.parses_tool_calls else None
     if parsed is None or not parsed.tool_calls:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
     return {"message": {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls},
@@ -381,11 +388,11 @@ def _calls_finish(req: ChatCompletionRequest) -> str:
     return "stop" if req.forced_tool not in (None, "required") else "tool_calls"
 
 
-def _call_stream(req: ChatCompletionRequest):
+def _call_stream(req: ChatCompletionRequest, fmt: str):
     """A choice's streaming parser when the reply may hold tool calls, else None."""
     if req.forced_tool is not None:
         return ForcedStream(req.forced_tool)
-    return StreamParser() if req.parses_tool_calls else None
+    return call_stream(fmt) if req.parses_tool_calls else None
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
@@ -426,11 +433,12 @@ async def _completion_chunks(outs, rid, created, model, req: CompletionRequest, 
                "usage": _usage([final])}
 
 
-async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, tok) -> AsyncIterator[dict]:
+async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, tok, fmt: str
+                       ) -> AsyncIterator[dict]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent: dict[int, int] = {}
     started: set[int] = set()
-    parsers: dict[int, StreamParser | ForcedStream] = {}  # per choice, with tools: holds back calls
+    parsers = {}  # per choice, with tools: _call_stream's parser (holds back what may be a call)
     final = None
 
     def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
@@ -445,7 +453,7 @@ async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, to
         for c in out.outputs:
             if c.index not in started:
                 started.add(c.index)
-                p = _call_stream(req)
+                p = _call_stream(req, fmt)
                 if p is not None:
                     parsers[c.index] = p
                 yield chunk(c.index, {"role": "assistant", "content": ""}, None)

@@ -38,7 +38,7 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_name(engine.model_path)
     aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     aengine.start()
-    app = build_app(aengine, name, max_body_bytes=args.max_body_bytes)
+    app = build_app(aengine, name, max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
     host, port = sock.getsockname()[:2]
     print(f"trajserve serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

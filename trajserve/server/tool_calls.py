@@ -1,6 +1,10 @@
-"""Tool calls in the Hermes format: what the model writes, what OpenAI sends.
+"""Tool calls: what the model writes, what OpenAI sends.
 
-Qwen2/2.5/3 were trained to call a tool by writing
+Two formats, chosen per server (`trajserve serve --tool-call-parser`; by
+default from the chat template: one that writes `<tool_call>` is Hermes,
+one that writes `<|python_tag|>` is Llama 3's JSON form).
+
+Hermes. Qwen2/2.5/3 were trained to call a tool by writing
 
     <tool_call>
     {"name": "run_tests", "arguments": {"path": "tests/"}}
@@ -20,6 +24,12 @@ Streaming sends the text before the first block as it comes, holding back
 only a tail that could be the start of `<tool_call>`; the calls go out
 whole, once the reply has finished. A client sees a call only after it is
 complete, never half of its arguments.
+
+Llama 3 JSON (Llama 3.1-3.3 instruct; vLLM's `llama3_json`). The whole
+reply is the call(s): `{"name": ..., "parameters": {...}}`, optionally after
+`<|python_tag|>`, several separated by ";". A reply that starts otherwise
+is text and streams as text; one that starts like a call is held until it
+ends and is text if it does not parse.
 """
 from __future__ import annotations
 
@@ -28,6 +38,15 @@ import uuid
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+FORMATS = ("hermes", "llama3_json")
+
+
+def format_for_template(template: str | None) -> str:
+    """The tool-call format a chat template's model writes (Hermes unless the
+    template is Llama 3's)."""
+    t = template or ""
+    return "llama3_json" if PYTHON_TAG in t and OPEN not in t else "hermes"
 
 
 @dataclass
@@ -81,9 +100,65 @@ def parse(text: str) -> Parsed:
     return Parsed(content if content.strip() else None, calls)
 
 
+def parse_llama3_json(text: str) -> Parsed:
+    """A finished reply in Llama 3's JSON form (see the module doc)."""
+    body = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    if not body.startswith("{"):
+        return Parsed(text)
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(body):
+        try:
+            obj, pos = decoder.raw_decode(body, pos)
+        except json.JSONDecodeError:
+            return Parsed(text)
+        call = _call(obj)
+        if call is None:
+            return Parsed(text)
+        calls.append(call)
+        while pos < len(body) and body[pos] in " \t\n;":
+            pos += 1
+    return Parsed(None, calls)
+
+
+class Llama3JsonStream:
+    """Streaming a reply in Llama 3's JSON form: text goes out as it comes
+    unless the reply starts like a call, which is held until the end."""
+
+    def __init__(self) -> None:
+        self.text, self.sent, self.held = "", 0, None  # held: None = not decided yet
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        if self.held is None:
+            head = self.text.lstrip()
+            if not head or PYTHON_TAG.startswith(head):
+                return ""  # could still become a call
+            self.held = head.startswith(("{", PYTHON_TAG))
+        if self.held:
+            return ""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+    def finish(self) -> Parsed:
+        if self.held:
+            parsed = parse_llama3_json(self.text)
+            if parsed.tool_calls:
+                return parsed
+        rest = self.text[self.sent:]
+        return Parsed(rest or None)
+
+
+def parse_calls(text: str, fmt: str) -> Parsed:
+    return parse_llama3_json(text) if fmt == "llama3_json" else parse(text)
+
+
+def call_stream(fmt: str):
+    return Llama3JsonStream() if fmt == "llama3_json" else StreamParser()
+
+
 class StreamParser:
-    """One choice's streamed reply: `feed` returns the content that can go
-    out now; `finish` returns what is left (content, tool calls)."""
+    """One choice's streamed reply (Hermes): `feed` returns the content that
+    can go out now; `finish` returns what is left (content, tool calls)."""
 
     def __init__(self) -> None:
         self.text = ""   # the whole reply so far

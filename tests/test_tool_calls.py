@@ -119,7 +119,8 @@ def test_llama3_json_calls():
     assert names_args(parse_llama3_json(L3)) == [("run_tests", {"path": "tests/", "k": 3})]
     p = parse_llama3_json('<|python_tag|>' + L3 + '; {"name": "lint", "parameters": {}}')
     assert p.content is None and [n for n, _ in names_args(p)] == ["run_tests", "lint"]
-    for text in ("The tests pass.", L3 + " and then more", '{"name": "x", "parameters": {', '{"nome": "x"}'):
+    for text in ("The tests pass.", L3 + " and then more", '{"name": "x", "parameters": {', '{"nome": "x"}',
+                 '{"name": "Bob", "age": 3}'):  # JSON with a name is an answer, not a call
         assert parse_llama3_json(text).content == text and parse_llama3_json(text).tool_calls == []
 
 
@@ -194,8 +195,10 @@ def test_the_client_gets_tool_calls_and_finish_reason(scripted):
     assert ch.finish_reason == "tool_calls" and ch.message.content == "Sure.\n"
     (call,) = ch.message.tool_calls
     assert call.function.name == "run_tests" and json.loads(call.function.arguments) == {"path": "tests/", "k": 3}
-    # Without tools, or with tool_choice "none", the same reply is text.
-    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+    # Without tools, with tool_choice "none", or under an output constraint
+    # (the client asked for the reply itself in a shape), the same reply is text.
+    for kw in ({}, {"tools": TOOLS, "tool_choice": "none"},
+               {"tools": TOOLS, "response_format": {"type": "json_object"}}):
         r = scripted["client"].chat.completions.create(model="m", messages=MSGS, **kw)
         assert r.choices[0].message.content == "Sure.\n" + CALL and not r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "stop"

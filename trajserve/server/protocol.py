@@ -245,8 +245,9 @@ class ChatCompletionRequest(_Common):
     @property
     def parses_tool_calls(self) -> bool:
         """OpenAI's default is "auto" when tools are given: the reply may call
-        them in the Hermes form (server/tool_calls.py)."""
-        return bool(self.tools) and self.tool_choice in (None, "auto")
+        them (server/tool_calls.py). Not under an output constraint: the
+        client asked for the reply itself in that shape."""
+        return bool(self.tools) and self.tool_choice in (None, "auto") and not self.structured_given
 
     @property
     def forced_tool(self) -> str | None:

@@ -111,7 +111,8 @@ def parse_llama3_json(text: str) -> Parsed:
             obj, pos = decoder.raw_decode(body, pos)
         except json.JSONDecodeError:
             return Parsed(text)
-        call = _call(obj)
+        # Bare JSON is a call only with both keys: {"name": "Bob"} is an answer.
+        call = _call(obj) if isinstance(obj, dict) and ("parameters" in obj or "arguments" in obj) else None
         if call is None:
             return Parsed(text)
         calls.append(call)

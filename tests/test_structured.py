@@ -96,3 +96,33 @@ def test_exactly_one_constraint():
         StructuredOutput(choice=[])
     with pytest.raises(ValueError, match="not valid JSON"):
         StructuredOutput(json_schema="{")
+
+
+def test_a_schema_compiles_once_and_every_request_gets_its_own_matcher(engine_f32):
+    """An agent's schema comes back every turn: the second request copies the
+    compiled matcher. Two requests on copies of one compiled matcher run
+    side by side and each fits (a shared matcher would be advanced twice per
+    step and break). prepare_structured compiles from another thread."""
+    import threading
+
+    eng, g = engine_f32, engine_f32.grammars
+    schema = {**SCHEMA, "description": "cache test"}  # a grammar no other test compiled
+    sp = SamplingParams(max_tokens=80, temperature=0, structured=StructuredOutput(json_schema=schema))
+    compiled, hits = g.compiled, g.cache_hits
+    t = threading.Thread(target=eng.prepare_structured, args=(sp,))
+    t.start()
+    t.join()
+    assert (g.compiled, g.cache_hits) == (compiled + 1, hits)
+    outs = run(eng, [(PROMPT, sp), ("Another trip. JSON:", sp)])
+    assert (g.compiled, g.cache_hits) == (compiled + 1, hits + 2)
+    assert all(fits(o.outputs[0].text) for o in outs)
+
+
+def test_the_compiled_grammars_are_kept_lru(engine_f32):
+    from trajserve.structured import GrammarCompiler
+
+    g = GrammarCompiler(engine_f32.tokenizer, engine_f32.model_config.vocab_size, cache_size=2)
+    a, b, c = (StructuredOutput(regex=r) for r in ("a+", "b+", "c+"))
+    for spec in (a, b, a, c, b):  # c pushes out b (a was used after b), so b compiles again
+        g.matcher(spec)
+    assert (g.compiled, g.cache_hits) == (4, 1)

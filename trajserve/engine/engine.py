@@ -33,6 +33,7 @@ from trajserve.model.sampler import RowContext, Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from trajserve.sampling import SamplingParams
+from trajserve.structured import GrammarCompiler
 
 log = logging.getLogger("trajserve")
 
@@ -105,7 +106,7 @@ class LLMEngine:
             self.scheduler.pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                                      lambda n: n * block_bytes <= host.byte_cap)
         self.sampler = Sampler(config.seed)
-        self._grammars = None  # structured outputs: built on the first request that asks
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         # n > 1: the prompt is prefilled once; when its first token is sampled
@@ -226,13 +227,14 @@ class LLMEngine:
 
     def _matcher(self, params: SamplingParams):
         """The structured output's matcher at the start of the output, or None."""
-        if params.structured is None:
-            return None
-        if self._grammars is None:
-            from trajserve.structured import GrammarCompiler
+        return None if params.structured is None else self.grammars.matcher(params.structured)
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self._grammars.matcher(params.structured)
+    def prepare_structured(self, params: SamplingParams) -> None:
+        """Compile params' structured output now, from any thread (ValueError if
+        it does not compile): add_request then copies the compiled matcher
+        instead of compiling on the engine thread, where every other request
+        would wait for it."""
+        self._matcher(params)
 
     def _validate_params(self, params: SamplingParams) -> None:
         params.validate()

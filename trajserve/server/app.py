@@ -134,6 +134,16 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
+    async def compile_constraint(sp) -> None:
+        """A structured output compiles here, on a worker thread (llguidance
+        releases the GIL), so the engine thread only copies the compiled
+        matcher: a large schema does not hold up everyone else's steps."""
+        if sp.structured is not None:
+            try:
+                await asyncio.to_thread(engine.prepare_structured, sp)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+
     async def start(prompt, sp, salt, request: Request, stream: bool) -> AsyncIterator[RequestOutput]:
         """Queue the request now (so bad input fails before a stream starts)
         and return its output iterator."""
@@ -217,6 +227,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         sp = sampling(req, req.max_tokens, 16, req.logprobs)
+        await compile_constraint(sp)
         prompts = _prompts(req.prompt)
         if req.echo:
             raise APIError(400, "echo is not supported", param="echo")
@@ -290,6 +301,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
         sp = sampling(req, req.requested_max_tokens, max(1, engine.max_model_len - len(ids)),
                       (req.top_logprobs or 0) if req.logprobs else None, forced)
+        await compile_constraint(sp)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         sess = await begin_session(req, request)
         try:

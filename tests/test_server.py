@@ -173,6 +173,9 @@ def test_forced_tool_choice_makes_the_model_call_as_asked(client):
     for c in calls:
         args = json.loads(c.function.arguments)
         assert (c.function.name, set(args)) in (("get_weather", {"city"}), ("run_tests", {"path"}))
+    one = client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER, max_tokens=80, temperature=0,
+                                         tool_choice="required", parallel_tool_calls=False)
+    assert len(one.choices[0].message.tool_calls) == 1
     streamed = [tc for ch in client.chat.completions.create(model=MODEL, messages=ASK, tools=WEATHER, max_tokens=80,
                                                             temperature=0, tool_choice="required", stream=True)
                 if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]

@@ -293,3 +293,21 @@ def test_a_template_that_knows_tools_gets_them_and_the_calls_as_objects(scripted
     assert '"name": "run_tests", "description": "Run the test suite"' in prompt
     # The arguments arrive as an object (a string would be written "{\"path\": ...}").
     assert '<tool_call>\n{"name": "run_tests", "arguments": {"path": "tests/"}}\n</tool_call>' in prompt
+
+
+def test_parallel_tool_calls_false_gives_one_call(scripted):
+    from trajserve.server.tool_calls import forced_schema
+
+    scripted["reply"] = CALL + "\n" + CALL.replace("run_tests", "lint")
+    for stream in (False, True):
+        for parallel, names in ((None, ["run_tests", "lint"]), (False, ["run_tests"])):
+            kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+            r = scripted["client"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, stream=stream, **kw)
+            if stream:
+                calls = [tc for c in r if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            else:
+                calls = r.choices[0].message.tool_calls
+            assert [c.function.name for c in calls] == names
+    # A forced "required" reply is held to one call by its schema.
+    assert forced_schema(TOOLS, "required", parallel=False)["maxItems"] == 1
+    assert "maxItems" not in forced_schema(TOOLS, "required")

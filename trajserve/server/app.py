@@ -287,7 +287,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
                 raise APIError(400, "a forced tool_choice and an output constraint (response_format, "
                                     "structured_outputs, guided_*) cannot both hold", param="tool_choice")
             forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
-                                                                req.forced_tool))
+                                                                req.forced_tool, req.parallel_tool_calls is not False))
         # A template that does not render tool_calls (SmolLM2's) gets them as text.
         calls_as_text = "tool_calls" not in (tok.chat_template or "")
         try:
@@ -389,10 +389,19 @@ def _chat_message(c: CompletionOutput, req: ChatCompletionRequest, fmt: str) -> 
         parsed = parse_forced(c.text, req.forced_tool)
     else:
         parsed = parse_calls(c.text, fmt) if req.parses_tool_calls else None
+    parsed = _one_call_if_asked(parsed, req)
     if parsed is None or not parsed.tool_calls:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
     return {"message": {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls},
             "finish_reason": _calls_finish(req)}
+
+
+def _one_call_if_asked(parsed, req: ChatCompletionRequest):
+    """parallel_tool_calls=false: a reply that calls several tools keeps the
+    first (a forced "required" reply is held to one call by its schema)."""
+    if parsed is not None and req.parallel_tool_calls is False and len(parsed.tool_calls) > 1:
+        parsed.tool_calls = parsed.tool_calls[:1]
+    return parsed
 
 
 def _calls_finish(req: ChatCompletionRequest) -> str:
@@ -479,7 +488,7 @@ async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, to
             if c.finished:
                 finish = c.finish_reason
                 if c.index in parsers:
-                    rest = parsers[c.index].finish()
+                    rest = _one_call_if_asked(parsers[c.index].finish(), req)
                     if rest.content:
                         yield chunk(c.index, {"content": rest.content}, None)
                     if rest.tool_calls:

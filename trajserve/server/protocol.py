@@ -240,6 +240,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call per reply
     add_generation_prompt: bool = True
 
     @property

@@ -202,13 +202,14 @@ class StreamParser:
 # JSON (trajserve/structured.py) -- the named function's arguments, or for
 # "required" a list of {"name", "arguments"} objects over the given tools --
 # and that JSON becomes the calls. As vLLM does it.
-def forced_schema(tools: list[dict], forced: str) -> dict:
+def forced_schema(tools: list[dict], forced: str, parallel: bool = True) -> dict:
     """The JSON schema a reply is held to. tools: OpenAI tool dicts;
-    forced: "required" or a function name (one of the tools')."""
+    forced: "required" or a function name (one of the tools'); parallel=False
+    (OpenAI's parallel_tool_calls): at most one call."""
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if forced != "required":
         return params[forced]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"const": name}, "arguments": p},
          "required": ["name", "arguments"], "additionalProperties": False} for name, p in params.items()]}}
 

@@ -86,6 +86,11 @@ class GrammarCompiler:
     def matcher(self, spec: StructuredOutput) -> Any:
         """A fresh matcher (llguidance.LLMatcher) at the start of the output;
         ValueError naming the problem for a constraint that does not compile."""
+        return self.compile(spec).deep_copy()
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The kept, compiled matcher for spec (compiled now if it is not
+        kept): copy it, never advance it."""
         import llguidance
 
         grammar = spec.to_grammar()
@@ -97,7 +102,7 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(grammar)
                 self.cache_hits += 1
-                return cached.deep_copy()
+                return cached
         m = llguidance.LLMatcher(self._lltok, grammar, log_level=0)  # outside the lock: it may take a while
         if m.is_error():
             raise ValueError(f"structured output does not compile: {m.get_error()}")
@@ -106,4 +111,4 @@ class GrammarCompiler:
             self._cache[grammar] = m
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        return m.deep_copy()
+        return m

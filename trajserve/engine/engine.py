@@ -234,7 +234,8 @@ class LLMEngine:
         it does not compile): add_request then copies the compiled matcher
         instead of compiling on the engine thread, where every other request
         would wait for it."""
-        self._matcher(params)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)
 
     def _validate_params(self, params: SamplingParams) -> None:
         params.validate()

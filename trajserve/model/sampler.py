@@ -26,16 +26,16 @@ class RowContext(NamedTuple):
     matcher: Any = None    # structured output (llguidance.LLMatcher), advanced here
 
 
-def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
+def blocked_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
     """bool [len(matchers), vocab_size]: the tokens each structured-output
-    matcher accepts next. One unpack and one tensor for all the rows: per row,
-    small numpy / torch calls on a 49k vocabulary cost more than the mask."""
+    matcher does not accept next. One unpack and one tensor for all the rows:
+    per row, small numpy / torch calls on a 49k vocabulary cost more than the
+    mask itself."""
     packed = np.stack([np.frombuffer(m.compute_bitmask(), dtype=np.uint8) for m in matchers])
-    bits = np.unpackbits(packed, axis=1, bitorder="little")
-    out = torch.zeros((len(matchers), vocab_size), dtype=torch.bool)
-    n = min(vocab_size, bits.shape[1])
-    out[:, :n] = torch.from_numpy(bits[:, :n].view(np.bool_))
-    return out
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :vocab_size]
+    if bits.shape[1] < vocab_size:  # ids past the matcher's vocabulary are never allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
+    return torch.from_numpy(bits == 0)
 
 
 def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -99,18 +99,18 @@ class Sampler:
         matcher takes the chosen token here). Returns tokens and, for rows
         that asked, (logprob of the chosen token, top-k {token: logprob})."""
         logits = logits.cpu()
-        chosen = logits
         contexts = contexts or [None] * len(params)
+        adjusted = [i for i, sp in enumerate(params) if sp.adjusts_logits]
         guided = [i for i, ctx in enumerate(contexts) if ctx is not None and ctx.matcher is not None]
-        for i, (sp, ctx) in enumerate(zip(params, contexts)):
-            if sp.adjusts_logits:
-                if chosen is logits:
-                    chosen = logits.clone()
-                chosen[i] = adjust_logits(logits[i], sp, *(ctx[:2] if ctx is not None else ([], 0)))
+        # `logits` stay the model's (logprobs below); the choice is made on a copy.
+        chosen = logits.clone() if adjusted or guided else logits
+        for i in adjusted:
+            ctx = contexts[i]
+            chosen[i] = adjust_logits(logits[i], params[i], *(ctx[:2] if ctx is not None else ([], 0)))
         if guided:
             rows = torch.tensor(guided)
-            allowed = allowed_tokens([contexts[i].matcher for i in guided], logits.shape[-1])
-            chosen = chosen.index_put((rows,), chosen[rows].masked_fill_(~allowed, float("-inf")))
+            blocked = blocked_tokens([contexts[i].matcher for i in guided], logits.shape[-1])
+            chosen[rows] = chosen[rows].masked_fill_(blocked, float("-inf"))
         tokens = chosen.argmax(dim=-1).tolist()
         for i, (rid, sp) in enumerate(zip(request_ids, params)):
             if sp.greedy:

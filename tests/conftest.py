@@ -36,3 +36,47 @@ def engine_f32():
     from trajserve.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512)))
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """An in-process server whose model says what `scripted.reply` holds."""
+    import anthropic
+    import openai
+    from fastapi.testclient import TestClient
+
+    from trajserve.config import CacheConfig, EngineConfig
+    from trajserve.engine.engine import LLMEngine
+    from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from trajserve.server.app import build_app
+    from trajserve.server.async_engine import AsyncEngine
+
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64,
+                                                                       enable_prefix_caching=False)))
+    aengine = AsyncEngine(engine)
+    # The reply, how it ends (finish_reason, stop_reason) and the prompt
+    # tokens the prefix cache is said to have served.
+    state = {"reply": "", "prompts": [], "params": [], "end": ("stop", None), "cached": 0}
+
+    async def generate(prompt, params, cache_salt=None, is_disconnected=None):
+        state["prompts"].append(prompt)
+        state["params"].append(params)
+        text = state["reply"]
+        pieces = [text[i:i + 5] for i in range(0, len(text), 5)] or [""]  # 5-character deltas: tags arrive split
+        for n, piece in enumerate(pieces, 1):
+            done = n == len(pieces)
+            c = CompletionOutput(0, text[:5 * n], list(range(n)), *(state["end"] if done else (None, None)),
+                                 delta_text=piece, delta_token_ids=[n])
+            yield RequestOutput("r", None, list(prompt), [c], done, RequestMetrics(0.0), state["cached"])
+
+    aengine.generate = generate
+    for key, parser in (("client", "auto"), ("llama3", "llama3_json")):
+        state[key] = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
+                                   http_client=TestClient(build_app(aengine, "m", tool_call_parser=parser)))
+    # Anthropic's client on the same app, under two model names (aliases).
+    app = build_app(aengine, ["m", "claude-test"])
+    state["http"] = TestClient(app)
+    state["anthropic"] = anthropic.Anthropic(base_url="http://testserver", api_key="x", max_retries=0,
+                                             http_client=TestClient(app))
+    state["tok"] = engine.tokenizer
+    return state

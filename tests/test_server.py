@@ -127,6 +127,30 @@ def test_second_turn_reports_cached_tokens(client):
     assert cached >= first.usage.prompt_tokens - 16
 
 
+def test_anthropic_messages_with_the_real_model(server, engine_f32):
+    """/v1/messages through the official anthropic client: greedy text equals
+    the engine's for the same conversation, streamed and not; a second turn
+    over the same system prompt reads it from the prefix cache."""
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=300)
+    user = [{"role": "user", "content": "Name three prime numbers."}]
+    ref = reference(engine_f32, [{"role": "system", "content": SYSTEM}] + user, 16)
+    r = a.messages.create(model=MODEL, max_tokens=16, system=SYSTEM, messages=user, extra_body={"temperature": 0})
+    assert r.content[0].text == ref.text
+    assert r.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[ref.finish_reason]
+    assert r.usage.output_tokens == len(ref.token_ids)
+    with a.messages.stream(model=MODEL, max_tokens=16, system=SYSTEM, extra_body={"temperature": 0},
+                           messages=user + [{"role": "assistant", "content": r.content[0].text},
+                                            {"role": "user", "content": "And two more?"}]) as st:
+        text = "".join(st.text_stream)
+        final = st.get_final_message()
+    assert text == final.content[0].text and final.usage.output_tokens > 0
+    # The system prompt and the first turn were computed before.
+    assert final.usage.cache_read_input_tokens >= r.usage.input_tokens + r.usage.cache_read_input_tokens - 16
+    assert final.usage.cache_read_input_tokens % 16 == 0
+
+
 def test_completions_logprobs_and_batch(client):
     r = client.completions.create(model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4,
                                   temperature=0, logprobs=2)

@@ -152,6 +152,15 @@ def test_chat_prompt_ends_with_assistant_header(ours: Tokenizer) -> None:
     assert ids[0] == 1 and ids.count(2) == 2  # system + user turns each end with <|im_end|>
 
 
+@pytest.mark.parametrize("messages", [CONVERSATIONS[1][:3], [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "Sure: "}]])
+def test_continue_final_message_matches_transformers(ours: Tokenizer, hf, messages) -> None:
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+    assert ours.apply_chat_template(messages, continue_final_message=True) == expected
+    assert expected.endswith(messages[-1]["content"])  # the turn is left open
+
+
 # ---------------------------------------------------------------- templates
 
 
@@ -184,6 +193,12 @@ def test_template_helpers_and_sandbox(ours: Tokenizer) -> None:
     t = _tiny_template_tokenizer(ours, "{{ ''.__class__.__mro__ }}")
     with pytest.raises(jinja2.exceptions.SecurityError):
         t.apply_chat_template([])
+
+    # continue_final_message with a template that trims the content (Llama 3's `| trim`).
+    t = _tiny_template_tokenizer(ours, "{% for m in messages %}<{{ m.content | trim }}>{% endfor %}")
+    assert t.apply_chat_template([{"role": "assistant", "content": " go on "}], continue_final_message=True) == "<go on"
+    with pytest.raises(ValueError, match="last message with text content"):
+        t.apply_chat_template([{"role": "assistant", "content": ""}], continue_final_message=True)
 
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(ours.backend, bos_token=None, eos_token=None).apply_chat_template([])

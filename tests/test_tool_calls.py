@@ -147,41 +147,8 @@ def test_the_format_follows_the_template():
 
 
 # ------------------------------------------------------------ the endpoint
-@pytest.fixture(scope="module")
-def scripted():
-    """An in-process server whose model says what `scripted.reply` holds."""
-    from fastapi.testclient import TestClient
-
-    from trajserve.config import CacheConfig, EngineConfig
-    from trajserve.engine.engine import LLMEngine
-    from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from trajserve.server.app import build_app
-    from trajserve.server.async_engine import AsyncEngine
-
-    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64,
-                                                                       enable_prefix_caching=False)))
-    aengine = AsyncEngine(engine)
-    state = {"reply": "", "prompts": []}
-
-    async def generate(prompt, params, cache_salt=None, is_disconnected=None):
-        state["prompts"].append(prompt)
-        text, pieces = state["reply"], []
-        for i in range(0, len(text), 5):  # 5-character deltas: tags arrive split
-            pieces.append(text[i:i + 5])
-        for n, piece in enumerate(pieces, 1):
-            done = n == len(pieces)
-            c = CompletionOutput(0, text[:5 * n], list(range(n)), "stop" if done else None,
-                                 delta_text=piece, delta_token_ids=[n])
-            yield RequestOutput("r", None, list(prompt), [c], done, RequestMetrics(0.0))
-
-    aengine.generate = generate
-    for key, parser in (("client", "auto"), ("llama3", "llama3_json")):
-        state[key] = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
-                                   http_client=TestClient(build_app(aengine, "m", tool_call_parser=parser)))
-    state["tok"] = engine.tokenizer
-    return state
-
-
+# The `scripted` fixture (conftest.py): an in-process server whose model says
+# what scripted["reply"] holds.
 TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
                                            "parameters": {"type": "object",
                                                           "properties": {"path": {"type": "string"}}}}}]

@@ -168,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
-    s.add_argument("--served-model-name", default=None, help="model id clients send (default: the file's stem)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id clients send (default: the file's stem); more names are aliases, e.g. the "
+                        "model names an Anthropic client sends to /v1/messages; replies name the first")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="admission queue limit; a request beyond it gets 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body cap (413 above it)")

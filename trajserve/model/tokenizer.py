@@ -133,19 +133,38 @@ class Tokenizer:
     # ------------------------------------------------------------ chat
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        **template_kwargs: Any
     ) -> str:
         """The prompt text for `messages`, as transformers' apply_chat_template(tokenize=False).
-        Extra keyword arguments (tools=, documents=, ...) reach the template."""
+        Extra keyword arguments (tools=, documents=, ...) reach the template.
+
+        continue_final_message: the reply continues the last message (an
+        assistant prefill) instead of opening a new turn: the text ends where
+        that message's content ends, before the template closes the turn.
+        Templates write the content verbatim or stripped (Llama 3's `| trim`),
+        so the cut is at the last occurrence of either."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (none in the GGUF metadata or tokenizer_config.json)")
         if self._compiled_template is None:
             self._compiled_template = _jinja_env().from_string(self.chat_template)
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **self._template_vars}
         context.update(template_kwargs)
-        return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **context
+        text = self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            **context
         )
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str) or not final.strip():
+            raise ValueError("continue_final_message needs a last message with text content to continue")
+        for piece in (final, final.strip()):
+            at = text.rfind(piece)
+            if at >= 0:
+                return text[:at + len(piece)]
+        raise ValueError("continue_final_message: the chat template does not write the last message's content "
+                         "verbatim, so there is no place to continue it from")
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any

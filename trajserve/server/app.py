@@ -4,12 +4,16 @@
     GET  /v1/models
     POST /v1/completions         prompt: text, token ids, or a list of texts
     POST /v1/chat/completions    the model's chat template
+    POST /v1/messages            Anthropic's Messages API (server/anthropic.py)
+    POST /v1/messages/count_tokens
     GET  /metrics                Prometheus
 
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}:
 400 bad JSON or values out of range (the message names the field and the
 limit), 404 unknown model, 413 body over the cap, 422 wrong types or missing
-fields, 429 admission queue full (with Retry-After), 503 engine down.
+fields, 429 admission queue full (with Retry-After), 503 engine down. Under
+/v1/messages they use Anthropic's {"type": "error", "error": {"type",
+"message"}}, and wrong types or missing fields are 400s, as there.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from trajserve.engine.memory import bytes_per_block
 from trajserve.outputs import CompletionOutput, RequestOutput
+from trajserve.server import anthropic
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
@@ -55,13 +60,19 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+                   code: str | None = None, headers: dict | None = None, path: str = "") -> JSONResponse:
+    if path.startswith("/v1/messages"):  # Anthropic's shape for Anthropic's endpoint
+        return JSONResponse(anthropic.error_body(status, message), status_code=status, headers=headers)
     return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
                         status_code=status, headers=headers)
 
 
-def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int = 8 * 2**20,
+def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body_bytes: int = 8 * 2**20,
               tool_call_parser: str = "auto") -> FastAPI:
+    """served_model_name: the model id clients send; several are aliases
+    (the first is the one replies name)."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    served_model_name = names[0]
     engine = aengine.engine
     tok = engine.tokenizer
     if tool_call_parser not in ("auto", *FORMATS):
@@ -84,24 +95,27 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
 
     # ---------------------------------------------------------------- errors
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
+    async def _validation(request: Request, e: RequestValidationError):
+        path = request.url.path
         errs = e.errors()
         if any(err.get("type") == "json_invalid" for err in errs):
-            return error_response(400, f"request body is not valid JSON: {errs[0].get('msg')}")
+            return error_response(400, f"request body is not valid JSON: {errs[0].get('msg')}", path=path)
         first = errs[0]
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        return error_response(422, f"{loc or 'body'}: {first.get('msg')}{more}", param=loc or None)
+        return error_response(400 if path.startswith("/v1/messages") else 422,
+                              f"{loc or 'body'}: {first.get('msg')}{more}", param=loc or None, path=path)
 
     @app.middleware("http")
     async def _body_cap(request: Request, call_next):
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error_response(413, f"request body has {int(size):,} bytes; the limit is {max_body_bytes:,}")
+            return error_response(413, f"request body has {int(size):,} bytes; the limit is {max_body_bytes:,}",
+                                  path=request.url.path)
         return await call_next(request)
 
     # ---------------------------------------------------------------- plain
@@ -114,8 +128,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
-            "max_model_len": engine.max_model_len}]}
+            "id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
+            "max_model_len": engine.max_model_len} for name in names]}
 
     @app.get("/metrics")
     async def prom():
@@ -123,9 +137,9 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
 
     # ------------------------------------------------------------ completion
     def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}`",
-                           param="model", code="model_not_found")
+        if model is not None and model not in names:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                                f"{', '.join(f'`{n}`' for n in names)}", param="model", code="model_not_found")
 
     def sampling(req, max_tokens, default_max, logprobs, structured=None):
         try:
@@ -270,8 +284,24 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
         return {"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
                 "choices": choices, "usage": _usage(finals)}
 
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request):
+    def render_chat(req: ChatCompletionRequest) -> list[int]:
+        """The prompt ids for a chat request through the model's template."""
+        # A template that does not render tool_calls (SmolLM2's) gets them as text.
+        calls_as_text = "tool_calls" not in (tok.chat_template or "")
+        try:
+            text = tok.apply_chat_template([m.as_template_dict(calls_as_text) for m in req.messages],
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message,
+                                           **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+                                              if req.tools else {}))
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
+            raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
+        return tok.encode(text, add_special_tokens=False)
+
+    async def open_chat(req: ChatCompletionRequest, request: Request) -> AsyncIterator[RequestOutput]:
+        """Check, render and queue a chat request; its outputs, the session
+        (if any) updated when they end. Shared by /v1/chat/completions and
+        /v1/messages."""
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
@@ -288,35 +318,26 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
                                     "structured_outputs, guided_*) cannot both hold", param="tool_choice")
             forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
                                                                 req.forced_tool, req.parallel_tool_calls is not False))
-        # A template that does not render tool_calls (SmolLM2's) gets them as text.
-        calls_as_text = "tool_calls" not in (tok.chat_template or "")
-        try:
-            text = tok.apply_chat_template([m.as_template_dict(calls_as_text) for m in req.messages],
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
-                                              if req.tools else {}))
-        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
-            raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = render_chat(req)
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
         sp = sampling(req, req.requested_max_tokens, max(1, engine.max_model_len - len(ids)),
                       (req.top_logprobs or 0) if req.logprobs else None, forced)
         await compile_constraint(sp)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         sess = await begin_session(req, request)
         try:
             outs = await start(ids, sp, req.cache_salt, request, req.stream)
         except APIError:
             end_session(sess, None, req)
             raise
+        return session_stream(outs, sess, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        outs = await open_chat(req, request)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return _sse(_chat_chunks(session_stream(outs, sess, req), rid, created, served_model_name, req, tok,
-                                     calls_format))
-        final = None
-        try:
-            final = await _last(outs)
-        finally:
-            end_session(sess, final, req)
+            return _sse(_chat_chunks(outs, rid, created, served_model_name, req, tok, calls_format))
+        final = await _last(outs)
         if final is None:
             return Response(status_code=499)
         choices = [{"index": c.index, **_chat_message(c, req, calls_format),
@@ -324,6 +345,31 @@ def build_app(aengine: AsyncEngine, served_model_name: str, max_body_bytes: int 
                    for c in final.outputs]
         return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
                 "choices": choices, "usage": _usage([final])}
+
+    def messages_chat(body: anthropic.CountTokensRequest) -> ChatCompletionRequest:
+        try:
+            return body.to_chat()
+        except ValueError as e:  # pydantic's ValidationError is one
+            raise APIError(400, str(e)) from None
+
+    @app.post("/v1/messages")
+    async def messages(body: anthropic.MessagesRequest, request: Request):
+        req = messages_chat(body)
+        outs = anthropic.Tap(await open_chat(req, request))
+        if req.stream:
+            chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
+            return StreamingResponse(anthropic.events(chunks, outs, served_model_name),
+                                     media_type="text/event-stream")
+        final = await _last(outs)
+        if final is None:
+            return Response(status_code=499)
+        return anthropic.message(final, _chat_message(final.outputs[0], req, calls_format), served_model_name)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: anthropic.CountTokensRequest):
+        req = messages_chat(body)
+        check_model(req.model)
+        return {"input_tokens": len(render_chat(req))}
 
     return app
 

@@ -242,6 +242,9 @@ class ChatCompletionRequest(_Common):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: at most one call per reply
     add_generation_prompt: bool = True
+    # extension (vLLM): the reply continues the last message (an assistant
+    # prefill) instead of opening a new turn
+    continue_final_message: bool = False
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -35,10 +35,11 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
     engine = make_llm(args).engine
-    name = args.served_model_name or served_name(engine.model_path)
+    names = args.served_model_name or [served_name(engine.model_path)]
+    name = names[0]
     aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     aengine.start()
-    app = build_app(aengine, name, max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
+    app = build_app(aengine, names, max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
     host, port = sock.getsockname()[:2]
     print(f"trajserve serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

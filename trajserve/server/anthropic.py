@@ -1,0 +1,305 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens).
+
+Claude Code and other agents written for Anthropic's API speak this shape,
+not OpenAI's. A request is translated into the chat request the server
+already serves (same template, tool-call parsing, forced tool_choice,
+sessions and prefix cache), and the reply back into a message or its stream
+of events:
+
+    system                       -> a system message first
+    text blocks                  -> the message's content (joined by "\\n")
+    assistant tool_use blocks    -> the assistant message's tool_calls
+    user tool_result blocks      -> tool messages, in order
+    thinking blocks              -> dropped (the model did not write them)
+    a last assistant message     -> a prefill: the reply continues it
+    tools (name, input_schema)   -> function tools
+    tool_choice auto/any/tool/none, disable_parallel_tool_use
+                                 -> auto/required/named/none, parallel_tool_calls
+    stop_sequences               -> stop
+    output_config.format (a JSON schema)
+                                 -> response_format json_schema (the reply is held to it)
+
+Usage counts as Anthropic's does: `input_tokens` is the prompt's tokens
+that were computed, `cache_read_input_tokens` those the prefix cache
+served (every computed block is cached on its own; `cache_control` marks
+are accepted and not needed). Images and documents are refused by name:
+the models served here read text.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trajserve.outputs import CompletionOutput, RequestOutput
+from trajserve.server.protocol import ChatCompletionRequest
+
+# Anthropic's error types by HTTP status.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 422: "invalid_request_error",
+               429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class Block(BaseModel):
+    """One content block; which fields count depends on `type`."""
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+    id: str | None = None                         # tool_use
+    name: str | None = None
+    input: dict | None = None
+    tool_use_id: str | None = None                # tool_result
+    content: str | list[Block] | None = None
+    is_error: bool | None = None
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict | None = None
+    type: str | None = None  # "custom" or absent; Anthropic's server tools have their own types
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: OutputFormat | None = None  # `effort` is accepted and has no meaning here
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    # trajserve extensions, as on the OpenAI endpoints
+    cache_salt: str | None = None
+    session_id: str | None = None
+    tool_wait_s: float | None = Field(default=None, ge=0)
+    tool: str | None = None
+
+    def to_chat(self, **sampling) -> ChatCompletionRequest:
+        """The same request as the chat endpoint reads it (ValueError naming
+        the field for what cannot be translated)."""
+        msgs = []
+        if self.system:
+            msgs.append({"role": "system", "content": _text(self.system, "system")})
+        for i, m in enumerate(self.messages):
+            msgs.extend(_chat_messages(m, f"messages.{i}.content"))
+        body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt,
+                "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool, **sampling}
+        if self.tools:
+            for i, t in enumerate(self.tools):
+                if t.type not in (None, "custom"):
+                    raise ValueError(f"tools.{i}: tool type {t.type!r} runs on Anthropic's servers and is not "
+                                     "supported here; give custom tools (name, description, input_schema)")
+            body["tools"] = [{"type": "function", "function": {
+                "name": t.name, "description": t.description,
+                "parameters": t.input_schema or {"type": "object", "properties": {}}}} for t in self.tools]
+        tc = self.tool_choice
+        if tc is not None:
+            if tc.type == "tool" and not tc.name:
+                raise ValueError("tool_choice of type tool needs a name")
+            body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
+                tc.type, {"type": "function", "function": {"name": tc.name}})
+            if tc.disable_parallel_tool_use:
+                body["parallel_tool_calls"] = False
+        if self.messages[-1].role == "assistant":  # a prefill: the reply goes on from it
+            body["continue_final_message"] = True
+        return ChatCompletionRequest.model_validate(body)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    output_config: OutputConfig | None = None
+    seed: int | None = None  # extension
+
+    def to_chat(self) -> ChatCompletionRequest:
+        fmt = self.output_config.format if self.output_config is not None else None
+        return super().to_chat(max_tokens=self.max_tokens, stop=self.stop_sequences, temperature=self.temperature,
+                               top_p=self.top_p, top_k=self.top_k, stream=self.stream, seed=self.seed,
+                               stream_options={"include_usage": True} if self.stream else None,
+                               response_format=None if fmt is None else {
+                                   "type": "json_schema", "json_schema": {"schema": fmt.schema_}})
+
+
+def _text(content: str | list[Block], where: str) -> str:
+    """The text of a content field that may hold only text blocks."""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, b in enumerate(content):
+        if b.type != "text":
+            raise ValueError(_unsupported(b.type, f"{where}.{j}"))
+        parts.append(b.text or "")
+    return "\n".join(parts)
+
+
+def _unsupported(kind: str, where: str) -> str:
+    if kind in ("image", "document"):
+        return f"{where}: {kind} content is not supported; the models served here read text"
+    return f"{where}: content block type {kind!r} is not supported here"
+
+
+def _chat_messages(m: Message, where: str) -> list[dict]:
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out, text = [], []
+    if m.role == "assistant":
+        calls = []
+        for j, b in enumerate(m.content):
+            if b.type == "text":
+                text.append(b.text or "")
+            elif b.type == "tool_use":
+                if not b.name:
+                    raise ValueError(f"{where}.{j}: a tool_use block needs a name")
+                calls.append({"id": b.id, "type": "function",
+                              "function": {"name": b.name, "arguments": json.dumps(b.input or {})}})
+            elif b.type not in ("thinking", "redacted_thinking"):
+                raise ValueError(_unsupported(b.type, f"{where}.{j}"))
+        return [{"role": "assistant", "content": "\n".join(text) or None, "tool_calls": calls or None}]
+    for j, b in enumerate(m.content):
+        if b.type == "text":
+            text.append(b.text or "")
+        elif b.type == "tool_result":
+            if text:  # text before a result stays before it
+                out.append({"role": "user", "content": "\n".join(text)})
+                text = []
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                        "content": _text(b.content or "", f"{where}.{j}.content")})
+        else:
+            raise ValueError(_unsupported(b.type, f"{where}.{j}"))
+    if text or not out:
+        out.append({"role": "user", "content": "\n".join(text)})
+    return out
+
+
+# ------------------------------------------------------------------ replies
+def usage(final: RequestOutput | None, output_tokens: int) -> dict:
+    prompt = len(final.prompt_token_ids) if final else 0
+    cached = final.num_cached_tokens if final else 0
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output_tokens}
+
+
+def stop_reason(c: CompletionOutput, called: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) for a finished choice."""
+    if called:
+        return "tool_use", None
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(c.stop_reason, str) and c.finish_reason == "stop":
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+def _tool_use(call: dict) -> dict:
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+            "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
+
+
+def message(final: RequestOutput, chat_message: dict, model: str) -> dict:
+    """The reply as a message; chat_message: what the chat endpoint would
+    return for the choice (content and tool_calls)."""
+    c, msg = final.outputs[0], chat_message["message"]
+    content = [{"type": "text", "text": msg["content"]}] if msg["content"] else []
+    calls = msg.get("tool_calls") or []
+    content += [_tool_use(call) for call in calls]
+    reason, seq = stop_reason(c, bool(calls))
+    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": reason, "stop_sequence": seq,
+            "usage": usage(final, len(c.token_ids))}
+
+
+class Tap:
+    """Passes a request's outputs through and keeps the latest (the stream's
+    events need its prompt, cached tokens and stop reason)."""
+    def __init__(self, outs: AsyncIterator[RequestOutput]) -> None:
+        self.outs, self.last = outs, None
+
+    async def __aiter__(self):
+        async for out in self.outs:
+            self.last = out
+            yield out
+
+
+async def events(chunks: AsyncIterator[dict], tap: Tap, model: str) -> AsyncIterator[str]:
+    """The chat endpoint's stream chunks (one choice) as Anthropic's
+    server-sent events: message_start, per block content_block_start /
+    _delta / _stop (text as it comes; a tool call whole, its input as one
+    input_json_delta), message_delta with the stop reason and usage,
+    message_stop."""
+    def event(name: str, data: dict) -> str:
+        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
+
+    blocks, text_open, called, started = 0, False, False, False
+    async for chunk in chunks:
+        if not chunk["choices"]:
+            continue
+        if not started:  # the first output: the prompt has been computed, cached tokens are known
+            started = True
+            yield event("message_start", {"message": {
+                "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
+                "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(tap.last, 0)}})
+            yield event("ping", {})
+        delta = chunk["choices"][0]["delta"]
+        if delta.get("content"):
+            if not text_open:
+                text_open = True
+                yield event("content_block_start", {"index": blocks, "content_block": {"type": "text", "text": ""}})
+            yield event("content_block_delta", {"index": blocks, "delta": {"type": "text_delta",
+                                                                           "text": delta["content"]}})
+        for call in delta.get("tool_calls") or []:
+            if text_open:
+                text_open = False
+                yield event("content_block_stop", {"index": blocks})
+                blocks += 1
+            block = _tool_use(call)
+            args = json.dumps(block["input"])
+            yield event("content_block_start", {"index": blocks, "content_block": {**block, "input": {}}})
+            yield event("content_block_delta", {"index": blocks, "delta": {"type": "input_json_delta",
+                                                                           "partial_json": args}})
+            yield event("content_block_stop", {"index": blocks})
+            blocks += 1
+            called = True
+    if not started or tap.last is None or not tap.last.finished:
+        return  # the client went away, or the request ended without output
+    if text_open:
+        yield event("content_block_stop", {"index": blocks})
+    c = tap.last.outputs[0]
+    reason, seq = stop_reason(c, called)
+    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                                  "usage": usage(tap.last, len(c.token_ids))})
+    yield event("message_stop", {})

@@ -61,6 +61,28 @@ def test_top_k_keeps_the_k_largest(random_logits):
     assert torch.equal(f[torch.isfinite(f)], row[torch.isfinite(f)])
 
 
+
+def test_top_k_minus_1_is_off_as_in_vllm(random_logits):
+    row = random_logits[0]
+    assert torch.equal(filter_logits(row, sp(temperature=1.0, top_k=-1)), filter_logits(row, sp(temperature=1.0)))
+    with pytest.raises(ValueError, match="top_k must be an integer >= -1"):
+        sp(top_k=-2)
+
+
+def test_seed_and_n_limits_name_the_field(random_logits):
+    """A seed over 64 bits failed in torch's manual_seed inside a step (the
+    engine loop stopped for everyone); a huge n built its lists on the
+    engine thread. Both are refused when the request is made."""
+    for kw, words in (({"seed": 2**64}, "seed must be an integer in [-9223372036854775808, 9223372036854775807]"),
+                      ({"seed": -2**63 - 1}, "seed must be an integer in"),
+                      ({"n": 129}, "n must be an integer in [1, 128]"), ({"n": 0}, "n must be an integer in")):
+        with pytest.raises(ValueError, match=words.replace("[", r"\[")):
+            sp(**kw)
+    t, _ = Sampler().sample(random_logits[:2], ["a", "b"], [sp(temperature=1.0, seed=2**63 - 1),
+                                                           sp(temperature=1.0, seed=-2**63)])
+    assert len(t) == 2  # the extremes seed torch's generator
+
+
 # ------------------------------------------------------------------ top-p
 @pytest.mark.parametrize("top_p, want", [
     (0.01, {7}),               # always keep one, even when it alone exceeds p

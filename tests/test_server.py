@@ -59,7 +59,14 @@ def wait_idle(server, timeout=60):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.head(server.url + "/health").status_code == 200
+    # A browser's CORS preflight (any origin, as vLLM by default).
+    r = httpx.options(server.url + "/v1/chat/completions", headers={
+        "origin": "http://localhost:3000", "access-control-request-method": "POST",
+        "access-control-request-headers": "content-type,authorization"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
 
 
 def test_chat_completion_matches_the_engine(client, engine_f32):
@@ -224,6 +231,7 @@ def test_response_format_and_guided_fields_hold_the_reply(client):
 
 
 # --------------------------------------------------------------- bad input
+HI = [{"role": "user", "content": "hi"}]
 BAD = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": "smol", "messages": [', 400, "JSON"),
     ("unknown model", "/v1/chat/completions",
@@ -253,6 +261,29 @@ BAD = [
       "tool_choice": {"type": "function", "function": {"name": "rm_rf"}}}, 400, "'rm_rf', which is not among"),
     ("logit_bias outside the vocabulary", "/v1/completions",
      {"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias token id 49152"),
+    # A seed over 64 bits used to fail inside a step and stop the engine for everyone.
+    ("seed over 64 bits", "/v1/chat/completions", {"model": MODEL, "messages": HI, "seed": 2**64}, 400,
+     "seed must be an integer in [-9223372036854775808, 9223372036854775807]"),
+    # A huge n used to build its lists on the engine thread until memory ran out.
+    ("n over the limit", "/v1/chat/completions", {"model": MODEL, "messages": HI, "n": 2**70}, 400,
+     "n must be an integer in [1, 128]"),
+    ("max_tokens over the context", "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 10**6},
+     400, "max_tokens is too large: 1,000,000. The context holds 8,192 tokens"),
+    ("max_tokens over what the prompt leaves", "/v1/completions",
+     {"model": MODEL, "prompt": [1] * 8190, "max_tokens": 16}, 400, "(16 > 8,192 - 8,190)"),
+    ("suffix", "/v1/completions", {"model": MODEL, "prompt": "def f():", "suffix": "return 1"}, 400,
+     "suffix is not supported"),
+    ("best_of", "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of is not supported"),
+    ("stream_options without stream", "/v1/chat/completions",
+     {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400,
+     "stream_options is only allowed with stream=true"),
+    ("top_logprobs out of range", "/v1/chat/completions",
+     {"model": MODEL, "messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
+    ("image part", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
+     "messages.0.content.0: image_url parts are not supported"),
+    ("echo", "/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo is not supported"),
+    ("no such route", "/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, "no route POST /v1/embeddings"),
 ]
 
 
@@ -269,10 +300,19 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, cli
     assert ok.choices[0].text
 
 
-def test_body_over_the_cap_is_413(server):
+def test_body_over_the_cap_is_413(server, client):
     r = httpx.post(server.url + "/v1/completions", content=b"x" * (9 * 2**20),
                    headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    # Chunked, the body has no Content-Length: it is counted as it arrives.
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "user": "x" * (9 * 2**20)}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=(body[i:i + 2**16] for i in range(0, len(body), 2**16)),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and "over the limit of 8,388,608 bytes" in r.json()["error"]["message"], r.text
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                   headers={"content-type": "text/plain"}, timeout=60)
+    assert r.status_code == 422 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
 
 
 def test_prompt_larger_than_the_pool_is_400():
@@ -312,6 +352,16 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server):
         assert m["trajserve_num_requests_running"] == 1
     # Leaving the block closed the connection: the request is aborted, its blocks freed.
     wait_idle(server, timeout=30)
+
+
+def test_client_gone_from_a_non_streaming_request_stops_it(server):
+    """A non-streaming request's client is checked while it decodes, not
+    only when no token arrives: 2,000 tokens would take about a minute, the
+    client leaves after 3 s, and the server is idle within seconds."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=3)
+    wait_idle(server, timeout=10)
 
 
 def test_full_admission_queue_is_429_with_retry_after():

@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
+    s.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
+                   help="browser origins allowed to call the API (CORS; default: any, as vLLM)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model id clients send (default: the file's stem); more names are aliases, e.g. the "
                         "model names an Anthropic client sends to /v1/messages; replies name the first")

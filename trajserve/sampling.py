@@ -6,11 +6,15 @@ from dataclasses import dataclass, field
 from trajserve.structured import StructuredOutput
 
 
+MAX_N = 128  # choices per request (OpenAI's limit): each is a sequence with its own KV tail
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # int64, as vLLM's API takes it
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1, vLLM's spelling) = off
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -52,12 +56,16 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        # The seed goes to torch.Generator.manual_seed, which takes 64 bits:
+        # checked here, a bigger one would fail inside a step, for everyone.
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -41,7 +41,7 @@ def blocked_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p (nucleus) on one row of float32 logits."""
     logits = logits / sp.temperature
-    if sp.top_k and sp.top_k < logits.shape[-1]:
+    if 0 < sp.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sp.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sp.top_p < 1.0:

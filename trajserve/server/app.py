@@ -26,13 +26,16 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trajserve.engine.memory import bytes_per_block
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server import anthropic
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from trajserve.server.body_cap import BodyCap
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
@@ -68,9 +71,10 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body_bytes: int = 8 * 2**20,
-              tool_call_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto", allowed_origins: list[str] | tuple[str, ...] = ("*",)) -> FastAPI:
     """served_model_name: the model id clients send; several are aliases
-    (the first is the one replies name)."""
+    (the first is the one replies name). allowed_origins: the browser
+    origins CORS lets call the API (vLLM's default: any)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
     engine = aengine.engine
@@ -105,31 +109,46 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         if any(err.get("type") == "json_invalid" for err in errs):
             return error_response(400, f"request body is not valid JSON: {errs[0].get('msg')}", path=path)
         first = errs[0]
+        ctype = request.headers.get("content-type", "")
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in ctype:
+            return error_response(400 if path.startswith("/v1/messages") else 422,
+                                  f"the body must be a JSON object sent with Content-Type: application/json "
+                                  f"(got {ctype or 'no Content-Type'})", path=path)
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         return error_response(400 if path.startswith("/v1/messages") else 422,
                               f"{loc or 'body'}: {first.get('msg')}{more}", param=loc or None, path=path)
 
-    @app.middleware("http")
-    async def _body_cap(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error_response(413, f"request body has {int(size):,} bytes; the limit is {max_body_bytes:,}",
-                                  path=request.url.path)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        what = {404: f"no route {request.method} {request.url.path}",
+                405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return error_response(e.status_code, what, path=request.url.path, headers=getattr(e, "headers", None))
+
+    app.add_middleware(BodyCap, max_bytes=max_body_bytes,
+                       respond=lambda status, message, path: error_response(status, message, path=path))
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"])
 
     # ---------------------------------------------------------------- plain
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not aengine.alive:
             return error_response(503, "engine loop is not running", "server_error")
         return {"status": "ok"}
 
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
-            "max_model_len": engine.max_model_len} for name in names]}
+        return {"object": "list", "data": [model_card(name) for name in names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(model)
+        return model_card(model)
 
     @app.get("/metrics")
     async def prom():
@@ -158,6 +177,17 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             except ValueError as e:
                 raise APIError(400, str(e)) from None
 
+    def check_room(n_prompt: int, sp, explicit: bool) -> None:
+        """A max_tokens the client gave that the context cannot hold after the
+        prompt is a 400 (as OpenAI and vLLM answer; agent frameworks compact
+        their history on it), not a reply cut short without notice. A prompt
+        over the context is the engine's error, below."""
+        limit = engine.max_model_len
+        if explicit and n_prompt < limit and n_prompt + sp.max_tokens > limit:
+            raise APIError(400, f"max_tokens is too large: {sp.max_tokens:,}. The context holds {limit:,} tokens "
+                                f"and the prompt has {n_prompt:,} ({sp.max_tokens:,} > {limit:,} - {n_prompt:,})",
+                           param="max_tokens", code="context_length_exceeded")
+
     async def start(prompt, sp, salt, request: Request, stream: bool) -> AsyncIterator[RequestOutput]:
         """Queue the request now (so bad input fails before a stream starts)
         and return its output iterator."""
@@ -171,7 +201,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             raise APIError(503, str(e), "server_error") from None
         except ValueError as e:
             code = "context_length_exceeded" if "tokens" in str(e) else None
-            raise APIError(400, str(e), param="messages" if code else None, code=code) from None
+            param = "prompt" if request.url.path == "/v1/completions" else "messages"
+            raise APIError(400, str(e), param=param if code else None, code=code) from None
 
         async def chained():
             yield first
@@ -241,10 +272,12 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         sp = sampling(req, req.max_tokens, 16, req.logprobs)
+        # Text prompts are encoded here (as the engine would) to check each
+        # one's room for max_tokens before any is queued.
+        prompts = [tok.encode(p) if isinstance(p, str) else p for p in _prompts(req.prompt)]
+        for p in prompts:
+            check_room(len(p), sp, "max_tokens" in req.model_fields_set and req.max_tokens is not None)
         await compile_constraint(sp)
-        prompts = _prompts(req.prompt)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream and len(prompts) != 1:
             raise APIError(400, f"stream=true takes one prompt, got {len(prompts)}; send one request per prompt",
@@ -289,6 +322,11 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         # A template that does not render tool_calls (SmolLM2's) gets them as text.
         calls_as_text = "tool_calls" not in (tok.chat_template or "")
         try:
+            for i, m in enumerate(req.messages):
+                m.check_parts(f"messages.{i}")
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        try:
             text = tok.apply_chat_template([m.as_template_dict(calls_as_text) for m in req.messages],
                                            add_generation_prompt=req.add_generation_prompt,
                                            continue_final_message=req.continue_final_message,
@@ -305,6 +343,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         forced = None  # tool_choice "required" or a named function: the reply is held to the call's JSON
         if req.forced_tool is not None:
             names = [t.function.name for t in req.tools or []]
@@ -322,6 +362,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
         sp = sampling(req, req.requested_max_tokens, max(1, engine.max_model_len - len(ids)),
                       (req.top_logprobs or 0) if req.logprobs else None, forced)
+        check_room(len(ids), sp, req.requested_max_tokens is not None)
         await compile_constraint(sp)
         sess = await begin_session(req, request)
         try:

@@ -21,6 +21,9 @@ from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
 
 log = logging.getLogger("trajserve.server")
+# How often a request whose client cannot be read mid-stream (a non-streaming
+# one) checks that the client is still connected.
+DISCONNECT_CHECK_S = 0.5
 
 
 class QueueFull(RuntimeError):
@@ -116,16 +119,25 @@ class AsyncEngine:
         early (client gone, generator closed) aborts it and frees its blocks."""
         rid, q = await self.add(prompt, params, cache_salt)
         finished = False
+        loop = asyncio.get_running_loop()
+        check_at = loop.time() + DISCONNECT_CHECK_S
         try:
             while True:
                 if is_disconnected is None:
                     out = await q.get()
                 else:
+                    # Checked every DISCONNECT_CHECK_S whether outputs arrive or
+                    # not: a decoding request yields every step, and its client
+                    # may have gone long ago.
                     try:
-                        out = await asyncio.wait_for(q.get(), timeout=0.5)
+                        out = await asyncio.wait_for(q.get(), timeout=max(0.0, check_at - loop.time()))
                     except TimeoutError:
+                        out = None
+                    if loop.time() >= check_at:
+                        check_at = loop.time() + DISCONNECT_CHECK_S
                         if await is_disconnected():
                             return
+                    if out is None:
                         continue
                 if isinstance(out, BaseException):
                     raise out

@@ -108,8 +108,15 @@ class _Common(BaseModel):
             raise ValueError(f"one output constraint per request; got {', '.join(found)}")
         return next(iter(found.values()), None)
 
+    def check_unsupported(self) -> None:
+        """Fields a client may send whose meaning trajserve cannot give:
+        refused by name (ValueError) rather than ignored."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
+
     def sampling_params(self, max_tokens: int | None, default_max: int, logprobs: int | None,
                         structured: StructuredOutput | None = None) -> SamplingParams:
+        self.check_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
         for k, v in (self.logit_bias or {}).items():
@@ -139,12 +146,26 @@ class CompletionRequest(_Common):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported (no fill-in-the-middle)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported (only best_of == n), got best_of={self.best_of}, n={self.n}")
 
 
-class TextPart(BaseModel):
+class ContentPart(BaseModel):
+    """A part of a message's content. Only text parts are read; others
+    (image_url, input_audio, file) are refused by name when the prompt is
+    built (ChatMessage.check_parts), not as a type error."""
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class FunctionCall(BaseModel):
@@ -177,10 +198,19 @@ class ToolDef(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
+
+    def check_parts(self, where: str) -> None:
+        """ValueError naming a content part that is not text."""
+        for j, p in enumerate(self.content if isinstance(self.content, list) else []):
+            if p.type != "text":
+                raise ValueError(f"{where}.content.{j}: {p.type} parts are not supported; "
+                                 "the models served here read text")
+            if p.text is None:
+                raise ValueError(f"{where}.content.{j}: a text part needs its text")
 
     def as_template_dict(self, calls_as_text: bool = False) -> dict:
         """The message as chat templates read it. Tool calls go in as
@@ -191,7 +221,7 @@ class ChatMessage(BaseModel):
         keeps them and the prefix cache still matches the reply's tokens."""
         content = self.content
         if isinstance(content, list):
-            content = "".join(p.text for p in content)
+            content = "".join(p.text or "" for p in content)
         # Chat templates of small models know system/user/assistant; a
         # developer message is a system message there.
         role = "system" if self.role == "developer" else self.role

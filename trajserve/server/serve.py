@@ -39,7 +39,8 @@ def serve(args: argparse.Namespace) -> int:
     name = names[0]
     aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     aengine.start()
-    app = build_app(aengine, names, max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser)
+    app = build_app(aengine, names, max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                    allowed_origins=args.allowed_origins)
     host, port = sock.getsockname()[:2]
     print(f"trajserve serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

@@ -90,14 +90,17 @@ def test_sampling_fields_reach_the_engine(s):
     assert s["params"][-1].structured.json_schema == schema and r.content[0].text == '{"ok": true}'
 
 
-@pytest.mark.parametrize("end, reason, seq", [(("stop", "END"), "stop_sequence", "END"),
-                                              (("length", None), "max_tokens", None),
-                                              (("stop", 2), "end_turn", None)])  # an EOS token id
-def test_stop_reasons(s, end, reason, seq):
+@pytest.mark.parametrize("end, max_tokens, reason, seq", [
+    (("stop", "END"), 64, "stop_sequence", "END"),
+    (("length", None), 3, "max_tokens", None),          # the reply is 3 tokens long (3 pieces)
+    # Cut short of max_tokens: the context ran out (Claude Code asks for 32,000 whatever the prompt).
+    (("length", None), 20_000, "model_context_window_exceeded", None),
+    (("stop", 2), 64, "end_turn", None)])               # an EOS token id
+def test_stop_reasons(s, end, max_tokens, reason, seq):
     s["reply"], s["end"] = "partial answer", end
-    r = create(s, stop_sequences=["END"])
+    r = create(s, stop_sequences=["END"], max_tokens=max_tokens)
     assert (r.stop_reason, r.stop_sequence) == (reason, seq)
-    with s["anthropic"].messages.stream(model="m", max_tokens=64, stop_sequences=["END"],
+    with s["anthropic"].messages.stream(model="m", max_tokens=max_tokens, stop_sequences=["END"],
                                         messages=[{"role": "user", "content": "hi"}]) as st:
         final = st.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == (reason, seq)

@@ -214,12 +214,15 @@ def usage(final: RequestOutput | None, output_tokens: int) -> dict:
             "cache_read_input_tokens": cached, "output_tokens": output_tokens}
 
 
-def stop_reason(c: CompletionOutput, called: bool) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) for a finished choice."""
+def stop_reason(c: CompletionOutput, called: bool, max_tokens: int) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) for a finished choice. A max_tokens
+    larger than what the context leaves after the prompt is not an error
+    here (Claude Code asks for 32,000 whatever the prompt): the reply runs
+    to the end of the context and says so, as Anthropic's API does."""
     if called:
         return "tool_use", None
     if c.finish_reason == "length":
-        return "max_tokens", None
+        return ("max_tokens" if len(c.token_ids) >= max_tokens else "model_context_window_exceeded"), None
     if isinstance(c.stop_reason, str) and c.finish_reason == "stop":
         return "stop_sequence", c.stop_reason
     return "end_turn", None
@@ -230,14 +233,14 @@ def _tool_use(call: dict) -> dict:
             "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
 
 
-def message(final: RequestOutput, chat_message: dict, model: str) -> dict:
+def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int) -> dict:
     """The reply as a message; chat_message: what the chat endpoint would
     return for the choice (content and tool_calls)."""
     c, msg = final.outputs[0], chat_message["message"]
     content = [{"type": "text", "text": msg["content"]}] if msg["content"] else []
     calls = msg.get("tool_calls") or []
     content += [_tool_use(call) for call in calls]
-    reason, seq = stop_reason(c, bool(calls))
+    reason, seq = stop_reason(c, bool(calls), max_tokens)
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": seq,
             "usage": usage(final, len(c.token_ids))}
@@ -255,7 +258,7 @@ class Tap:
             yield out
 
 
-async def events(chunks: AsyncIterator[dict], tap: Tap, model: str) -> AsyncIterator[str]:
+async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: int) -> AsyncIterator[str]:
     """The chat endpoint's stream chunks (one choice) as Anthropic's
     server-sent events: message_start, per block content_block_start /
     _delta / _stop (text as it comes; a tool call whole, its input as one
@@ -299,7 +302,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str) -> AsyncIter
     if text_open:
         yield event("content_block_stop", {"index": blocks})
     c = tap.last.outputs[0]
-    reason, seq = stop_reason(c, called)
+    reason, seq = stop_reason(c, called, max_tokens)
     yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                   "usage": usage(tap.last, len(c.token_ids))})
     yield event("message_stop", {})

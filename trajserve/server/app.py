@@ -336,10 +336,12 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
         return tok.encode(text, add_special_tokens=False)
 
-    async def open_chat(req: ChatCompletionRequest, request: Request) -> AsyncIterator[RequestOutput]:
+    async def open_chat(req: ChatCompletionRequest, request: Request, room_checked: bool = True
+                        ) -> AsyncIterator[RequestOutput]:
         """Check, render and queue a chat request; its outputs, the session
         (if any) updated when they end. Shared by /v1/chat/completions and
-        /v1/messages."""
+        /v1/messages (room_checked=False: a max_tokens over what the context
+        leaves is not an error; the reply stops at the context's end)."""
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
@@ -362,7 +364,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
         sp = sampling(req, req.requested_max_tokens, max(1, engine.max_model_len - len(ids)),
                       (req.top_logprobs or 0) if req.logprobs else None, forced)
-        check_room(len(ids), sp, req.requested_max_tokens is not None)
+        check_room(len(ids), sp, room_checked and req.requested_max_tokens is not None)
         await compile_constraint(sp)
         sess = await begin_session(req, request)
         try:
@@ -396,15 +398,16 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     @app.post("/v1/messages")
     async def messages(body: anthropic.MessagesRequest, request: Request):
         req = messages_chat(body)
-        outs = anthropic.Tap(await open_chat(req, request))
+        outs = anthropic.Tap(await open_chat(req, request, room_checked=False))
         if req.stream:
             chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
-            return StreamingResponse(anthropic.events(chunks, outs, served_model_name),
+            return StreamingResponse(anthropic.events(chunks, outs, served_model_name, body.max_tokens),
                                      media_type="text/event-stream")
         final = await _last(outs)
         if final is None:
             return Response(status_code=499)
-        return anthropic.message(final, _chat_message(final.outputs[0], req, calls_format), served_model_name)
+        return anthropic.message(final, _chat_message(final.outputs[0], req, calls_format), served_model_name,
+                                 body.max_tokens)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: anthropic.CountTokensRequest):

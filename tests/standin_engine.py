@@ -75,12 +75,12 @@ class StandInEngine:
         self.n = 0
         self.tokenizer = None  # the soak test passes token ids only
 
-    def _validate_prompt(self, ids):
+    def validate_prompt(self, ids):
         if not ids or blocks_for(len(ids) + 1, self.kv.block_size) > self.kv.num_blocks:
             raise ValueError("prompt does not fit the pool")
 
     def add_request(self, ids, params, cache_salt=None):
-        self._validate_prompt(ids)
+        self.validate_prompt(ids)
         self.n += 1
         r = Request(f"r{self.n}", list(ids), params, max_total_tokens=self.kv.token_capacity, cache_salt=cache_salt)
         self.reqs[r.request_id] = r

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from trajserve.config import CacheConfig, EngineConfig
+from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.llm import LLM
 from trajserve.sampling import SamplingParams
@@ -349,6 +349,10 @@ BAD_INPUTS = [
     ("top_p_1.5", "hi", _mutated(top_p=1.5), r"top_p.*\(0, 1\].*1\.5"),
     ("temperature_negative", "hi", _mutated(temperature=-0.5), r"temperature.*>= 0.*-0\.5"),
     ("temperature_nan", "hi", _mutated(temperature=float("nan")), r"temperature"),
+    ("stop_token_ids_int", "hi", _mutated(stop_token_ids=13), r"stop_token_ids must be a list"),
+    ("seed_text", "hi", _mutated(seed="abc"), r"seed must be an integer"),
+    ("seed_over_64_bits", "hi", _mutated(seed=2**70), r"seed must be an integer in"),
+    ("logprobs_float", "hi", _mutated(logprobs=2.5), r"logprobs must be an integer"),
     ("empty_prompt_text", "", None, r"empty"),
     ("empty_prompt_ids", [], None, r"empty"),
     ("token_id_too_big", [1, 2, 49152], None, r"49152.*vocabulary.*\[0, 49152\)"),
@@ -387,8 +391,17 @@ def test_bad_input_is_rejected_before_allocation_and_spares_requests_in_flight(l
 
 @pytest.mark.parametrize("kw, pattern", [
     (dict(max_tokens=0), r"max_tokens"), (dict(top_p=0.0), r"top_p"), (dict(top_p=1.5), r"top_p"),
-    (dict(temperature=-1.0), r"temperature"), (dict(top_k=-1), r"top_k"), (dict(n=0), r"\bn\b"),
+    (dict(temperature=-1.0), r"temperature"), (dict(top_k=-2), r"top_k"), (dict(n=0), r"\bn\b"),
     (dict(logprobs=21), r"logprobs"), (dict(stop=[""]), r"stop"),
+    # Types: each of these used to pass here and fail inside a step.
+    (dict(max_tokens="5"), r"max_tokens must be an integer"), (dict(max_tokens=True), r"max_tokens"),
+    (dict(temperature="0.5"), r"temperature must be a number"), (dict(temperature=float("inf")), r"finite"),
+    (dict(seed="abc"), r"seed must be an integer"), (dict(seed=1.5), r"seed"), (dict(seed=2**70), r"seed"),
+    (dict(logprobs=2.5), r"logprobs must be an integer"), (dict(stop_token_ids=13), r"stop_token_ids"),
+    (dict(stop_token_ids=None), r"stop_token_ids"), (dict(stop_token_ids=[1.0]), r"stop_token_ids"),
+    (dict(stop=None), r"stop must be a string or a list"), (dict(logit_bias=[1, 2]), r"logit_bias must be a dict"),
+    (dict(logit_bias={1: "a"}), r"logit_bias values"), (dict(ignore_eos="no"), r"ignore_eos must be true or false"),
+    (dict(n=129), r"n must be an integer in \[1, 128\]"),
 ])
 def test_sampling_params_reject_bad_values_at_construction(kw, pattern):
     with pytest.raises(ValueError, match=pattern):
@@ -424,3 +437,58 @@ def test_close_removes_the_sessions_directory(tmp_path, monkeypatch):
         assert list(tmp_path.glob("trajserve-kv-*")), "the sessions' directory exists while the LLM is open"
     assert llm.sessions is None  # the LLM is still referenced: only close() can have removed the directory
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tiny_temperature_is_greedy(llm, story_ref):
+    """logits / 1e-40 overflow float32 (nan after the softmax): below 1e-5 a
+    temperature samples as its limit, greedy (as vLLM)."""
+    out = llm.generate(STORY, SamplingParams(max_tokens=24, temperature=1e-40, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == story_ref.token_ids
+
+
+def test_a_step_that_raises_leaves_the_llm_usable(llm, story_ref, monkeypatch):
+    """Whatever a step raises, the LLM's requests are aborted on the way out:
+    the next generate runs (before, the request stayed in the batch and every
+    later call raised the same error)."""
+    real = llm.engine.sampler.sample
+    calls = []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected sampler fault")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llm.engine.sampler, "sample", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([STORY, CODE], greedy(8), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.groups
+    monkeypatch.setattr(llm.engine.sampler, "sample", real)
+    assert llm.generate(STORY, greedy(24), use_tqdm=False)[0].outputs[0].token_ids == story_ref.token_ids
+    assert_idle(llm.engine)
+
+
+@pytest.mark.parametrize("config, pattern", [
+    (dict(scheduler=SchedulerConfig(max_prefill_chunk=-1)), r"max_prefill_chunk \(--max-prefill-chunk\) must be an "
+                                                            r"integer >= 1, got -1"),  # reached the C kernels
+    (dict(scheduler=SchedulerConfig(max_num_seqs=0)), r"max_num_seqs"),                # scheduled nothing, for ever
+    (dict(scheduler=SchedulerConfig(max_num_batched_tokens=-5)), r"max_num_batched_tokens"),
+    (dict(cache=CacheConfig(block_size=0)), r"block_size"),
+    (dict(cache=CacheConfig(num_blocks=0)), r"num_blocks"),
+    (dict(cache=CacheConfig(memory_fraction=5)), r"memory_fraction \(--memory-fraction\) must be in \(0, 1\]"),
+    (dict(max_model_len=0), r"max_model_len"),
+    (dict(device="tpu"), r"device must be cpu or cuda\[:N\], got 'tpu'"),
+    (dict(max_model_len=10**6), r"max_model_len \(--max-model-len\) 1,000,000 is over the model's context of 8,192"),
+    (dict(cache=CacheConfig(kv_cache_memory=10**15)), r"KV pool of .* blocks needs .* GiB; only .* GiB of host "
+                                                      r"memory is available"),  # was killed by the OOM killer
+])
+def test_engine_options_are_checked_before_anything_is_allocated(config, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        LLMEngine(EngineConfig(dtype="float32", **config))
+
+
+def test_sizes_take_tb_and_name_the_option():
+    with pytest.raises(ValueError, match=r"kv_cache_memory \(--kv-cache-memory\) 'abc' is not a size"):
+        LLM(kv_cache_memory="abc")
+    with pytest.raises(ValueError, match=r"only .* GiB of host memory is available"):
+        LLM(kv_cache_memory="1TB", dtype="float32")

@@ -486,6 +486,7 @@ def test_gguf_metadata(embedded_gguf: Path):
     (dict(tp=3), "does not divide the 64 attention heads; allowed tp: 1, 2, 4, 8"),
     (dict(pp=3), "does not divide the 80 layers"),
     (dict(tp=8, num_gpus=12), "not a multiple of tp\\*pp=8"),
+    (dict(tp=8, num_gpus=0), "num-gpus must be >= 1, got 0"),
     (dict(tp=8, shared_prefix=10000, contexts=(8192,)), "longer than the context"),
     (dict(tp=8, headroom=1.0), "headroom must be in"),
     (dict(tp=8, kv_dtype="int3"), "unknown kv dtype 'int3'; allowed: fp32, bf16"),

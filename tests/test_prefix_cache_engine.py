@@ -85,3 +85,20 @@ def test_tenants_never_share_and_invalidate_drops(engine_f32):
     again = run(engine_f32, ids, salt="tenant-a")
     assert again.num_cached_tokens < 40
     assert_no_leak(engine_f32)
+
+
+def test_invalidate_by_text_covers_the_boundary_token_and_refuses_an_empty_prefix(engine_f32):
+    """A text prefix ending in a space encodes alone as "... " where the
+    prompt has " word": matching all its tokens found nothing and the stale
+    state stayed. It now drops what follows all but its last token."""
+    engine_f32.kv.clear_cache()
+    prompt = SYSTEM + " Summarize the repository."
+    run(engine_f32, prompt)
+    cut = prompt.index(" Summarize") + 1  # "... Summarize": the text up to and including the space
+    assert engine_f32.invalidate(prompt[:cut]) > 0
+    assert run(engine_f32, prompt).num_cached_tokens <= len(engine_f32.tokenizer.encode(prompt[:cut]))
+    for bad, words in (("", "at least 2 tokens"), ([], "the prefix is empty"), (123, "text or a list of token ids")):
+        with pytest.raises(ValueError, match=words):
+            engine_f32.invalidate(bad)
+    assert run(engine_f32, prompt).num_cached_tokens > 0  # nothing was wiped by the refused calls
+    assert_no_leak(engine_f32)

@@ -296,3 +296,15 @@ def test_out_of_range_bias_and_penalties_name_the_field():
                       ({"logit_bias": {-1: 1}}, "logit_bias keys must be token ids")):
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(")):
             sp(**kw)
+
+
+def test_a_row_with_every_token_masked_does_not_stop_the_batch(random_logits):
+    """All -inf (a constraint with nothing left) gives nan probabilities;
+    multinomial would raise for the whole batch. That row keeps its argmax,
+    the others sample as ever."""
+    rows = random_logits[:2].clone()
+    rows[0] = float("-inf")
+    params = [sp(temperature=1.0, seed=3), sp(temperature=1.0, seed=4)]
+    t, _ = Sampler().sample(rows, ["a", "b"], params)
+    alone, _ = Sampler().sample(random_logits[1:2], ["b"], params[1:])
+    assert t[1] == alone[0]

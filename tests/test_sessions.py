@@ -136,6 +136,20 @@ def test_session_misuse_is_a_clear_error(mgr):
         s.generate(GREEDY)
     with pytest.raises(ValueError, match="already paused"):
         s.pause()
+    # A bad observation is refused before it joins the history: appended, it
+    # failed every later turn and the session could not be used again.
+    with pytest.raises(ValueError, match="100000000 is outside the vocabulary"):
+        s.resume([10**8])
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.resume([5] * mgr.engine.max_model_len)
+    s.resume(OBS)
+    assert s.generate(SamplingParams(max_tokens=2, temperature=0)).outputs[0].token_ids
+    for bad in (-5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="expected_wait_s must be a finite number of seconds >= 0"):
+            s.pause(expected_wait_s=bad)
+    for n in (0, -1):
+        with pytest.raises(ValueError, match="fork: n must be an integer >= 1"):
+            s.fork(n)
     s.close()
     with pytest.raises(ValueError, match="closed"):
         s.generate(GREEDY)

@@ -172,5 +172,8 @@ def test_bad_arguments_fail_cleanly(capsys):
     assert main(["simulate", "--slo", "ttft:-1", "--json", "--no-progress"]) == 2
     assert main(["simulate", "--tool-wait", "gauss:3", "--json", "--no-progress"]) == 2
     assert main(["simulate", "--validate", "--measured", "/nonexistent.json", "--json", "--no-progress"]) == 2
+    # 0 used to read as "not given" and run the default 1,000 requests.
+    assert main(["simulate", "--workload", "chat", "--num-requests", "0", "--json", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "unknown gpu" in err and "--slo" in err and "tool wait" in err
+    assert "--num-requests must be >= 1, got 0" in err

@@ -101,6 +101,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         try:
             line = input("> ")
         except EOFError:
+            print(file=sys.stderr)  # end the prompt's line
             break
         if not line.strip():
             break

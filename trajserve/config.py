@@ -82,3 +82,35 @@ class EngineConfig:
     cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> None:
+        """ValueError naming the field (and its command-line flag) for a value
+        the engine cannot run with: before anything is loaded or allocated
+        (a negative chunk cap reached the C kernels; a zero batch budget
+        scheduled nothing, for ever)."""
+        def check(ok: bool, name: str, want: str, value) -> None:
+            if not ok:
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be {want}, got {value!r}")
+
+        def count(name: str, value, allow_none: bool = False) -> None:
+            ok = (allow_none and value is None) or (isinstance(value, int) and not isinstance(value, bool)
+                                                    and value >= 1)
+            check(ok, name, "an integer >= 1" + (" or unset" if allow_none else ""), value)
+
+        cc, sc = self.cache, self.scheduler
+        count("max_model_len", self.max_model_len, allow_none=True)
+        count("num_threads", self.num_threads, allow_none=True)
+        count("block_size", cc.block_size)
+        count("num_blocks", cc.num_blocks, allow_none=True)
+        check(cc.kv_cache_memory is None or cc.kv_cache_memory > 0, "kv_cache_memory", "a size > 0",
+              cc.kv_cache_memory)
+        check(isinstance(cc.memory_fraction, (int, float)) and 0 < cc.memory_fraction <= 1, "memory_fraction",
+              "in (0, 1]", cc.memory_fraction)
+        check(0 <= cc.watermark < 1, "watermark", "in [0, 1)", cc.watermark)
+        check(cc.host_cache_bytes >= 0, "kv_host_cache", "a size >= 0", cc.host_cache_bytes)
+        check(cc.disk_cache_bytes >= 0, "kv_disk_cache", "a size >= 0", cc.disk_cache_bytes)
+        count("max_num_seqs", sc.max_num_seqs)
+        count("max_num_batched_tokens", sc.max_num_batched_tokens)
+        count("max_prefill_chunk", sc.max_prefill_chunk)
+        check(0 < sc.admission_ceiling <= 1, "admission_ceiling", "in (0, 1]", sc.admission_ceiling)

@@ -31,10 +31,11 @@ class LLM:
                  disk_cache: str | int | None = None, disk_cache_dir: str | None = None,
                  cpu_kernels: bool = True) -> None:
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                            kv_cache_memory=parse_bytes(kv_cache_memory), memory_fraction=memory_fraction,
-                            enable_prefix_caching=enable_prefix_caching,
-                            host_cache_bytes=parse_bytes(host_cache) or 0,
-                            disk_cache_bytes=parse_bytes(disk_cache) or 0, disk_cache_dir=disk_cache_dir)
+                            kv_cache_memory=parse_bytes(kv_cache_memory, "kv_cache_memory (--kv-cache-memory)"),
+                            memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
+                            host_cache_bytes=parse_bytes(host_cache, "host_cache (--kv-host-cache)") or 0,
+                            disk_cache_bytes=parse_bytes(disk_cache, "disk_cache (--kv-disk-cache)") or 0,
+                            disk_cache_dir=disk_cache_dir)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype,
@@ -132,6 +133,11 @@ class LLM:
                         bar.update(1)
         finally:
             bar.close()
+            # Leaving early (a step raised, Ctrl-C): this call's requests go,
+            # or they would stay in the batch and every later call would meet them.
+            for rid in ids:
+                if rid not in results:
+                    self.engine.abort_request(rid)
         return [results[r] for r in ids]
 
     @staticmethod

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from trajserve.structured import StructuredOutput
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
 MAX_N = 128  # choices per request (OpenAI's limit): each is a sequence with its own KV tail
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # int64, as vLLM's API takes it
 
@@ -40,7 +41,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below SAMPLING_EPS, logits / temperature overflow float32 (inf - inf
+        # = nan in the softmax); the limit of such a temperature is greedy.
+        return self.temperature < SAMPLING_EPS
 
     @property
     def adjusts_logits(self) -> bool:
@@ -49,11 +52,41 @@ class SamplingParams:
                     or self.logit_bias)
 
     def validate(self) -> None:
-        """Raise ValueError naming the field and its allowed range."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Raise ValueError naming the field and its allowed range (or type):
+        whatever passes here cannot fail later inside a step, where it would
+        stop the batch it runs in."""
+        def number(name: str) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ValueError(f"{name} must be a number, got {v!r}")
+
+        def integer(name: str, v) -> None:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            number(name)
+        for name in ("max_tokens", "top_k", "n"):
+            integer(name, getattr(self, name))
+        if self.seed is not None:
+            integer("seed", self.seed)
+        if self.logprobs is not None:
+            integer("logprobs", self.logprobs)
+        if not isinstance(self.stop, list):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            integer("stop_token_ids", t)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0):  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0.0 <= self.temperature < float("inf")):  # also rejects NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -64,7 +97,7 @@ class SamplingParams:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         # The seed goes to torch.Generator.manual_seed, which takes 64 bits:
         # checked here, a bigger one would fail inside a step, for everyone.
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
@@ -77,7 +110,7 @@ class SamplingParams:
         for t, b in self.logit_bias.items():
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
-            if not (-100.0 <= b <= 100.0):
+            if not isinstance(b, (int, float)) or isinstance(b, bool) or not (-100.0 <= b <= 100.0):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")

@@ -69,9 +69,15 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
+        try:
+            self.device = torch.device(config.device)
+        except RuntimeError:
+            raise ValueError(f"device must be cpu or cuda[:N], got {config.device!r}") from None
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {config.device!r}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device")
         self.dtype, dtype_reason = resolve_dtype(config.dtype, self.device)
@@ -79,7 +85,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config, weights = load_weights(self.model_path, self.dtype, self.device)
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            # As vLLM: positions past the trained context would be garbage, not a longer context.
+            raise ValueError(f"max_model_len (--max-model-len) {config.max_model_len:,} is over the model's "
+                             f"context of {mc.max_position_embeddings:,} tokens")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, self.device,
                                 use_cpu_kernels=config.cpu_kernels)
         del weights
@@ -140,10 +150,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-            bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
-            if bad is not None:
-                raise ValueError(f"prompt token ids must be integers, got {bad!r}")
-        self._validate_prompt(ids)
+        self.validate_prompt(ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -244,9 +251,14 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def validate_prompt(self, ids: list[int]) -> None:
+        """ValueError naming the limit for a prompt the engine cannot take
+        (empty, a token outside the vocabulary, over the context or the pool)."""
         if not ids:
             raise ValueError("prompt is empty: at least 1 token is required")
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
+        if bad is not None:
+            raise ValueError(f"prompt token ids must be integers, got {bad!r}")
         vocab = self.model_config.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -271,6 +283,17 @@ class LLMEngine:
             if not s.status.finished:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ABORTED)
             self._release(s)
+
+    def abort_in_flight(self) -> list[str]:
+        """Abort every request that has left the waiting queue (it may have
+        been in a step that failed); those still waiting are kept. Returns
+        the ids aborted."""
+        waiting = {s.request_id for s in self.scheduler.waiting}
+        ids = [rid for rid, g in self.groups.items()
+               if any(s.request_id not in waiting and not s.status.finished for s in g.seqs)]
+        for rid in ids:
+            self.abort_request(rid)
+        return ids
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -436,10 +459,30 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- metrics
     def invalidate(self, prefix_tokens: str | list[int] | None = None, cache_salt: str | None = None) -> int:
-        """Drop cached state under a token prefix (or a whole salt): when a file
-        an agent read changes, KV derived from its old text must not be served."""
-        if isinstance(prefix_tokens, str):
-            prefix_tokens = self.tokenizer.encode(prefix_tokens)
+        """Drop cached state under a token prefix (or, with no prefix, a whole
+        salt's namespace): when a file an agent read changes, KV derived from
+        its old text must not be served. Returns the blocks dropped.
+
+        A text prefix is encoded on its own, and its last token may differ
+        from the same text's inside a longer prompt (BPE merges across the
+        boundary: "cat " alone ends in " ", inside "cat food" it does not).
+        So a text prefix drops what follows all but its last token: a little
+        more than asked, never less (serving stale KV is the fault to avoid).
+        Token ids are matched exactly."""
+        if prefix_tokens is not None:
+            if isinstance(prefix_tokens, str):
+                prefix_tokens = self.tokenizer.encode(prefix_tokens)[:-1]  # as add_request encodes text
+                if not prefix_tokens:
+                    raise ValueError("invalidate: a text prefix needs at least 2 tokens (its last one is "
+                                     "uncertain at the boundary); pass token ids, or cache_salt alone for "
+                                     "a whole namespace")
+            elif not isinstance(prefix_tokens, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in prefix_tokens):
+                raise ValueError(f"invalidate: prefix_tokens must be text or a list of token ids, "
+                                 f"got {type(prefix_tokens).__name__}")
+            elif not prefix_tokens:
+                raise ValueError("invalidate: the prefix is empty; to drop a whole namespace pass "
+                                 "cache_salt alone (prefix_tokens=None)")
         return self.kv.invalidate(prefix_tokens, cache_salt)
 
     def metrics(self) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from trajserve import units
 from trajserve.config import CacheConfig, ModelConfig
 
 
@@ -34,16 +35,16 @@ def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, d
     if n < 1:
         raise ValueError(
             f"KV cache budget too small: one block of {cache.block_size} tokens needs {per_block:,} bytes")
+    # A pool larger than the memory free now would be killed (host) or fail
+    # (device) partway through allocation; say so instead.
+    free = available_memory(device)
+    if n * per_block > free:
+        raise ValueError(f"KV pool of {n:,} blocks needs {units.gib(n * per_block)}; only {units.gib(free)} "
+                         f"of {'device' if device.type == 'cuda' else 'host'} memory is available")
     return n
 
 
-def parse_bytes(text: str | int | None) -> int | None:
-    """'2GiB', '512MB', '1e9' or an int -> bytes."""
-    if text is None or isinstance(text, int):
-        return text
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    s = text.strip().lower()
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(float(s))
+def parse_bytes(text: str | int | None, what: str = "size") -> int | None:
+    """'2GiB', '512MB', '1TB', '1e9' or an int -> bytes (None stays None);
+    ValueError naming `what` for anything else (trajserve/units.py)."""
+    return None if text is None else units.parse_bytes(text, what)

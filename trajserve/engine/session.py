@@ -200,7 +200,7 @@ class SessionManager:
             ids = tok.encode(prompt)
         else:
             ids = list(prompt)
-        self.engine._validate_prompt(ids)
+        self.engine.validate_prompt(ids)
         sid = session_id or f"sess-{next(self._ids)}"
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
@@ -233,6 +233,8 @@ class SessionManager:
         """n sessions with the same history; they share its cached blocks
         (same namespace, same prefix) until their histories diverge."""
         self._check_open(s, "fork")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork: n must be an integer >= 1, got {n!r}")
         if s.state is SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is paused: resume it before forking")
         return [self.open(list(s.history), s.cache_salt, f"{s.session_id}.{next(self._ids)}") for _ in range(n)]
@@ -400,6 +402,8 @@ class SessionManager:
         self._check_open(s, "pause")
         if s.state is SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is already paused")
+        if expected_wait_s is not None and not 0 <= expected_wait_s < math.inf:
+            raise ValueError(f"expected_wait_s must be a finite number of seconds >= 0, got {expected_wait_s!r}")
         self.tick()
         if s.copy is not None:
             self._land(s)  # paused again before its reload landed: that copy ends first
@@ -433,6 +437,11 @@ class SessionManager:
         self._check_open(s, "resume")
         if s.state is not SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is not paused")
+        ids = self.engine.tokenizer.encode(observation, add_special_tokens=False) \
+            if isinstance(observation, str) else list(observation)
+        # Checked before anything changes: appended, a bad token (or a history
+        # over the context) would fail every later turn of the session.
+        self.engine.validate_prompt(s.history + ids)
         self.waits.observe(s.tool, time.monotonic() - s.paused_at)
         kv = self.engine.kv
         t = time.perf_counter()
@@ -456,8 +465,6 @@ class SessionManager:
                 self._land_load(s)  # counts its own wait
         hit = kv.cached_prefix(s.history, s.cache_salt)
         self.stats.recomputed_tokens += max(0, len(s.history) - 1 - hit.num_tokens)
-        ids = self.engine.tokenizer.encode(observation, add_special_tokens=False) \
-            if isinstance(observation, str) else list(observation)
         s.history.extend(ids)
         s.state, s.tier, s.lease_deadline = SessionState.IDLE, None, None
         s.prefetched, s.prefetch_at = False, None

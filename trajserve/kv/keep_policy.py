@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from trajserve.kv.wait_estimator import WaitEstimate, WaitEstimator
 from trajserve.plan.keep_offload import break_even_wait, transfer_time
 from trajserve.plan.retention import retention_value
-from trajserve.plan.units import seconds as fmt_s
+from trajserve.units import seconds as fmt_s
 
 if TYPE_CHECKING:
     from trajserve.plan.catalog import DeviceSpec

@@ -116,6 +116,11 @@ class Sampler:
             if sp.greedy:
                 continue
             probs = filter_logits(chosen[i], sp).softmax(-1)
+            if not bool(torch.isfinite(probs).all()):
+                # Every token masked (a constraint in error): nothing to draw
+                # from; the argmax stands and the constraint ends the request.
+                # multinomial would raise, and stop the whole batch.
+                continue
             tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(rid, sp)))
         logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(tokens)
         for i, sp in enumerate(params):

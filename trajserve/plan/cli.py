@@ -5,7 +5,7 @@ import argparse
 
 from trajserve.plan.catalog import device_names, get_device, get_model, model_names
 from trajserve.plan.kv_format import FORMATS
-from trajserve.plan.units import parse_bytes
+from trajserve.units import parse_bytes
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -123,7 +123,9 @@ def _validate(r: PlanRequest) -> int:
     memory_budget.check_parallelism(r.model.config, r.tp, r.pp)
     group = r.tp * r.pp
     n = r.num_gpus if r.num_gpus is not None else group
-    if n < 1 or n % group:
+    if n < 1:
+        raise ValueError(f"num-gpus must be >= 1, got {n}")
+    if n % group:
         raise ValueError(f"num-gpus={n} is not a multiple of tp*pp={group}")
     return n // group
 

@@ -5,7 +5,7 @@ import dataclasses
 import json
 
 from trajserve.plan.planner import Plan
-from trajserve.plan.units import gb, gib, kib, seconds
+from trajserve.units import gb, gib, kib, seconds
 
 
 def to_json(p: Plan) -> str:

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from trajserve.engine.memory import bytes_per_block
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server import anthropic
-from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull, StepFailed
 from trajserve.server.body_cap import BodyCap
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
@@ -118,6 +118,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         return error_response(400 if path.startswith("/v1/messages") else 422,
                               f"{loc or 'body'}: {first.get('msg')}{more}", param=loc or None, path=path)
+
+    @app.exception_handler(StepFailed)
+    async def _step_failed(request: Request, e: StepFailed):
+        return error_response(500, str(e), "server_error", path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -401,8 +405,13 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         outs = anthropic.Tap(await open_chat(req, request, room_checked=False))
         if req.stream:
             chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
-            return StreamingResponse(anthropic.events(chunks, outs, served_model_name, body.max_tokens),
-                                     media_type="text/event-stream")
+            async def events():
+                try:
+                    async for event in anthropic.events(chunks, outs, served_model_name, body.max_tokens):
+                        yield event
+                except (StepFailed, EngineDead) as e:  # Anthropic's error event
+                    yield f"event: error\ndata: {json.dumps(anthropic.error_body(500, str(e)))}\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
         final = await _last(outs)
         if final is None:
             return Response(status_code=499)
@@ -508,8 +517,11 @@ def _call_stream(req: ChatCompletionRequest, fmt: str):
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def body():
-        async for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except (StepFailed, EngineDead) as e:  # the headers went out long ago: the error is an event (as vLLM)
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(body(), media_type="text/event-stream")
 

@@ -38,6 +38,11 @@ class EngineDead(RuntimeError):
     pass
 
 
+class StepFailed(RuntimeError):
+    """The step a request ran in raised; the request was aborted and the
+    engine went on serving the others."""
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -58,6 +63,7 @@ class AsyncEngine:
         # Read by /metrics from other threads: replaced whole, never mutated.
         self.snapshot: dict[str, Any] = engine.metrics()
         self.on_finished: Callable[[RequestOutput], None] | None = None
+        self.num_failed_steps = 0  # steps that raised and were recovered from (_fail_in_flight)
         # More figures for the snapshot, computed on the engine thread.
         self.extra_metrics: Callable[[], dict] | None = None
         # The step to run (the session manager wraps engine.step with its
@@ -174,7 +180,11 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                outs = self.step_fn()
+                try:
+                    outs = self.step_fn()
+                except Exception as e:  # noqa: BLE001 - recovered below, or fatal if that fails
+                    self._fail_in_flight(e)
+                    continue
                 for out in outs:
                     st = self._streams.get(out.request_id)
                     if out.finished:
@@ -197,6 +207,21 @@ class AsyncEngine:
                     break
                 if fut is not None:
                     loop.call_soon_threadsafe(_set_exception, fut, EngineDead(f"engine loop failed: {e!r}"))
+
+    def _fail_in_flight(self, e: Exception) -> None:
+        """A step raised (an input no check caught, a kernel fault): the
+        requests that may have been in it are aborted, their clients told,
+        and the loop goes on for the rest (waiting requests are kept). If
+        aborting fails too, the state cannot be trusted: re-raise, and the
+        loop stops for everyone (the caller's fatal path)."""
+        log.exception("a step failed; aborting the requests in flight and going on")
+        aborted = self.engine.abort_in_flight()
+        for rid in aborted:
+            st = self._streams.pop(rid, None)
+            if st is not None:
+                st.loop.call_soon_threadsafe(st.queue.put_nowait, StepFailed(
+                    f"the step this request ran in failed ({e!r}); it was aborted, and the server goes on"))
+        self.num_failed_steps += 1
 
     def _refresh_snapshot(self) -> None:
         snap = self.engine.metrics()

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from trajserve.plan.catalog import device_names, get_device, get_model, model_names
-from trajserve.plan.units import parse_bytes
+from trajserve.units import parse_bytes
 
 WORKLOADS = ("agent", "chat", "mooncake", "claude-code")
 # Agent knobs default to a 70B-scale agent fleet; --validate defaults them to `bench agent`'s.
@@ -226,9 +226,11 @@ def sessions_factory(args: argparse.Namespace):
                 f"agent: {spec.trajectories} trajectories x {spec.turns} turns at {spec.rate:g}/s, preamble "
                 f"{spec.preamble_tokens} + task {spec.task_tokens} tokens, tool results {spec.tool_min_tokens}-"
                 f"{spec.tool_max_tokens}, replies {spec.reply_tokens}{wait}{fork}")
+    if args.num_requests is not None and args.num_requests < 1:  # 0 is not "the default"
+        raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.workload == "chat":
-        spec = synthetic.ChatSpec(num_requests=args.num_requests or 1000, input_len=args.input_len,
-                                  output_len=args.output_len, prefix_len=args.prefix_len, rate=args.rate,
+        spec = synthetic.ChatSpec(num_requests=1000 if args.num_requests is None else args.num_requests,
+                                  input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len, rate=args.rate,
                                   burstiness=args.burstiness, seed=args.seed)
         return (lambda tokens: synthetic.chat_sessions(spec, tokens),
                 f"chat: {spec.num_requests} requests at {spec.rate:g}/s (burstiness {spec.burstiness:g}), "

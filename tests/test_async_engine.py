@@ -1,0 +1,49 @@
+"""The server's engine loop (server/async_engine.py) when a step raises:
+the requests that were in it fail with a message, the loop goes on, and the
+next request is served from a pool with nothing leaked."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from trajserve.config import CacheConfig, EngineConfig
+from trajserve.engine.engine import LLMEngine
+from trajserve.sampling import SamplingParams
+from trajserve.server.async_engine import AsyncEngine, StepFailed
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on():
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64)))
+    ae = AsyncEngine(engine)
+    ae.start()
+    real, calls = engine.sampler.sample, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the second step of the first request
+            raise RuntimeError("injected sampler fault")
+        return real(*a, **kw)
+
+    engine.sampler.sample = failing
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def run(prompt):
+        out = None
+        async for o in ae.generate(prompt, params):
+            out = o
+        return out
+
+    async def main():
+        with pytest.raises(StepFailed, match="injected sampler fault"):
+            await run("Hello")
+        return await run("Hello")
+
+    try:
+        out = asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert len(out.outputs[0].token_ids) == 4 and out.finished
+    assert ae.num_failed_steps == 1 and ae._error is None
+    assert not engine.groups and engine.kv.pool.num_free + engine.kv.num_reclaimable == engine.kv.num_blocks
+    engine.kv.pool.check()

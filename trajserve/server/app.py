@@ -405,11 +405,12 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         outs = anthropic.Tap(await open_chat(req, request, room_checked=False))
         if req.stream:
             chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
+
             async def events():
                 try:
                     async for event in anthropic.events(chunks, outs, served_model_name, body.max_tokens):
                         yield event
-                except (StepFailed, EngineDead) as e:  # Anthropic's error event
+                except (StepFailed, EngineDead) as e:  # the headers went out: Anthropic's error event
                     yield f"event: error\ndata: {json.dumps(anthropic.error_body(500, str(e)))}\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         final = await _last(outs)
@@ -521,7 +522,8 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except (StepFailed, EngineDead) as e:  # the headers went out long ago: the error is an event (as vLLM)
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
+            error = {"message": str(e), "type": "server_error", "param": None, "code": None}
+            yield f"data: {json.dumps({'error': error})}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(body(), media_type="text/event-stream")
 

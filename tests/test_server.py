@@ -158,6 +158,28 @@ def test_anthropic_messages_with_the_real_model(server, engine_f32):
     assert final.usage.cache_read_input_tokens % 16 == 0
 
 
+def test_responses_api_with_the_real_model(client, engine_f32):
+    """/v1/responses through the official openai client: greedy text equals
+    the engine's; a second response continued by previous_response_id reads
+    the first turn from the prefix cache, streamed."""
+    user = "Name three prime numbers."
+    ref = reference(engine_f32, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}], 16)
+    first = client.responses.create(model=MODEL, instructions=SYSTEM, input=user, max_output_tokens=16,
+                                    temperature=0)
+    assert first.output_text == ref.text and first.usage.output_tokens == len(ref.token_ids)
+    assert first.status == ("incomplete" if ref.finish_reason == "length" else "completed")
+    # Raw events: the client's stream helper insists on response.completed,
+    # and a reply cut at max_output_tokens ends with response.incomplete.
+    events = list(client.responses.create(model=MODEL, instructions=SYSTEM, input="And two more?",
+                                          max_output_tokens=8, temperature=0, previous_response_id=first.id,
+                                          stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    second = events[-1].response
+    text = "".join(ev.delta for ev in events if ev.type == "response.output_text.delta")
+    assert text == second.output_text and second.usage.output_tokens > 0
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+
+
 def test_completions_logprobs_and_batch(client):
     r = client.completions.create(model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4,
                                   temperature=0, logprobs=2)

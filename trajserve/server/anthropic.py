@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server.protocol import ChatCompletionRequest
+from trajserve.server.tap import Tap
 
 # Anthropic's error types by HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -244,18 +245,6 @@ def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: in
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": seq,
             "usage": usage(final, len(c.token_ids))}
-
-
-class Tap:
-    """Passes a request's outputs through and keeps the latest (the stream's
-    events need its prompt, cached tokens and stop reason)."""
-    def __init__(self, outs: AsyncIterator[RequestOutput]) -> None:
-        self.outs, self.last = outs, None
-
-    async def __aiter__(self):
-        async for out in self.outs:
-            self.last = out
-            yield out
 
 
 async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: int) -> AsyncIterator[str]:

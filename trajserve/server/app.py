@@ -6,6 +6,8 @@
     POST /v1/chat/completions    the model's chat template
     POST /v1/messages            Anthropic's Messages API (server/anthropic.py)
     POST /v1/messages/count_tokens
+    POST /v1/responses           OpenAI's Responses API (server/responses.py)
+    GET / DELETE /v1/responses/{id}
     GET  /metrics                Prometheus
 
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}:
@@ -33,9 +35,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trajserve.engine.memory import bytes_per_block
 from trajserve.outputs import CompletionOutput, RequestOutput
-from trajserve.server import anthropic
+from trajserve.server import anthropic, responses
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull, StepFailed
 from trajserve.server.body_cap import BodyCap
+from trajserve.server.tap import Tap
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
@@ -402,7 +405,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     @app.post("/v1/messages")
     async def messages(body: anthropic.MessagesRequest, request: Request):
         req = messages_chat(body)
-        outs = anthropic.Tap(await open_chat(req, request, room_checked=False))
+        outs = Tap(await open_chat(req, request, room_checked=False))
         if req.stream:
             chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
 
@@ -418,6 +421,57 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             return Response(status_code=499)
         return anthropic.message(final, _chat_message(final.outputs[0], req, calls_format), served_model_name,
                                  body.max_tokens)
+
+    store = responses.ResponseStore()
+
+    def stored(response_id: str, param: str):
+        got = store.get(response_id)
+        if got is None:
+            raise APIError(404, f"no stored response {response_id!r} (responses are kept in memory while "
+                                f"store is true, the latest {store.limit:,})", param=param,
+                           code="previous_response_not_found" if param == "previous_response_id" else None)
+        return got
+
+    @app.post("/v1/responses")
+    async def create_response(body: responses.ResponsesRequest, request: Request):
+        history = stored(body.previous_response_id, "previous_response_id")[1] \
+            if body.previous_response_id is not None else []
+        try:
+            req = body.to_chat(history)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        shell = responses.Shell(body, served_model_name)
+        outs = Tap(await open_chat(req, request))
+
+        def keep(resp: dict) -> None:
+            if body.store:
+                store.put(resp, responses.conversation_after(req, resp["output"], bool(body.instructions)))
+        if req.stream:
+            chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
+
+            async def events():
+                try:
+                    async for event in responses.events(chunks, outs, shell, keep):
+                        yield event
+                except (StepFailed, EngineDead) as e:  # the headers went out: an error event
+                    yield f"event: error\ndata: {json.dumps({'type': 'error', 'message': str(e)})}\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        final = await _last(outs)
+        if final is None:
+            return Response(status_code=499)
+        resp = responses.response(shell, final, _chat_message(final.outputs[0], req, calls_format))
+        keep(resp)
+        return resp
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return stored(response_id, "response_id")[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        stored(response_id, "response_id")
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: anthropic.CountTokensRequest):

@@ -1,0 +1,155 @@
+"""OpenAI's Responses API (server/responses.py) as the official openai client
+reads it: the prompt a request becomes (the chat endpoint's for the same
+conversation), text and function_call output streamed and not,
+previous_response_id, the store, incomplete replies, and errors.
+
+The model's reply is scripted (the `scripted` fixture, conftest.py); a test
+against the real model over HTTP is in test_server.py."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+CALL = '<tool_call>\n{"name": "run_tests", "arguments": {"path": "tests/", "k": 3}}\n</tool_call>'
+TOOLS = [{"type": "function", "name": "run_tests", "description": "Run the test suite",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "k": {"type": "integer"}}}}]
+CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+
+
+@pytest.fixture
+def s(scripted):
+    scripted["end"], scripted["cached"] = ("stop", None), 0
+    return scripted
+
+
+def create(s, **kw):
+    return s["client"].responses.create(**{"model": "m", "input": "Run the tests.", **kw})
+
+
+def test_a_text_reply_and_its_usage(s):
+    s["reply"], s["cached"] = "All good.", 5
+    r = create(s, instructions="Be terse.")
+    assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
+    assert r.output_text == "All good." and [o.type for o in r.output] == ["message"]
+    n = len(s["prompts"][-1])
+    assert (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens, r.usage.output_tokens) == (n, 5, 2)
+    assert r.instructions == "Be terse." and r.model == "m"
+
+
+def test_the_prompt_is_the_chat_endpoints_for_the_same_conversation(s):
+    s["reply"] = "ok"
+    create(s, instructions="You are terse.", tools=TOOLS, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Run the tests"},
+                                     {"type": "input_text", "text": "in tests/."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": "Running."},
+        {"type": "function_call", "call_id": "call_1", "name": "run_tests", "arguments": '{"path": "tests/"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "3 passed"},
+        {"type": "message", "role": "user", "content": "Summarise."}])
+    via_responses = s["prompts"][-1]
+    s["client"].chat.completions.create(model="m", tools=CHAT_TOOLS, messages=[
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Run the tests\nin tests/."},
+        {"role": "assistant", "content": "Running.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 passed"},
+        {"role": "user", "content": "Summarise."}])
+    assert via_responses == s["prompts"][-1]
+
+
+def test_function_calls_streamed_and_not(s):
+    s["reply"] = "Sure.\n" + CALL
+    r = create(s, tools=TOOLS)
+    assert [o.type for o in r.output] == ["message", "function_call"] and r.output_text == "Sure.\n"
+    call = r.output[1]
+    assert call.name == "run_tests" and json.loads(call.arguments) == {"path": "tests/", "k": 3}
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    with s["client"].responses.stream(model="m", input="Run the tests.", tools=TOOLS) as st:
+        kinds, text = [], ""
+        for ev in st:
+            kinds.append(ev.type)
+            if ev.type == "response.output_text.delta":
+                text += ev.delta
+        final = st.get_final_response()
+    assert text == "Sure.\n"  # the call never streams as text
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.done")
+    assert [(o.type, getattr(o, "name", None)) for o in final.output] == [("message", None),
+                                                                          ("function_call", "run_tests")]
+    assert json.loads(final.output[1].arguments) == {"path": "tests/", "k": 3}
+    assert final.output_text == "Sure.\n" and final.usage.output_tokens == r.usage.output_tokens
+
+
+def test_previous_response_id_continues_the_conversation(s):
+    """The second request's prompt is the first's conversation, its call and
+    the call's output: what the chat endpoint renders for the whole history
+    (so the prefix cache serves the first part). Instructions are not
+    carried over, as OpenAI's are not."""
+    s["reply"] = CALL
+    first = create(s, tools=TOOLS, instructions="First instructions.")
+    call = first.output[0]
+    s["reply"] = "3 passed."
+    second = create(s, tools=TOOLS, previous_response_id=first.id, instructions="Second instructions.",
+                    input=[{"type": "function_call_output", "call_id": call.call_id, "output": "3 passed"}])
+    assert second.output_text == "3 passed." and second.previous_response_id == first.id
+    via_responses = s["prompts"][-1]
+    s["client"].chat.completions.create(model="m", tools=CHAT_TOOLS, messages=[
+        {"role": "system", "content": "Second instructions."},
+        {"role": "user", "content": "Run the tests."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "run_tests", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "3 passed"}])
+    assert via_responses == s["prompts"][-1]
+    assert "First instructions" not in s["tok"].decode(via_responses)
+    # Stored: retrieve, then delete; a deleted or unstored response cannot be continued.
+    assert s["client"].responses.retrieve(second.id).output_text == "3 passed."
+    s["client"].responses.delete(second.id)
+    unstored = create(s, store=False)
+    for rid in (second.id, unstored.id):
+        with pytest.raises(openai.NotFoundError, match="no stored response"):
+            create(s, previous_response_id=rid)
+        with pytest.raises(openai.NotFoundError):
+            s["client"].responses.retrieve(rid)
+
+
+def test_a_reply_cut_by_max_output_tokens_is_incomplete(s):
+    s["reply"], s["end"] = "partial answer", ("length", None)
+    r = create(s, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert s["params"][-1].max_tokens == 3
+    with s["http"].stream("POST", "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 3,
+                                                         "stream": True}) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    events = [json.loads(ln[6:]) for ln in lines]
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_text_format_and_tool_choice(s):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    s["reply"] = '{"ok": true}'
+    r = create(s, text={"format": {"type": "json_schema", "name": "verdict", "schema": schema}})
+    assert s["params"][-1].structured.json_schema == schema and r.output_text == '{"ok": true}'
+    assert r.text.format.type == "json_schema"
+    s["reply"] = '[{"name": "run_tests", "arguments": {"path": "a"}}]'
+    r = create(s, tools=TOOLS, tool_choice="required")
+    assert s["params"][-1].structured is not None
+    assert [(o.type, o.name, json.loads(o.arguments)) for o in r.output] == [("function_call", "run_tests",
+                                                                              {"path": "a"})]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"tools": [{"type": "web_search"}]}, 400, "tools.0: tool type 'web_search' is a hosted tool"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, 400,
+     "input.0.content.0: input_image parts are not supported"),
+    ({"input": [{"type": "computer_call_output", "call_id": "x"}]}, 400,
+     "input.0: input item type 'computer_call_output' is not supported"),
+    ({"input": [{"role": "wizard", "content": "hi"}]}, 400, "input.0: role must be"),
+    ({"previous_response_id": "resp_nope"}, 404, "no stored response 'resp_nope'"),
+    ({"model": "gpt-9"}, 404, "the model `gpt-9` does not exist"),
+])
+def test_what_cannot_be_honoured_is_refused_by_name(s, body, status, words):
+    r = s["http"].post("/v1/responses", json={"model": "m", "input": "hi", **body})
+    assert r.status_code == status and words in r.json()["error"]["message"], r.text

@@ -1,0 +1,346 @@
+"""OpenAI's Responses API (POST /v1/responses, GET / DELETE /v1/responses/{id}).
+
+Codex CLI and the OpenAI Agents SDK speak this shape. As with /v1/messages,
+a request is translated into the chat request the server already serves
+(template, tool-call parsing, forced tool_choice, structured output,
+sessions, prefix cache), and the reply back into a response or its stream
+of events:
+
+    instructions                 -> a system message first (not carried to
+                                    the next response, as OpenAI's)
+    input: text or items         -> messages: role items (input_text /
+                                    output_text parts), function_call items
+                                    -> the assistant's tool_calls,
+                                    function_call_output -> tool messages;
+                                    reasoning items are dropped
+    previous_response_id         -> that response's conversation first (kept
+                                    in memory while store is true, LRU)
+    tools (type function)        -> function tools; tool_choice likewise
+    text.format                  -> response_format (json_schema / json_object)
+    max_output_tokens            -> max_tokens (a reply cut there is
+                                    status "incomplete", reason max_output_tokens)
+
+A conversation continued by previous_response_id renders to the same tokens
+it had, so the prefix cache serves it: only the new input is computed.
+Images, files and hosted tools (web_search, file_search, ...) are refused
+by name: the models served here read text and call the client's functions.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trajserve.outputs import RequestOutput
+from trajserve.server.protocol import ChatCompletionRequest
+from trajserve.server.tap import Tap
+
+STORE_LIMIT = 4096  # stored responses (oldest dropped first): previous_response_id reaches these
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    input: str | list[dict]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    text: TextConfig | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict | None = None
+    # extensions, as on the chat endpoint
+    top_k: int | None = None
+    seed: int | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    tool_wait_s: float | None = Field(default=None, ge=0)
+    tool: str | None = None
+
+    def input_messages(self) -> list[dict]:
+        """`input` as chat messages (ValueError naming the item)."""
+        if isinstance(self.input, str):
+            return [{"role": "user", "content": self.input}]
+        msgs: list[dict] = []
+        for i, item in enumerate(self.input):
+            where = f"input.{i}"
+            kind = item.get("type", "message")
+            if kind == "message":
+                role = item.get("role")
+                if role not in ("user", "system", "developer", "assistant"):
+                    raise ValueError(f"{where}: role must be user, system, developer or assistant, got {role!r}")
+                msgs.append({"role": role, "content": _text(item.get("content"), where)})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+                last = msgs[-1] if msgs else None
+                if last is not None and last["role"] == "assistant":  # several calls, or text then calls: one turn
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out = item.get("output")
+                msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": out if isinstance(out, str) else _text(out, where + ".output")})
+            elif kind != "reasoning":
+                raise ValueError(f"{where}: input item type {kind!r} is not supported here")
+        if not msgs:
+            raise ValueError("input has no messages")
+        return msgs
+
+    def to_chat(self, history: list[dict]) -> ChatCompletionRequest:
+        """The chat request for history (a previous response's conversation)
+        plus this input, under this request's instructions."""
+        msgs = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
+            + history + self.input_messages()
+        body = {"model": self.model, "messages": msgs, "max_tokens": self.max_output_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
+                "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
+                "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool}
+        if self.tools:
+            for i, t in enumerate(self.tools):
+                if t.type != "function" or not t.name:
+                    raise ValueError(f"tools.{i}: tool type {t.type!r} is a hosted tool, not supported here; "
+                                     "give function tools (type function, name, parameters)")
+            body["tools"] = [{"type": "function", "function": {
+                "name": t.name, "description": t.description,
+                "parameters": t.parameters or {"type": "object", "properties": {}}}} for t in self.tools]
+        tc = self.tool_choice
+        if tc is not None:
+            body["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.schema_ is None:
+                raise ValueError("text.format of type json_schema needs a schema")
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name,
+                                                                              "schema": fmt.schema_}}
+        return ChatCompletionRequest.model_validate(body)
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be text or a list of text parts")
+    parts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in ("input_text", "output_text", "text"):
+            raise ValueError(f"{where}.content.{j}: {kind} parts are not supported; the models served here read text")
+        parts.append(p.get("text") or "")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------ store
+class ResponseStore:
+    """Stored responses and their conversations (without instructions), for
+    GET and previous_response_id; the oldest go first past `limit`."""
+
+    def __init__(self, limit: int = STORE_LIMIT) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._items[response["id"]] = (response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> tuple[dict, list[dict]] | None:
+        return self._items.get(rid)
+
+    def delete(self, rid: str) -> bool:
+        return self._items.pop(rid, None) is not None
+
+
+# ------------------------------------------------------------------ replies
+def _items(chat_message: dict) -> list[dict]:
+    """Output items of a finished reply: its text as a message, each call
+    as a function_call."""
+    msg = chat_message["message"]
+    out = []
+    if msg["content"]:
+        out.append(_message_item(msg["content"], "completed"))
+    for call in msg.get("tool_calls") or []:
+        out.append(_call_item(call, "completed"))
+    return out
+
+
+def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
+    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if text is not None else []}
+
+
+def _call_item(call: dict, status: str) -> dict:
+    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instructions: bool) -> list[dict]:
+    """The conversation a later previous_response_id continues: this
+    request's messages without its instructions (the first, system,
+    message when given), then the reply's output items as one assistant turn."""
+    msgs = [m.model_dump(exclude_none=True) for m in req.messages][1 if has_instructions else 0:]
+    text = "".join(c["text"] for it in output if it["type"] == "message" for c in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in output if it["type"] == "function_call"]
+    reply = {"role": "assistant", "content": text or None}
+    if calls:
+        reply["tool_calls"] = calls
+    return msgs + [reply]
+
+
+class Shell:
+    """The response object's fields that echo the request."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.fields = {
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "temperature": body.temperature,
+            "top_p": body.top_p,
+            "tool_choice": body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel)
+            else (body.tool_choice or "auto"),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
+            if body.text is not None and body.text.format is not None else {"format": {"type": "text"}},
+            "metadata": body.metadata or {}, "store": body.store}
+
+    def response(self, status: str, output: list[dict], final: RequestOutput | None = None) -> dict:
+        incomplete = None
+        if status == "incomplete":
+            incomplete = {"reason": "max_output_tokens"}
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "error": None, "incomplete_details": incomplete, "output": output,
+                "usage": usage(final) if final is not None else None, **self.fields}
+
+
+def status_of(final: RequestOutput) -> str:
+    return "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+
+
+def usage(final: RequestOutput) -> dict:
+    prompt, out = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + out}
+
+
+def response(shell: Shell, final: RequestOutput, chat_message: dict) -> dict:
+    return shell.response(status_of(final), _items(chat_message), final)
+
+
+async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None) -> AsyncIterator[str]:
+    """The chat stream's chunks (one choice) as the Responses API's events:
+    response.created / in_progress, then per output item its added / delta /
+    done events (text as it comes; a call whole: its arguments as one
+    delta), then response.completed or response.incomplete. done(response)
+    is called with the final response (to store it)."""
+    seq = 0
+
+    def event(kind: str, data: dict) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
+
+    yield event("response.created", {"response": shell.response("in_progress", [])})
+    yield event("response.in_progress", {"response": shell.response("in_progress", [])})
+    output: list[dict] = []
+    text_item: dict | None = None  # the message item text is streaming into
+
+    def close_text():
+        item, idx = text_item, len(output) - 1
+        text = item["content"][0]["text"]
+        part = {"type": "output_text", "text": text, "annotations": []}
+        item["status"] = "completed"
+        return [event("response.output_text.done", {"item_id": item["id"], "output_index": idx, "content_index": 0,
+                                                    "text": text, "logprobs": []}),
+                event("response.content_part.done", {"item_id": item["id"], "output_index": idx,
+                                                     "content_index": 0, "part": part}),
+                event("response.output_item.done", {"output_index": idx, "item": item})]
+
+    async for chunk in chunks:
+        if not chunk["choices"]:
+            continue
+        delta = chunk["choices"][0]["delta"]
+        if delta.get("content"):
+            if text_item is None:
+                text_item = _message_item("", "in_progress")
+                output.append(text_item)
+                idx = len(output) - 1
+                yield event("response.output_item.added", {"output_index": idx,
+                                                           "item": {**text_item, "content": []}})
+                yield event("response.content_part.added", {
+                    "item_id": text_item["id"], "output_index": idx, "content_index": 0,
+                    "part": {"type": "output_text", "text": "", "annotations": []}})
+            text_item["content"][0]["text"] += delta["content"]
+            yield event("response.output_text.delta", {"item_id": text_item["id"], "output_index": len(output) - 1,
+                                                       "content_index": 0, "delta": delta["content"],
+                                                       "logprobs": []})
+        for call in delta.get("tool_calls") or []:
+            if text_item is not None and text_item["status"] == "in_progress":
+                for e in close_text():
+                    yield e
+            item = _call_item(call, "in_progress")
+            output.append(item)
+            idx = len(output) - 1
+            yield event("response.output_item.added", {"output_index": idx, "item": {**item, "arguments": ""}})
+            yield event("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx,
+                                                                   "delta": item["arguments"]})
+            yield event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
+                                                                  "arguments": item["arguments"]})
+            item["status"] = "completed"
+            yield event("response.output_item.done", {"output_index": idx, "item": item})
+    final = tap.last
+    if final is None or not final.finished:
+        return  # the client went away
+    if text_item is not None and text_item["status"] == "in_progress":
+        for e in close_text():
+            yield e
+    status = status_of(final)
+    resp = shell.response(status, output, final)
+    if done is not None:
+        done(resp)
+    yield event("response.completed" if status == "completed" else "response.incomplete", {"response": resp})

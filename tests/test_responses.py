@@ -53,7 +53,8 @@ def test_the_prompt_is_the_chat_endpoints_for_the_same_conversation(s):
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Run the tests\nin tests/."},
         {"role": "assistant", "content": "Running.", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "3 passed"},
         {"role": "user", "content": "Summarise."}])
     assert via_responses == s["prompts"][-1]

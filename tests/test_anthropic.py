@@ -44,6 +44,7 @@ def test_a_text_reply_and_its_usage(s):
     # Anthropic counts input_tokens without the tokens read from the cache.
     assert (r.usage.input_tokens, r.usage.cache_read_input_tokens) == (prompt_len - 5, 5)
     assert r.usage.output_tokens == 2  # two 5-character pieces, one token each
+    assert r.model == "claude-test"  # the name the request used
     # "claude-test" is an alias of the served model (serve --served-model-name m claude-test).
     assert [m["id"] for m in s["http"].get("/v1/models").json()["data"]] == ["m", "claude-test"]
 
@@ -167,6 +168,20 @@ def test_a_last_assistant_message_is_continued(s):
                             {"role": "assistant", "content": "The answer is"}])
     assert r.content[0].text == " 42."  # the continuation only, as Anthropic returns it
     assert s["tok"].decode(s["prompts"][-1], skip_special_tokens=False).endswith("assistant\nThe answer is")
+
+
+def test_prefill_edges_as_anthropic_answers(s):
+    s["reply"] = "ok"
+    create(s, messages=[{"role": "user", "content": "The answer?"}])
+    plain = s["prompts"][-1]
+    # An empty final assistant message asks for a reply from the start.
+    create(s, messages=[{"role": "user", "content": "The answer?"}, {"role": "assistant", "content": ""}])
+    assert s["prompts"][-1] == plain
+    for text in ("The answer is ", "  "):
+        r = s["http"].post("/v1/messages", json={"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "The answer?"}, {"role": "assistant", "content": text}]})
+        assert r.status_code == 400 and r.json()["error"]["message"] == \
+            "final assistant content cannot end with trailing whitespace"
 
 
 def test_count_tokens(s):

@@ -36,6 +36,7 @@ def test_a_text_reply_and_its_usage(s):
     n = len(s["prompts"][-1])
     assert (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens, r.usage.output_tokens) == (n, 5, 2)
     assert r.instructions == "Be terse." and r.model == "m"
+    assert r.usage.input_tokens_details.cache_write_tokens == 0  # a field the client's types require
 
 
 def test_the_prompt_is_the_chat_endpoints_for_the_same_conversation(s):
@@ -150,6 +151,12 @@ def test_text_format_and_tool_choice(s):
     ({"input": [{"role": "wizard", "content": "hi"}]}, 400, "input.0: role must be"),
     ({"previous_response_id": "resp_nope"}, 404, "no stored response 'resp_nope'"),
     ({"model": "gpt-9"}, 404, "the model `gpt-9` does not exist"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "arguments": "{}"}]}, 400,
+     "input.0: a function_call item needs name"),
+    # In this API's words, and a 400 (not 422) for wrong types, as OpenAI's.
+    ({"max_output_tokens": 0}, 400, "max_output_tokens must be an integer >= 1"),
+    ({"max_output_tokens": 10**6}, 400, "max_output_tokens is too large"),
+    ({"input": 5}, 400, "input"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(s, body, status, words):
     r = s["http"].post("/v1/responses", json={"model": "m", "input": "hi", **body})

@@ -156,6 +156,9 @@ def test_anthropic_messages_with_the_real_model(server, engine_f32):
     # The system prompt and the first turn were computed before.
     assert final.usage.cache_read_input_tokens >= r.usage.input_tokens + r.usage.cache_read_input_tokens - 16
     assert final.usage.cache_read_input_tokens % 16 == 0
+    # Over the context, in Anthropic's words (clients compact their history on them).
+    with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: \d+ tokens > 8191 maximum"):
+        a.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hello " * 8300}])
 
 
 def test_responses_api_with_the_real_model(client, engine_f32):

@@ -41,6 +41,12 @@ def test_text_around_calls_is_the_content_and_ids_differ():
     assert p.tool_calls[0]["id"] != p.tool_calls[1]["id"]
 
 
+def test_arguments_written_as_a_json_string_holding_an_object_are_read():
+    p = parse('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert names_args(p) == [("a", {"x": 1})]
+    assert parse_llama3_json('{"name": "a", "parameters": "ls"}').tool_calls == []
+
+
 def test_a_json_list_in_one_block_is_several_calls():
     p = parse('<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": "ü"}}]</tool_call>')
     assert names_args(p) == [("a", {}), ("b", {"x": "ü"})]
@@ -55,6 +61,11 @@ def test_a_json_list_in_one_block_is_several_calls():
     '<tool_call>{"name": "", "arguments": {}}</tool_call>',
     '<tool_call>[]</tool_call>',
     CALL + "<tool_call>{bad</tool_call>",                                   # one bad block spoils all
+    # Arguments that are not a JSON object: clients read them as one (a
+    # string here gave Anthropic's endpoint a 500 and a cut stream).
+    '<tool_call>{"name": "Bash", "arguments": "ls"}</tool_call>',
+    '<tool_call>{"name": "Bash", "arguments": null}</tool_call>',
+    '<tool_call>{"name": "Bash", "arguments": ["ls"]}</tool_call>',
 ])
 def test_anything_else_is_plain_content(text):
     p = parse(text)

@@ -133,7 +133,13 @@ class CountTokensRequest(BaseModel):
             if tc.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
         if self.messages[-1].role == "assistant":  # a prefill: the reply goes on from it
-            body["continue_final_message"] = True
+            last = msgs[-1]
+            if not last.get("content") and not last.get("tool_calls"):
+                msgs.pop()  # an empty final assistant message: a reply from the start, as Anthropic's
+            elif (last.get("content") or "") != (last.get("content") or "").rstrip():
+                raise ValueError("final assistant content cannot end with trailing whitespace")
+            else:
+                body["continue_final_message"] = True
         return ChatCompletionRequest.model_validate(body)
 
 

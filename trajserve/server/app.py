@@ -47,6 +47,9 @@ from trajserve.server.tool_calls import (FORMATS, ForcedStream, call_stream, for
 from trajserve.structured import StructuredOutput
 
 log = logging.getLogger("trajserve")
+# The APIs translated into the chat path: wrong types and missing fields are
+# 400s there, as Anthropic's and OpenAI's Responses API answer.
+TRANSLATED = ("/v1/messages", "/v1/responses")
 
 
 def _calibrate(sessions: SessionManager) -> None:
@@ -114,12 +117,12 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         first = errs[0]
         ctype = request.headers.get("content-type", "")
         if tuple(first.get("loc", ())) == ("body",) and "json" not in ctype:
-            return error_response(400 if path.startswith("/v1/messages") else 422,
+            return error_response(400 if path.startswith(TRANSLATED) else 422,
                                   f"the body must be a JSON object sent with Content-Type: application/json "
                                   f"(got {ctype or 'no Content-Type'})", path=path)
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-        return error_response(400 if path.startswith("/v1/messages") else 422,
+        return error_response(400 if path.startswith(TRANSLATED) else 422,
                               f"{loc or 'body'}: {first.get('msg')}{more}", param=loc or None, path=path)
 
     @app.exception_handler(StepFailed)
@@ -162,6 +165,11 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------ completion
+    def reply_model(req) -> str:
+        """The name a reply carries: the one the request used (an alias
+        included), else the first served name."""
+        return req.model or served_model_name
+
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
@@ -208,8 +216,15 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             raise APIError(503, str(e), "server_error") from None
         except ValueError as e:
             code = "context_length_exceeded" if "tokens" in str(e) else None
-            param = "prompt" if request.url.path == "/v1/completions" else "messages"
-            raise APIError(400, str(e), param=param if code else None, code=code) from None
+            param = {"/v1/completions": "prompt", "/v1/responses": "input"}.get(request.url.path, "messages")
+            message = str(e)
+            if code and request.url.path.startswith("/v1/messages"):
+                # Anthropic's wording: clients written for it (Claude Code) compact
+                # their history on a message that starts "prompt is too long".
+                n, limit = len(prompt), engine.max_model_len - 1
+                message = (f"prompt is too long: {n} tokens > {limit} maximum" if n > limit
+                           else f"prompt is too long: {n} tokens; {message}")
+            raise APIError(400, message, param=param if code else None, code=code) from None
 
         async def chained():
             yield first
@@ -296,7 +311,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             except APIError:
                 end_session(sess, None, req)
                 raise
-            return _sse(_completion_chunks(session_stream(outs, sess, req), rid, created, served_model_name, req,
+            return _sse(_completion_chunks(session_stream(outs, sess, req), rid, created, reply_model(req), req,
                                            tok))
 
         async def one(p):
@@ -321,7 +336,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                 choices.append({"index": i * sp.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
                                 "logprobs": _completion_logprobs(c.token_ids, c.logprobs, tok)
                                 if req.logprobs is not None else None})
-        return {"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
+        return {"id": rid, "object": "text_completion", "created": created, "model": reply_model(req),
                 "choices": choices, "usage": _usage(finals)}
 
     def render_chat(req: ChatCompletionRequest) -> list[int]:
@@ -386,14 +401,14 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         outs = await open_chat(req, request)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return _sse(_chat_chunks(outs, rid, created, served_model_name, req, tok, calls_format))
+            return _sse(_chat_chunks(outs, rid, created, reply_model(req), req, tok, calls_format))
         final = await _last(outs)
         if final is None:
             return Response(status_code=499)
         choices = [{"index": c.index, **_chat_message(c, req, calls_format),
                     "logprobs": _chat_logprobs(c.token_ids, c.logprobs, tok) if req.logprobs else None}
                    for c in final.outputs]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
+        return {"id": rid, "object": "chat.completion", "created": created, "model": reply_model(req),
                 "choices": choices, "usage": _usage([final])}
 
     def messages_chat(body: anthropic.CountTokensRequest) -> ChatCompletionRequest:
@@ -407,11 +422,11 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         req = messages_chat(body)
         outs = Tap(await open_chat(req, request, room_checked=False))
         if req.stream:
-            chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
+            chunks = _chat_chunks(outs, "", 0, body.model, req, tok, calls_format)
 
             async def events():
                 try:
-                    async for event in anthropic.events(chunks, outs, served_model_name, body.max_tokens):
+                    async for event in anthropic.events(chunks, outs, body.model, body.max_tokens):
                         yield event
                 except (StepFailed, EngineDead) as e:  # the headers went out: Anthropic's error event
                     yield f"event: error\ndata: {json.dumps(anthropic.error_body(500, str(e)))}\n\n"
@@ -419,7 +434,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         final = await _last(outs)
         if final is None:
             return Response(status_code=499)
-        return anthropic.message(final, _chat_message(final.outputs[0], req, calls_format), served_model_name,
+        return anthropic.message(final, _chat_message(final.outputs[0], req, calls_format), body.model,
                                  body.max_tokens)
 
     store = responses.ResponseStore()
@@ -440,14 +455,19 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             req = body.to_chat(history)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        shell = responses.Shell(body, served_model_name)
-        outs = Tap(await open_chat(req, request))
+        shell = responses.Shell(body, body.model or served_model_name)
+        try:
+            outs = Tap(await open_chat(req, request))
+        except APIError as e:  # in this API's words: max_output_tokens, input
+            e.message = e.message.replace("max_tokens", "max_output_tokens")
+            e.param = {"max_tokens": "max_output_tokens", "messages": "input"}.get(e.param, e.param)
+            raise
 
         def keep(resp: dict) -> None:
             if body.store:
                 store.put(resp, responses.conversation_after(req, resp["output"], bool(body.instructions)))
         if req.stream:
-            chunks = _chat_chunks(outs, "", 0, served_model_name, req, tok, calls_format)
+            chunks = _chat_chunks(outs, "", 0, shell.fields["model"], req, tok, calls_format)
 
             async def events():
                 try:

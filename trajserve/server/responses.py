@@ -109,6 +109,9 @@ class ResponsesRequest(BaseModel):
                     raise ValueError(f"{where}: role must be user, system, developer or assistant, got {role!r}")
                 msgs.append({"role": role, "content": _text(item.get("content"), where)})
             elif kind == "function_call":
+                for key in ("call_id", "name", "arguments"):
+                    if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+                        raise ValueError(f"{where}: a function_call item needs {key} (a string)")
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
                 last = msgs[-1] if msgs else None
@@ -264,7 +267,8 @@ def status_of(final: RequestOutput) -> str:
 
 def usage(final: RequestOutput) -> dict:
     prompt, out = len(final.prompt_token_ids), len(final.outputs[0].token_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + out}
 
 

@@ -56,11 +56,21 @@ class Parsed:
 
 
 def _call(obj) -> dict | None:
+    """A call from its JSON, or None. Its arguments must be a JSON object
+    (or a string holding one, as some models write them): clients read
+    them as one (OpenAI's arguments, Anthropic's tool_use input), and a
+    reply with `"arguments": "ls"` is then not a call but text."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if not isinstance(args, str):
-        args = json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    args = json.dumps(args, ensure_ascii=False)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": args}}
 
@@ -221,7 +231,8 @@ def parse_forced(text: str, forced: str) -> Parsed:
     except json.JSONDecodeError:
         return Parsed(text)
     if forced != "required":
-        return Parsed(None, [_call({"name": forced, "arguments": text.strip()})])
+        call = _call({"name": forced, "arguments": text.strip()})
+        return Parsed(text) if call is None else Parsed(None, [call])
     calls = [_call(o) for o in body] if isinstance(body, list) else []
     if not calls or None in calls:
         return Parsed(text)

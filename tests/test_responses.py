@@ -161,3 +161,48 @@ def test_text_format_and_tool_choice(s):
 def test_what_cannot_be_honoured_is_refused_by_name(s, body, status, words):
     r = s["http"].post("/v1/responses", json={"model": "m", "input": "hi", **body})
     assert r.status_code == status and words in r.json()["error"]["message"], r.text
+
+
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+CUSTOM = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch",
+           "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]
+
+
+def test_custom_tools_as_codex_sends_them(s):
+    """Codex sends apply_patch as a custom (freeform) tool: the model sees a
+    function with one string argument, and its call comes back as a
+    custom_tool_call whose input is that string (streamed too); the call and
+    its output go back in as custom_tool_call / _output items."""
+    s["reply"] = '<tool_call>{"name": "apply_patch", "arguments": {"input": %s}}</tool_call>' % json.dumps(PATCH)
+    r = create(s, tools=CUSTOM + TOOLS)
+    (call,) = r.output
+    assert (call.type, call.name, call.input) == ("custom_tool_call", "apply_patch", PATCH)
+    with s["http"].stream("POST", "/v1/responses", json={"model": "m", "input": "patch", "tools": CUSTOM,
+                                                         "stream": True}) as resp:
+        events = [json.loads(ln[6:]) for ln in resp.iter_lines() if ln.startswith("data: ")]
+    kinds = [e["type"] for e in events]
+    assert "response.custom_tool_call_input.delta" in kinds and "response.function_call_arguments.delta" not in kinds
+    assert events[-1]["response"]["output"][0]["input"] == PATCH
+    # Sent back: the same history as a function call with {"input": ...} through the chat endpoint.
+    s["reply"] = "done"
+    create(s, tools=CUSTOM, input=[
+        {"role": "user", "content": "patch"},
+        {"type": "custom_tool_call", "call_id": "call_9", "name": "apply_patch", "input": PATCH},
+        {"type": "custom_tool_call_output", "call_id": "call_9", "output": "Done!"}])
+    via_responses = s["prompts"][-1]
+    s["client"].chat.completions.create(model="m", tools=[{"type": "function", "function": {
+        "name": "apply_patch", "description": "Apply a patch",
+        "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+                       "additionalProperties": False}}}], messages=[
+        {"role": "user", "content": "patch"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9", "type": "function", "function": {
+            "name": "apply_patch", "arguments": json.dumps({"input": PATCH})}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "Done!"}])
+    assert via_responses == s["prompts"][-1]
+    # Forced: held to {"input": string}.
+    s["reply"] = json.dumps({"input": PATCH})
+    r = create(s, tools=CUSTOM, tool_choice={"type": "custom", "name": "apply_patch"})
+    assert s["params"][-1].structured.json_schema["required"] == ["input"]
+    assert [(o.type, o.input) for o in r.output] == [("custom_tool_call", PATCH)]
+    r = s["http"].post("/v1/responses", json={"model": "m", "input": "hi", "tools": [{"type": "local_shell"}]})
+    assert r.status_code == 400 and "tool type 'local_shell' is not supported here" in r.text

@@ -16,14 +16,21 @@ of events:
     previous_response_id         -> that response's conversation first (kept
                                     in memory while store is true, LRU)
     tools (type function)        -> function tools; tool_choice likewise
+    tools (type custom: freeform input, Codex's apply_patch)
+                                 -> a function with one string argument,
+                                    `input`; its calls come back as
+                                    custom_tool_call items (custom_tool_call
+                                    / _output input items likewise)
     text.format                  -> response_format (json_schema / json_object)
     max_output_tokens            -> max_tokens (a reply cut there is
                                     status "incomplete", reason max_output_tokens)
 
 A conversation continued by previous_response_id renders to the same tokens
 it had, so the prefix cache serves it: only the new input is computed.
-Images, files and hosted tools (web_search, file_search, ...) are refused
-by name: the models served here read text and call the client's functions.
+Images, files, hosted tools (web_search, file_search, ...) and local_shell
+are refused by name: the models served here read text and call the
+client's function and custom tools. A custom tool's grammar (`format`) is
+not enforced on its input.
 """
 from __future__ import annotations
 
@@ -54,8 +61,15 @@ class FunctionTool(BaseModel):
 
 class NamedFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+
+
+# Custom (freeform) tools reach the model as a function with one string argument.
+CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
+                     "additionalProperties": False}
+HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+          "image_generation", "mcp")
 
 
 class TextFormat(BaseModel):
@@ -95,6 +109,10 @@ class ResponsesRequest(BaseModel):
     tool_wait_s: float | None = Field(default=None, ge=0)
     tool: str | None = None
 
+    @property
+    def custom_tools(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tools or [] if t.type == "custom")
+
     def input_messages(self) -> list[dict]:
         """`input` as chat messages (ValueError naming the item)."""
         if isinstance(self.input, str):
@@ -108,18 +126,21 @@ class ResponsesRequest(BaseModel):
                 if role not in ("user", "system", "developer", "assistant"):
                     raise ValueError(f"{where}: role must be user, system, developer or assistant, got {role!r}")
                 msgs.append({"role": role, "content": _text(item.get("content"), where)})
-            elif kind == "function_call":
-                for key in ("call_id", "name", "arguments"):
-                    if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
-                        raise ValueError(f"{where}: a function_call item needs {key} (a string)")
-                call = {"id": item.get("call_id"), "type": "function",
-                        "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"}}
+            elif kind in ("function_call", "custom_tool_call"):
+                argument = "arguments" if kind == "function_call" else "input"
+                for key in ("call_id", "name", argument):
+                    if not isinstance(item.get(key), str) or (key != argument and not item[key]):
+                        raise ValueError(f"{where}: a {kind} item needs {key} (a string)")
+                args = ((item["arguments"] or "{}") if kind == "function_call"
+                        else json.dumps({"input": item["input"]}))
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": args}}
                 last = msgs[-1] if msgs else None
                 if last is not None and last["role"] == "assistant":  # several calls, or text then calls: one turn
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            elif kind == "function_call_output":
+            elif kind in ("function_call_output", "custom_tool_call_output"):
                 out = item.get("output")
                 msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": out if isinstance(out, str) else _text(out, where + ".output")})
@@ -141,12 +162,15 @@ class ResponsesRequest(BaseModel):
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool}
         if self.tools:
             for i, t in enumerate(self.tools):
-                if t.type != "function" or not t.name:
-                    raise ValueError(f"tools.{i}: tool type {t.type!r} is a hosted tool, not supported here; "
-                                     "give function tools (type function, name, parameters)")
+                if t.type not in ("function", "custom"):
+                    what = "a hosted tool" if t.type.startswith(HOSTED) else "not supported here"
+                    raise ValueError(f"tools.{i}: tool type {t.type!r} is {what}; give function or custom tools")
+                if not t.name:
+                    raise ValueError(f"tools.{i}: a {t.type} tool needs a name")
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description,
-                "parameters": t.parameters or {"type": "object", "properties": {}}}} for t in self.tools]
+                "parameters": CUSTOM_PARAMETERS if t.type == "custom"
+                else t.parameters or {"type": "object", "properties": {}}}} for t in self.tools]
         tc = self.tool_choice
         if tc is not None:
             body["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
@@ -198,15 +222,15 @@ class ResponseStore:
 
 
 # ------------------------------------------------------------------ replies
-def _items(chat_message: dict) -> list[dict]:
+def _items(chat_message: dict, custom: frozenset[str]) -> list[dict]:
     """Output items of a finished reply: its text as a message, each call
-    as a function_call."""
+    as a function_call (custom_tool_call for a custom tool)."""
     msg = chat_message["message"]
     out = []
     if msg["content"]:
         out.append(_message_item(msg["content"], "completed"))
     for call in msg.get("tool_calls") or []:
-        out.append(_call_item(call, "completed"))
+        out.append(_call_item(call, "completed", custom))
     return out
 
 
@@ -215,9 +239,14 @@ def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}] if text is not None else []}
 
 
-def _call_item(call: dict, status: str) -> dict:
-    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+def _call_item(call: dict, status: str, custom: frozenset[str]) -> dict:
+    name, args, key = call["function"]["name"], call["function"]["arguments"], call["id"].removeprefix("call_")
+    if name in custom:  # its one argument is the freeform input
+        value = json.loads(args).get("input")
+        return {"type": "custom_tool_call", "id": "ctc_" + key, "call_id": call["id"], "name": name,
+                "input": value if isinstance(value, str) else json.dumps(value)}
+    return {"type": "function_call", "id": "fc_" + key, "call_id": call["id"], "name": name, "arguments": args,
+            "status": status}
 
 
 def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instructions: bool) -> list[dict]:
@@ -226,8 +255,10 @@ def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instr
     message when given), then the reply's output items as one assistant turn."""
     msgs = [m.model_dump(exclude_none=True) for m in req.messages][1 if has_instructions else 0:]
     text = "".join(c["text"] for it in output if it["type"] == "message" for c in it["content"])
-    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in output if it["type"] == "function_call"]
+    calls = [{"id": it["call_id"], "type": "function", "function": {
+        "name": it["name"],
+        "arguments": it["arguments"] if it["type"] == "function_call" else json.dumps({"input": it["input"]})}}
+        for it in output if it["type"] in ("function_call", "custom_tool_call")]
     reply = {"role": "assistant", "content": text or None}
     if calls:
         reply["tool_calls"] = calls
@@ -239,6 +270,7 @@ class Shell:
 
     def __init__(self, body: ResponsesRequest, model: str) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
+        self.custom = body.custom_tools
         self.created_at = int(time.time())
         self.fields = {
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
@@ -273,7 +305,7 @@ def usage(final: RequestOutput) -> dict:
 
 
 def response(shell: Shell, final: RequestOutput, chat_message: dict) -> dict:
-    return shell.response(status_of(final), _items(chat_message), final)
+    return shell.response(status_of(final), _items(chat_message, shell.custom), final)
 
 
 async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None) -> AsyncIterator[str]:
@@ -327,15 +359,18 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None)
             if text_item is not None and text_item["status"] == "in_progress":
                 for e in close_text():
                     yield e
-            item = _call_item(call, "in_progress")
+            item = _call_item(call, "in_progress", shell.custom)
             output.append(item)
             idx = len(output) - 1
-            yield event("response.output_item.added", {"output_index": idx, "item": {**item, "arguments": ""}})
-            yield event("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx,
-                                                                   "delta": item["arguments"]})
-            yield event("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
-                                                                  "arguments": item["arguments"]})
-            item["status"] = "completed"
+            # The call streams whole: its arguments (a custom tool's input) as one delta.
+            kind, field = (("function_call_arguments", "arguments") if item["type"] == "function_call"
+                           else ("custom_tool_call_input", "input"))
+            yield event("response.output_item.added", {"output_index": idx, "item": {**item, field: ""}})
+            yield event(f"response.{kind}.delta", {"item_id": item["id"], "output_index": idx,
+                                                   "delta": item[field]})
+            yield event(f"response.{kind}.done", {"item_id": item["id"], "output_index": idx, field: item[field]})
+            if "status" in item:
+                item["status"] = "completed"
             yield event("response.output_item.done", {"output_index": idx, "item": item})
     final = tap.last
     if final is None or not final.finished:

@@ -73,3 +73,17 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             return None
+
+
+def agent_turns(call_id: str) -> list[dict]:
+    """The chat messages of a short agent exchange (system, a user turn in
+    two lines, a text + run_tests call, its result, a follow-up): what the
+    translated APIs' tests render the same conversation against."""
+    return [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Run the tests\nin tests/."},
+        {"role": "assistant", "content": "Running.", "tool_calls": [
+            {"id": call_id, "type": "function",
+             "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "3 passed"},
+        {"role": "user", "content": "Summarise."}]

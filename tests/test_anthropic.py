@@ -13,6 +13,7 @@ import json
 
 import anthropic
 import pytest
+from server_util import agent_turns
 
 from trajserve.server.tool_calls import hermes_text
 
@@ -65,14 +66,7 @@ def test_the_prompt_is_the_chat_endpoints_for_the_same_conversation(s):
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "3 passed"}]},
             {"type": "text", "text": "Summarise."}]}])
     via_messages = s["prompts"][-1]
-    s["client"].chat.completions.create(model="m", tools=OPENAI_TOOLS, messages=[
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Run the tests\nin tests/."},
-        {"role": "assistant", "content": "Running.", "tool_calls": [
-            {"id": "toolu_1", "type": "function",
-             "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}]},
-        {"role": "tool", "tool_call_id": "toolu_1", "content": "3 passed"},
-        {"role": "user", "content": "Summarise."}])
+    s["client"].chat.completions.create(model="m", tools=OPENAI_TOOLS, messages=agent_turns("toolu_1"))
     assert via_messages == s["prompts"][-1]
     text = s["tok"].decode(via_messages, skip_special_tokens=False)
     assert "dropped" not in text and hermes_text("run_tests", {"path": "tests/"}) in text

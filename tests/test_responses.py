@@ -11,6 +11,7 @@ import json
 
 import openai
 import pytest
+from server_util import agent_turns
 
 CALL = '<tool_call>\n{"name": "run_tests", "arguments": {"path": "tests/", "k": 3}}\n</tool_call>'
 TOOLS = [{"type": "function", "name": "run_tests", "description": "Run the test suite",
@@ -50,14 +51,7 @@ def test_the_prompt_is_the_chat_endpoints_for_the_same_conversation(s):
         {"type": "function_call_output", "call_id": "call_1", "output": "3 passed"},
         {"type": "message", "role": "user", "content": "Summarise."}])
     via_responses = s["prompts"][-1]
-    s["client"].chat.completions.create(model="m", tools=CHAT_TOOLS, messages=[
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": "Run the tests\nin tests/."},
-        {"role": "assistant", "content": "Running.", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "3 passed"},
-        {"role": "user", "content": "Summarise."}])
+    s["client"].chat.completions.create(model="m", tools=CHAT_TOOLS, messages=agent_turns("call_1"))
     assert via_responses == s["prompts"][-1]
 
 

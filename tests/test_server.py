@@ -395,12 +395,18 @@ def test_full_admission_queue_is_429_with_retry_after():
         long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
                 "ignore_eos": True}
 
+        async def until(name: str, value: float) -> None:
+            # The state itself, not a sleep: on a loaded machine the first
+            # request may not have been admitted a second later.
+            while s.metrics()[name] != value:
+                await asyncio.sleep(0.05)
+
         async def run():
             async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:
                 first = asyncio.create_task(c.post("/v1/completions", json=long))
-                await asyncio.sleep(1.0)
+                await asyncio.wait_for(until("trajserve_num_requests_running", 1), 120)
                 second = asyncio.create_task(c.post("/v1/completions", json=long))
-                await asyncio.sleep(1.0)
+                await asyncio.wait_for(until("trajserve_num_requests_waiting", 1), 120)
                 third = await c.post("/v1/completions", json=long)
                 first.cancel()
                 second.cancel()

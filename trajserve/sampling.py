@@ -89,11 +89,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+        if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         # The seed goes to torch.Generator.manual_seed, which takes 64 bits:
         # checked here, a bigger one would fail inside a step, for everyone.

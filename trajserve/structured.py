@@ -16,6 +16,8 @@ use); the mask is applied in model/sampler.py.
 from __future__ import annotations
 
 import json as _json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,9 +76,6 @@ class GrammarCompiler:
     (`LLMEngine.prepare_structured`) and the engine thread only copies."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 64) -> None:
-        import threading
-        from collections import OrderedDict
-
         self._tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
         self._lltok = None
         self._cache: OrderedDict[str, Any] = OrderedDict()

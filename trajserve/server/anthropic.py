@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server.protocol import ChatCompletionRequest
-from trajserve.server.tap import Tap
+from trajserve.server.tap import Tap, sse_event
 
 # Anthropic's error types by HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -214,6 +214,15 @@ def _chat_messages(m: Message, where: str) -> list[dict]:
 
 
 # ------------------------------------------------------------------ replies
+def too_long(prompt_tokens: int, max_model_len: int, detail: str) -> str:
+    """A prompt over the context in Anthropic's words: clients written for it
+    (Claude Code) compact their history on a message that starts so."""
+    limit = max_model_len - 1  # one token must be left to generate
+    if prompt_tokens > limit:
+        return f"prompt is too long: {prompt_tokens} tokens > {limit} maximum"
+    return f"prompt is too long: {prompt_tokens} tokens; {detail}"  # it is the KV pool that is short
+
+
 def usage(final: RequestOutput | None, output_tokens: int) -> dict:
     prompt = len(final.prompt_token_ids) if final else 0
     cached = final.num_cached_tokens if final else 0
@@ -259,45 +268,42 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
     _delta / _stop (text as it comes; a tool call whole, its input as one
     input_json_delta), message_delta with the stop reason and usage,
     message_stop."""
-    def event(name: str, data: dict) -> str:
-        return f"event: {name}\ndata: {json.dumps({'type': name, **data})}\n\n"
-
     blocks, text_open, called, started = 0, False, False, False
     async for chunk in chunks:
         if not chunk["choices"]:
             continue
         if not started:  # the first output: the prompt has been computed, cached tokens are known
             started = True
-            yield event("message_start", {"message": {
+            yield sse_event("message_start", {"message": {
                 "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
                 "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(tap.last, 0)}})
-            yield event("ping", {})
+            yield sse_event("ping", {})
         delta = chunk["choices"][0]["delta"]
         if delta.get("content"):
             if not text_open:
                 text_open = True
-                yield event("content_block_start", {"index": blocks, "content_block": {"type": "text", "text": ""}})
-            yield event("content_block_delta", {"index": blocks, "delta": {"type": "text_delta",
+                yield sse_event("content_block_start", {"index": blocks, "content_block": {"type": "text", "text": ""}})
+            yield sse_event("content_block_delta", {"index": blocks, "delta": {"type": "text_delta",
                                                                            "text": delta["content"]}})
         for call in delta.get("tool_calls") or []:
             if text_open:
                 text_open = False
-                yield event("content_block_stop", {"index": blocks})
+                yield sse_event("content_block_stop", {"index": blocks})
                 blocks += 1
             block = _tool_use(call)
             args = json.dumps(block["input"])
-            yield event("content_block_start", {"index": blocks, "content_block": {**block, "input": {}}})
-            yield event("content_block_delta", {"index": blocks, "delta": {"type": "input_json_delta",
+            yield sse_event("content_block_start", {"index": blocks, "content_block": {**block, "input": {}}})
+            yield sse_event("content_block_delta", {"index": blocks, "delta": {"type": "input_json_delta",
                                                                            "partial_json": args}})
-            yield event("content_block_stop", {"index": blocks})
+            yield sse_event("content_block_stop", {"index": blocks})
             blocks += 1
             called = True
     if not started or tap.last is None or not tap.last.finished:
         return  # the client went away, or the request ended without output
     if text_open:
-        yield event("content_block_stop", {"index": blocks})
+        yield sse_event("content_block_stop", {"index": blocks})
     c = tap.last.outputs[0]
     reason, seq = stop_reason(c, called, max_tokens)
-    yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+    yield sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
                                   "usage": usage(tap.last, len(c.token_ids))})
-    yield event("message_stop", {})
+    yield sse_event("message_stop", {})

@@ -38,7 +38,7 @@ from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server import anthropic, responses
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull, StepFailed
 from trajserve.server.body_cap import BodyCap
-from trajserve.server.tap import Tap
+from trajserve.server.tap import Tap, sse_event
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
@@ -203,9 +203,11 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                                 f"and the prompt has {n_prompt:,} ({sp.max_tokens:,} > {limit:,} - {n_prompt:,})",
                            param="max_tokens", code="context_length_exceeded")
 
-    async def start(prompt, sp, salt, request: Request, stream: bool) -> AsyncIterator[RequestOutput]:
+    async def start(prompt, sp, salt, request: Request, stream: bool, param: str = "messages"
+                    ) -> AsyncIterator[RequestOutput]:
         """Queue the request now (so bad input fails before a stream starts)
-        and return its output iterator."""
+        and return its output iterator. param: the request's prompt field
+        (named by a context error)."""
         try:
             gen = aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected)
             first = await anext(gen)
@@ -216,15 +218,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             raise APIError(503, str(e), "server_error") from None
         except ValueError as e:
             code = "context_length_exceeded" if "tokens" in str(e) else None
-            param = {"/v1/completions": "prompt", "/v1/responses": "input"}.get(request.url.path, "messages")
-            message = str(e)
-            if code and request.url.path.startswith("/v1/messages"):
-                # Anthropic's wording: clients written for it (Claude Code) compact
-                # their history on a message that starts "prompt is too long".
-                n, limit = len(prompt), engine.max_model_len - 1
-                message = (f"prompt is too long: {n} tokens > {limit} maximum" if n > limit
-                           else f"prompt is too long: {n} tokens; {message}")
-            raise APIError(400, message, param=param if code else None, code=code) from None
+            raise APIError(400, str(e), param=param if code else None, code=code) from None
 
         async def chained():
             yield first
@@ -307,7 +301,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         sess = await begin_session(req, request, len(prompts))
         if req.stream:
             try:
-                outs = await start(prompts[0], sp, req.cache_salt, request, True)
+                outs = await start(prompts[0], sp, req.cache_salt, request, True, "prompt")
             except APIError:
                 end_session(sess, None, req)
                 raise
@@ -317,7 +311,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         async def one(p):
             final = None
             try:
-                final = await _last(await start(p, sp, req.cache_salt, request, False))
+                final = await _last(await start(p, sp, req.cache_salt, request, False, "prompt"))
                 return final
             finally:
                 end_session(sess, final, req)
@@ -411,26 +405,19 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         return {"id": rid, "object": "chat.completion", "created": created, "model": reply_model(req),
                 "choices": choices, "usage": _usage([final])}
 
-    def messages_chat(body: anthropic.CountTokensRequest) -> ChatCompletionRequest:
-        try:
-            return body.to_chat()
-        except ValueError as e:  # pydantic's ValidationError is one
-            raise APIError(400, str(e)) from None
-
     @app.post("/v1/messages")
     async def messages(body: anthropic.MessagesRequest, request: Request):
-        req = messages_chat(body)
-        outs = Tap(await open_chat(req, request, room_checked=False))
+        req = _translated(body.to_chat)
+        try:
+            outs = Tap(await open_chat(req, request, room_checked=False))
+        except APIError as e:
+            if e.code == "context_length_exceeded":  # in Anthropic's words (error path: rendered again)
+                e.message = anthropic.too_long(len(render_chat(req)), engine.max_model_len, e.message)
+            raise
         if req.stream:
             chunks = _chat_chunks(outs, "", 0, body.model, req, tok, calls_format)
-
-            async def events():
-                try:
-                    async for event in anthropic.events(chunks, outs, body.model, body.max_tokens):
-                        yield event
-                except (StepFailed, EngineDead) as e:  # the headers went out: Anthropic's error event
-                    yield f"event: error\ndata: {json.dumps(anthropic.error_body(500, str(e)))}\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens),
+                                 lambda e: sse_event("error", anthropic.error_body(500, e)))
         final = await _last(outs)
         if final is None:
             return Response(status_code=499)
@@ -451,10 +438,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     async def create_response(body: responses.ResponsesRequest, request: Request):
         history = stored(body.previous_response_id, "previous_response_id")[1] \
             if body.previous_response_id is not None else []
-        try:
-            req = body.to_chat(history)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        req = _translated(body.to_chat, history)
         shell = responses.Shell(body, body.model or served_model_name)
         try:
             outs = Tap(await open_chat(req, request))
@@ -468,14 +452,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                 store.put(resp, responses.conversation_after(req, resp["output"], bool(body.instructions)))
         if req.stream:
             chunks = _chat_chunks(outs, "", 0, shell.fields["model"], req, tok, calls_format)
-
-            async def events():
-                try:
-                    async for event in responses.events(chunks, outs, shell, keep):
-                        yield event
-                except (StepFailed, EngineDead) as e:  # the headers went out: an error event
-                    yield f"event: error\ndata: {json.dumps({'type': 'error', 'message': str(e)})}\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(responses.events(chunks, outs, shell, keep),
+                                 lambda e: sse_event("error", {"message": e}))
         final = await _last(outs)
         if final is None:
             return Response(status_code=499)
@@ -495,7 +473,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: anthropic.CountTokensRequest):
-        req = messages_chat(body)
+        req = _translated(body.to_chat)
         check_model(req.model)
         return {"input_tokens": len(render_chat(req))}
 
@@ -590,16 +568,38 @@ def _call_stream(req: ChatCompletionRequest, fmt: str):
     return call_stream(fmt) if req.parses_tool_calls else None
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _translated(to_chat, *args) -> ChatCompletionRequest:
+    """Another API's request as the chat request (a 400 naming what cannot
+    be translated; pydantic's ValidationError is a ValueError)."""
+    try:
+        return to_chat(*args)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _event_stream(events: AsyncIterator[str], error_event) -> StreamingResponse:
+    """Server-sent events; a request that fails after the headers went out
+    (its step raised, the engine stopped) ends with error_event(message)."""
     async def body():
         try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except (StepFailed, EngineDead) as e:  # the headers went out long ago: the error is an event (as vLLM)
-            error = {"message": str(e), "type": "server_error", "param": None, "code": None}
-            yield f"data: {json.dumps({'error': error})}\n\n"
-        yield "data: [DONE]\n\n"
+            async for event in events:
+                yield event
+        except (StepFailed, EngineDead) as e:
+            yield error_event(str(e))
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    """OpenAI's stream: data lines, [DONE]; an error is a data line too (as vLLM)."""
+    async def lines():
+        async for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def error(message: str) -> str:
+        body = {"message": message, "type": "server_error", "param": None, "code": None}
+        return f"data: {json.dumps({'error': body})}\n\ndata: [DONE]\n\n"
+    return _event_stream(lines(), error)
 
 
 def _new_logprobs(c: CompletionOutput, sent: dict[int, int]) -> tuple[list[int], list] | None:

@@ -45,7 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trajserve.outputs import RequestOutput
 from trajserve.server.protocol import ChatCompletionRequest
-from trajserve.server.tap import Tap
+from trajserve.server.tap import Tap, sse_event
 
 STORE_LIMIT = 4096  # stored responses (oldest dropped first): previous_response_id reaches these
 
@@ -234,9 +234,9 @@ def _items(chat_message: dict, custom: frozenset[str]) -> list[dict]:
     return out
 
 
-def _message_item(text: str, status: str, item_id: str | None = None) -> dict:
-    return {"type": "message", "id": item_id or f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if text is not None else []}
+def _message_item(text: str, status: str) -> dict:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
 def _call_item(call: dict, status: str, custom: frozenset[str]) -> dict:
@@ -319,7 +319,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None)
     def event(kind: str, data: dict) -> str:
         nonlocal seq
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
+        return sse_event(kind, {"sequence_number": seq - 1, **data})
 
     yield event("response.created", {"response": shell.response("in_progress", [])})
     yield event("response.in_progress", {"response": shell.response("in_progress", [])})

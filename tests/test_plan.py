@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from trajserve.config import ModelConfig
@@ -396,6 +396,9 @@ def test_interpolation_refuses_to_extrapolate():
 
 
 @settings(max_examples=200, deadline=None)
+# A prompt shared whole with no output: eq. 7's private part is 0 blocks and
+# B had no largest fit (max_trajectories returned 0); found on a fresh clone.
+@example(pool=1e6, m=1, prompt=1, output=0, block=1, headroom=0.0, share=1.0)
 @given(pool=st.floats(1e6, 1e12), m=st.integers(1, 400_000), prompt=st.integers(1, 200_000),
        output=st.integers(0, 5000), block=st.sampled_from([1, 8, 16, 32, 64]),
        headroom=st.floats(0, 0.5), share=st.floats(0, 1))
@@ -407,7 +410,8 @@ def test_max_trajectories_is_the_largest_fit(pool, m, prompt, output, block, hea
     def blocks(n):  # demand in blocks, eq. 7 with whole blocks
         if n == 0:
             return 0
-        return shared // block + n * concurrency.trajectory_blocks(prompt, output, shared, block)
+        served = min(shared, prompt - 1)  # a cache never serves the last prompt token
+        return served // block + n * concurrency.trajectory_blocks(prompt, output, shared, block)
 
     budget = concurrency.pool_blocks(pool, m, block, headroom)
     assert b >= 0

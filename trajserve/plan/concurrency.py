@@ -47,9 +47,16 @@ def shared_prefix_blocks(shared_tokens: int, block_size: int) -> int:
     return shared_tokens // block_size  # only full blocks are shared
 
 
+def served_tokens(prompt: int, shared_tokens: int) -> int:
+    """The shared tokens a cache can serve: never the whole prompt, whose
+    last token is computed for its logits. (With sigma = 1 and one output
+    token eq. 7 would leave a trajectory no private block, and B no bound.)"""
+    return min(shared_tokens, prompt - 1)
+
+
 def trajectory_blocks(prompt: int, output: int, shared_tokens: int, block_size: int) -> int:
     """Private blocks of one trajectory: (1 - sigma) M + K of eq. 7, in blocks."""
-    shared = shared_prefix_blocks(shared_tokens, block_size) * block_size
+    shared = shared_prefix_blocks(served_tokens(prompt, shared_tokens), block_size) * block_size
     return blocks_for(stored_tokens(prompt, output) - shared, block_size)
 
 
@@ -69,7 +76,8 @@ def max_trajectories(pool_bytes: float, m_token: float, prompt: int, output: int
     """
     if shared_tokens > prompt:
         raise ValueError(f"shared prefix ({shared_tokens} tokens) is longer than the context ({prompt} tokens)")
-    free = pool_blocks(pool_bytes, m_token, block_size, headroom) - shared_prefix_blocks(shared_tokens, block_size)
+    free = (pool_blocks(pool_bytes, m_token, block_size, headroom)
+            - shared_prefix_blocks(served_tokens(prompt, shared_tokens), block_size))
     per = trajectory_blocks(prompt, output, shared_tokens, block_size)
     if free <= 0 or per <= 0:
         return 0

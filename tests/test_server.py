@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -435,6 +436,118 @@ def test_bench_serve_shared_prefix_and_agent(server):
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["successful_requests"] == 4 and res["cached_prompt_tokens"] > 0
+
+
+# ------------------------------------------- a server with keys and limits
+KEY = "sk-test-4f1c"
+EXAMPLE_TEMPLATE = str(Path(__file__).resolve().parents[1] / "examples" / "chatml_tools.jinja")
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    """--api-key, small session limits, and the example tools template."""
+    s = ServerProcess("--dtype", "float32", "--num-blocks", "256", "--served-model-name", MODEL,
+                      "--api-key", KEY, "--max-sessions", "2", "--session-ttl", "6",
+                      "--chat-template", EXAMPLE_TEMPLATE)
+    yield s
+    s.close()
+
+
+def test_api_key_guards_the_v1_routes_only(keyed_server):
+    """OpenAI clients send the key as a bearer token, Anthropic's as
+    x-api-key; a wrong or missing one is a 401 in each API's error shape,
+    also for a /v1 path that does not exist. Probes, scrapes, tokenize and
+    CORS preflights carry no key and pass."""
+    url = keyed_server.url
+    ok = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    assert ok.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
+    with pytest.raises(openai.AuthenticationError) as e:
+        openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    for path in ("/v1/models", "/v1/no-such-route"):
+        r = httpx.get(url + path)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"], (path, r.text)
+    r = httpx.post(url + "/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": []},
+                   headers={"x-api-key": "sk-wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    anthropic = pytest.importorskip("anthropic")
+    reply = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120).messages.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Hi"}])
+    assert reply.usage.output_tokens == 1
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(url + path).status_code == 200, path
+    assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 200
+    pre = httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"]
+
+
+def test_chat_template_flag_renders_tools(keyed_server):
+    """--chat-template replaces the model's template everywhere the server
+    renders a chat: the tools a request sends reach the prompt."""
+    tools = [{"type": "function", "function": {"name": "run_tests", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Run the tests."}]
+    with_tools = httpx.post(keyed_server.url + "/tokenize", json={"messages": msgs, "tools": tools}).json()
+    plain = httpx.post(keyed_server.url + "/tokenize", json={"messages": msgs}).json()
+    text = httpx.post(keyed_server.url + "/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]
+    assert '"name": "run_tests"' in text and "<tools>" in text and with_tools["count"] > plain["count"]
+
+
+def test_session_records_expire_by_idle_time_and_by_count(keyed_server):
+    """--max-sessions 2: a third session closes the least recently active;
+    --session-ttl 6: idle records close on their own (the loop ticks while
+    idle), /metrics counts both, and a later turn under an expired id simply
+    starts a new record."""
+    url, auth = keyed_server.url, {"Authorization": f"Bearer {KEY}"}
+
+    def turn(sid: str) -> None:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": SYSTEM + sid, "max_tokens": 2,
+                                                       "temperature": 0, "session_id": sid}, headers=auth,
+                       timeout=120)
+        assert r.status_code == 200, r.text
+
+    def present(sid: str) -> bool:
+        return httpx.get(url + f"/v1/sessions/{sid}", headers=auth).status_code == 200
+
+    for sid in ("s1", "s2", "s3"):
+        turn(sid)
+    assert [present(x) for x in ("s1", "s2", "s3")] == [False, True, True]
+    assert keyed_server.metrics()['trajserve_sessions_expired_total{reason="cap"}'] == 1
+    deadline = time.monotonic() + 60
+    while present("s3") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    m = keyed_server.metrics()
+    assert not present("s2") and not present("s3")
+    assert m['trajserve_sessions_expired_total{reason="idle"}'] == 2 and m["trajserve_sessions"] == 0
+    turn("s1")
+    assert httpx.get(url + "/v1/sessions/s1", headers=auth).json()["turns"] == 1
+
+
+# ------------------------------------------------------- tokenize, version
+def test_tokenize_and_detokenize(server, client, engine_f32):
+    """vLLM's /tokenize: a prompt as /v1/completions encodes it, messages as
+    /v1/chat/completions renders them (the count is the chat's
+    prompt_tokens); /detokenize gives the text back."""
+    tok = engine_f32.tokenizer
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello, world", "return_token_strs": True})
+    body = r.json()
+    assert body["tokens"] == tok.encode("Hello, world") and body["count"] == len(body["tokens"])
+    assert body["token_strs"] == [tok.id_to_token(i) for i in body["tokens"]] and body["max_model_len"] > 0
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which tool first?"}]
+    counted = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
+    reply = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    assert counted["count"] == reply.usage.prompt_tokens and counted["token_strs"] is None
+    back = httpx.post(server.url + "/detokenize", json={"tokens": counted["tokens"]}).json()["prompt"]
+    assert back == tok.apply_chat_template(msgs)  # specials included
+    for path, body, words in (("/tokenize", {}, "either prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": msgs}, "not both"),
+                              ("/tokenize", {"prompt": "a", "model": "gpt-9"}, "gpt-9"),
+                              ("/detokenize", {"tokens": [1, 10**9]}, "outside the vocabulary")):
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code in (400, 404) and words in r.json()["error"]["message"], (path, body, r.text)
+    v = httpx.get(server.url + "/version").json()["version"]
+    assert v and v != "unknown"
 
 
 # ------------------------------------------------------------ agent sessions

@@ -7,19 +7,25 @@ hit on stale blocks fails the test at once."""
 import random
 import time
 
+import pytest
+
 from standin_engine import VOCAB, StandInEngine, reference_reply
 from trajserve.engine.session import SessionManager, SessionState
 from trajserve.kv.keep_policy import Decision
 from trajserve.sampling import SamplingParams
 
 
-def test_200_sessions_with_random_pauses_forks_and_closes(tmp_path):
+@pytest.mark.parametrize("max_sessions", [None, 12])
+def test_200_sessions_with_random_pauses_forks_and_closes(tmp_path, max_sessions):
+    """With max_sessions=12 the manager also closes the least recently
+    active sessions (paused, saved, or idle) under the test's feet."""
     rng = random.Random(7)
     B = 4
     eng = StandInEngine(num_blocks=96, block_size=B)
     # Host room for ~2 sessions' state: offloads fall back to disk, then drop.
     block_bytes = eng.runner.pool[0].numel() * 4
-    mgr = SessionManager(eng, host_bytes=40 * block_bytes, disk_dir=str(tmp_path), disk_bytes=200 * block_bytes)
+    mgr = SessionManager(eng, host_bytes=40 * block_bytes, disk_dir=str(tmp_path), disk_bytes=200 * block_bytes,
+                         max_sessions=max_sessions)
     preamble = [rng.randrange(VOCAB) for _ in range(24)]
     live: list = []
     opened = pauses = 0
@@ -32,6 +38,10 @@ def test_200_sessions_with_random_pauses_forks_and_closes(tmp_path):
             live.append(s)
             continue
         s = rng.choice(live)
+        if s.state is SessionState.CLOSED:  # closed by max_sessions
+            assert s.expired == "cap"
+            live.remove(s)
+            continue
         if s.state is SessionState.PAUSED:
             if rng.random() < 0.15:  # cancelled while its tool ran
                 s.close()
@@ -59,12 +69,16 @@ def test_200_sessions_with_random_pauses_forks_and_closes(tmp_path):
             out = s.generate(SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             assert out.outputs[0].token_ids == reference_reply(before, n)
         eng.kv.pool.check()
+        # tick() looks only at the watched sessions: every paused or copying one must be there.
+        assert all(x.session_id in mgr._watched for x in mgr.sessions.values()
+                   if x.state is SessionState.PAUSED or x.copy is not None)
     st = mgr.metrics()
     # Every pause, and every move of kept state down a tier (lease or pressure), is one decision.
     assert sum(st["keep_decisions"].values()) == pauses + st["lease_demotions"] + st["pressure_demotions"]
     assert st["sessions"] == 0 and st["host_bytes"] == 0 and st["disk_bytes"] == 0
     assert st["swap_out_bytes"] > 0 and st["swap_in_bytes"] > 0
     assert set(st["keep_decisions"]) >= {"keep", "host", "disk", "drop"}
+    assert (st["expired"]["cap"] > 0) == (max_sessions is not None)
     assert not eng.kv.tables and not eng.reqs
     eng.kv.clear_cache()
     assert eng.kv.pool.num_free == eng.kv.num_blocks

@@ -19,6 +19,7 @@ from trajserve.model.tokenizer import (
     Tokenizer,
     _pre_tokenizer,
     load_tokenizer,
+    read_chat_template,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -202,6 +203,51 @@ def test_template_helpers_and_sandbox(ours: Tokenizer) -> None:
 
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(ours.backend, bos_token=None, eos_token=None).apply_chat_template([])
+
+
+def test_read_chat_template_from_a_file_or_text(tmp_path: Path, ours: Tokenizer) -> None:
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert read_chat_template(str(f)) == f.read_text()
+    assert read_chat_template("<{{ messages | length }}>") == "<{{ messages | length }}>"
+    with pytest.raises(ValueError, match=r"no such file, and not a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match=r"line 2: unexpected"):  # a syntax error stops start-up, naming its line
+        read_chat_template("{% for m in messages %}\n{{ m.content }")
+    # Replacing a tokenizer's template replaces what it renders (the compiled one is dropped).
+    t = _tiny_template_tokenizer(ours, "A{{ messages | length }}")
+    assert t.apply_chat_template([]) == "A0"
+    t.chat_template = read_chat_template("B{{ messages | length }}")
+    assert t.apply_chat_template([]) == "B0"
+
+
+EXAMPLE_TEMPLATE = Path(__file__).resolve().parents[1] / "examples" / "chatml_tools.jinja"
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_example_tools_template_is_the_model_template_plus_tools(ours: Tokenizer, messages) -> None:
+    """examples/chatml_tools.jinja renders a conversation without tools as
+    SmolLM2's own template does (so nothing changes for plain chats), and
+    with tools lists them and writes calls as the model emits them (Hermes
+    <tool_call> JSON, as server/tool_calls.py parses and writes them)."""
+    from trajserve.server.tool_calls import hermes_text
+
+    t = Tokenizer(ours.backend, bos_token=ours.bos_token, eos_token=ours.eos_token,
+                  chat_template=read_chat_template(str(EXAMPLE_TEMPLATE)))
+    for gen in (True, False):
+        assert t.apply_chat_template(messages, add_generation_prompt=gen) == \
+            ours.apply_chat_template(messages, add_generation_prompt=gen)
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "read_file", "arguments": {"path": p}}}
+             for i, p in enumerate(["a.py", "b.py"])]
+    turns = [*messages, {"role": "assistant", "content": "Reading.", "tool_calls": calls},
+             {"role": "tool", "tool_call_id": "c0", "content": "x = 1"}]
+    text = t.apply_chat_template(turns, tools=[tool])
+    assert json.dumps(tool) in text.split("<|im_end|>")[0]  # listed in the system turn
+    written = "\n".join(hermes_text("read_file", c["function"]["arguments"]) for c in calls)
+    assert f"<|im_start|>assistant\nReading.{written}<|im_end|>\n<|im_start|>tool\nx = 1<|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")
 
 
 # ---------------------------------------------------------------- HF directory

@@ -13,6 +13,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
+                   help="a Jinja chat template (a file, or the template itself) in place of the model's, "
+                        "e.g. one that renders tools")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32")
     g.add_argument("--kv-cache-memory", default=None,
@@ -47,7 +50,7 @@ def make_llm(args: argparse.Namespace):
                max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
                seed=args.seed, num_threads=args.threads, enable_prefix_caching=args.prefix_caching,
                host_cache=args.kv_host_cache, disk_cache=args.kv_disk_cache, disk_cache_dir=args.kv_disk_dir,
-               cpu_kernels=args.cpu_kernels)
+               cpu_kernels=args.cpu_kernels, chat_template=args.chat_template)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -177,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="admission queue limit; a request beyond it gets 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body cap (413 above it)")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="/v1 routes want one of these keys (Authorization: Bearer KEY, or x-api-key: KEY); "
+                        "default: $TRAJSERVE_API_KEY if set, else no key")
+    s.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="close a session (and free its saved KV state) after this long without a turn, pause or "
+                        "resume; 0: never (default 3600)")
+    s.add_argument("--max-sessions", type=int, default=4096,
+                   help="open session records; one more closes the least recently active (0: no limit)")
     s.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
                    help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
                         "for Qwen, Llama 3's JSON form)")

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.engine.memory import parse_bytes
+from trajserve.model.tokenizer import read_chat_template
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
 
@@ -29,7 +30,10 @@ class LLM:
                  memory_fraction: float = 0.25, seed: int = 0, num_threads: int | None = None,
                  enable_prefix_caching: bool = True, host_cache: str | int | None = None,
                  disk_cache: str | int | None = None, disk_cache_dir: str | None = None,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, chat_template: str | None = None) -> None:
+        """chat_template: a Jinja chat template (its text or a file's path)
+        in place of the model's own, e.g. one that renders tools."""
+        template = read_chat_template(chat_template) if chat_template is not None else None  # before loading
         cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                             kv_cache_memory=parse_bytes(kv_cache_memory, "kv_cache_memory (--kv-cache-memory)"),
                             memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
@@ -43,6 +47,8 @@ class LLM:
                                              num_threads=num_threads, cpu_kernels=cpu_kernels,
                                              cache=cache, scheduler=sched))
         self.tokenizer = self.engine.tokenizer
+        if template is not None:
+            self.tokenizer.chat_template = template
         self._sessions = None
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

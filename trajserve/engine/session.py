@@ -47,7 +47,7 @@ import math
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -105,6 +105,8 @@ class Session:
     hold: RadixNode | None = None  # pins the device frames a copy reads or writes
     saving: tuple[Decision, int] | None = None  # a save's target tier and reserved bytes
     importing: tuple[MatchResult, list[int]] | None = None  # a prefetch's blocks, adopted when it lands
+    last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
+    expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
 
     @property
     def saved_blocks(self) -> int:
@@ -150,13 +152,20 @@ class SessionStats:
     resume_stall_s: float = 0.0  # time resumed turns waited for their state (loads not hidden)
     reload_hidden_s: float = 0.0  # copy time of resume reloads hidden behind the turn's prefill
     reload_no_room: int = 0  # reloads given up because the pool had no room (the turn recomputes)
+    expired: Counter = field(default_factory=Counter)  # sessions closed by the manager: "idle" / "cap"
 
 
 class SessionManager:
     def __init__(self, engine: LLMEngine, policy: KeepPolicy | None = None,
                  host_bytes: int = 2 * 2**30, disk_dir: str | None = None, disk_bytes: int = 8 * 2**30,
                  waits: WaitEstimator | None = None, prefetch_fraction: float = 0.8,
-                 overlap_reload: bool = True) -> None:
+                 overlap_reload: bool = True, idle_ttl_s: float | None = None,
+                 max_sessions: int | None = None) -> None:
+        """idle_ttl_s: a session with no turn, pause or resume for this long is
+        closed (its saved state freed); max_sessions: opening one more closes
+        the least recently active. Both off by default, for callers that hold
+        their Session objects; the server sets them (--session-ttl,
+        --max-sessions), since its clients need not say when they are done."""
         if engine.kv.radix is None:
             raise ValueError("sessions keep their state in the prefix cache: enable prefix caching")
         if engine.kv.reclaimer is not None:
@@ -170,7 +179,19 @@ class SessionManager:
         self.host = HostKVStore(host_bytes)
         self._tmp = None if disk_dir else tempfile.TemporaryDirectory(prefix="trajserve-kv-")
         self.disk = DiskKVStore(disk_dir or self._tmp.name, disk_bytes)
-        self.sessions: dict[str, Session] = {}
+        if idle_ttl_s is not None and not 0 < idle_ttl_s < math.inf:
+            raise ValueError(f"idle_ttl_s must be a finite number of seconds > 0 (or None: never), "
+                             f"got {idle_ttl_s!r}")
+        if max_sessions is not None and (not isinstance(max_sessions, int) or max_sessions < 1):
+            raise ValueError(f"max_sessions must be an integer >= 1 (or None: no limit), got {max_sessions!r}")
+        self.idle_ttl_s, self.max_sessions = idle_ttl_s, max_sessions
+        # Least recently active first (_touch moves a session to the end), so
+        # expiry and the cap look only at the front.
+        self.sessions: OrderedDict[str, Session] = OrderedDict()
+        # The sessions tick() looks after: paused, or with a copy in flight
+        # (a superset: added when either begins, pruned by tick), so a step
+        # costs nothing per idle session.
+        self._watched: dict[str, Session] = {}
         self.stats = SessionStats()
         self._ids = itertools.count()
         if not 0 <= prefetch_fraction <= 1:
@@ -204,9 +225,41 @@ class SessionManager:
         sid = session_id or f"sess-{next(self._ids)}"
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
-        s = Session(sid, cache_salt, ids, self)
-        self.sessions[sid] = s
+        return self._add(Session(sid, cache_salt, ids, self))
+
+    def _add(self, s: Session) -> Session:
+        if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
+            # The least recently active go first. Closing a record loses only
+            # its saved state: the next turn of that id recomputes what the
+            # prefix cache no longer holds.
+            idle = (o for o in self.sessions.values() if not o.in_flight)
+            for old in list(itertools.islice(idle, len(self.sessions) + 1 - self.max_sessions)):
+                self._expire_one(old, "cap")
+        self.sessions[s.session_id] = s
         return s
+
+    def _touch(self, s: Session) -> None:
+        s.last_active = time.monotonic()
+        if s.session_id in self.sessions:
+            self.sessions.move_to_end(s.session_id)
+
+    def _expire(self, now: float) -> None:
+        """Close the sessions idle for idle_ttl_s (front of the order)."""
+        if self.idle_ttl_s is None:
+            return
+        while self.sessions:
+            s = next(iter(self.sessions.values()))
+            if now - s.last_active < self.idle_ttl_s:
+                return
+            if s.in_flight:  # a turn longer than the ttl is activity
+                self._touch(s)
+                continue
+            self._expire_one(s, "idle")
+
+    def _expire_one(self, s: Session, why: str) -> None:
+        self.close(s)
+        s.expired = why
+        self.stats.expired[why] += 1
 
     def shutdown(self) -> None:
         """Close every session, let queued writes land, and detach from the engine."""
@@ -228,6 +281,7 @@ class SessionManager:
             s.pin = None
         s.state = SessionState.CLOSED
         self.sessions.pop(s.session_id, None)
+        self._watched.pop(s.session_id, None)
 
     def fork(self, s: Session, n: int) -> list[Session]:
         """n sessions with the same history; they share its cached blocks
@@ -237,6 +291,7 @@ class SessionManager:
             raise ValueError(f"fork: n must be an integer >= 1, got {n!r}")
         if s.state is SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is paused: resume it before forking")
+        self._touch(s)  # the children's arrival must not close it (max_sessions)
         return [self.open(list(s.history), s.cache_salt, f"{s.session_id}.{next(self._ids)}") for _ in range(n)]
 
     # ------------------------------------------------- turns run elsewhere
@@ -248,8 +303,7 @@ class SessionManager:
     def before_turn(self, session_id: str, cache_salt: str | None) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
-            s = Session(session_id, cache_salt, [], self)
-            self.sessions[session_id] = s
+            s = self._add(Session(session_id, cache_salt, [], self))
         elif s.cache_salt != cache_salt:
             raise ValueError(f"session {session_id!r} belongs to another cache_salt")
         elif s.in_flight:
@@ -257,6 +311,7 @@ class SessionManager:
         elif s.state is SessionState.PAUSED:
             self.resume(s)
         s.in_flight = True
+        self._touch(s)
         return s
 
     def after_turn(self, s: Session, prompt_ids: list[int], out: RequestOutput | None,
@@ -268,6 +323,7 @@ class SessionManager:
         s.in_flight = False
         if out is None or not out.finished or s.state is SessionState.CLOSED:
             return
+        self._touch(s)
         s.history = list(prompt_ids) + list(out.outputs[0].token_ids)
         s.turns += 1
         s.last_output = out
@@ -346,15 +402,20 @@ class SessionManager:
         eng = self.engine  # step() runs the manager's housekeeping (tick) before each engine step
         rid = eng.add_request(list(s.history), params, cache_salt=s.cache_salt)
         out = None
-        while out is None:
-            for o in self.step():
-                if o.request_id == rid and o.finished:
-                    out = o
-            if self.stalled:
-                eng.abort_request(rid)
-                raise RuntimeError(f"session {s.session_id!r}: the turn cannot be scheduled "
-                                   f"(pool of {eng.kv.num_blocks} blocks)")
+        s.in_flight = True  # expiry passes over it while the turn runs
+        try:
+            while out is None:
+                for o in self.step():
+                    if o.request_id == rid and o.finished:
+                        out = o
+                if self.stalled:
+                    eng.abort_request(rid)
+                    raise RuntimeError(f"session {s.session_id!r}: the turn cannot be scheduled "
+                                       f"(pool of {eng.kv.num_blocks} blocks)")
+        finally:
+            s.in_flight = False
         s.history.extend(out.outputs[0].token_ids)
+        self._touch(s)
         s.turns += 1
         s.last_output = out
         s.prompt_tokens += len(out.prompt_token_ids)
@@ -374,12 +435,12 @@ class SessionManager:
         return outs
 
     def _relieve_stall(self) -> bool:
-        busy = [s for s in self.sessions.values() if s.copy is not None]
+        busy = [s for s in self._watched.values() if s.copy is not None]
         for s in busy:  # copies in flight hold frames: land them, then try again
             self._land(s)
         if busy:
             return True
-        victims = [s for s in self.sessions.values() if s.state is SessionState.PAUSED and s.pin is not None]
+        victims = [s for s in self._watched.values() if s.state is SessionState.PAUSED and s.pin is not None]
         if not victims:
             return False
         v = min(victims, key=lambda s: s.paused_at)
@@ -404,6 +465,7 @@ class SessionManager:
             raise ValueError(f"session {s.session_id!r} is already paused")
         if expected_wait_s is not None and not 0 <= expected_wait_s < math.inf:
             raise ValueError(f"expected_wait_s must be a finite number of seconds >= 0, got {expected_wait_s!r}")
+        self._touch(s)  # before tick(), whose expiry must not take s
         self.tick()
         if s.copy is not None:
             self._land(s)  # paused again before its reload landed: that copy ends first
@@ -424,6 +486,7 @@ class SessionManager:
                                     fallback=d.target if keep else d.fallback,
                                     reason=f"forced {forced.value} (policy: {d.reason})")
         s.state, s.paused_at, s.tool, s.decision = SessionState.PAUSED, time.monotonic(), tool, d
+        self._watched[s.session_id] = s
         s.forced = decision is not None
         s.expected_wait_s = wait if est.source != "prior" else math.inf
         s.prefetched, s.prefetch_at = False, None
@@ -466,6 +529,7 @@ class SessionManager:
         hit = kv.cached_prefix(s.history, s.cache_salt)
         self.stats.recomputed_tokens += max(0, len(s.history) - 1 - hit.num_tokens)
         s.history.extend(ids)
+        self._touch(s)
         s.state, s.tier, s.lease_deadline = SessionState.IDLE, None, None
         s.prefetched, s.prefetch_at = False, None
 
@@ -474,7 +538,8 @@ class SessionManager:
         above the admission ceiling kept state leaves the device; offloaded
         state whose return is near is loaded back."""
         now = time.monotonic()
-        for s in list(self.sessions.values()):
+        self._expire(now)
+        for s in list(self._watched.values()):
             if s.copy is not None and s.copy.done:
                 self._land(s)
             if s.state is SessionState.PAUSED and s.tier is Decision.KEEP and s.lease_deadline is not None \
@@ -485,10 +550,12 @@ class SessionManager:
         over = kv.num_active_blocks - self.engine.scheduler.ceiling_blocks
         if over > 0:
             kv.reclaim(over)
-        for s in list(self.sessions.values()):
+        for s in list(self._watched.values()):
             if s.state is SessionState.PAUSED and s.prefetch_at is not None and now >= s.prefetch_at \
                     and s.tier in (Decision.HOST, Decision.DISK):
                 self._prefetch(s)
+            if s.state is not SessionState.PAUSED and s.copy is None:
+                self._watched.pop(s.session_id, None)
 
     def _demote(self, s: Session, sync: bool = False) -> None:
         """A kept state leaves the device: where the policy said it goes once
@@ -518,7 +585,7 @@ class SessionManager:
         now = time.monotonic()
         # Saves in flight first: their frames are leaving anyway, landing them is only a wait.
         freed = self._land_saves(need)
-        cands = [s for s in self.sessions.values()
+        cands = [s for s in self._watched.values()
                  if s.state is SessionState.PAUSED and s.pin is not None and (s.prefetched or not s.forced)]
         cands.sort(key=lambda s: s.paused_at + s.expected_wait_s - now, reverse=True)
         for s in cands:
@@ -604,6 +671,7 @@ class SessionManager:
         s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids)
         s.saving = (d, reserved)
         s.copy = self.engine.runner.copy.save(hit.block_ids)
+        self._watched[s.session_id] = s
         if sync:
             self._land_save(s)
         return d
@@ -636,7 +704,7 @@ class SessionManager:
     def _land_saves(self, need: int | None = None) -> int:
         """Land saves in flight (all, or until `need` blocks are free); returns blocks freed."""
         pool, freed = self.engine.kv.pool, 0
-        for s in list(self.sessions.values()):
+        for s in list(self._watched.values()):
             if need is not None and freed >= need:
                 break
             if s.copy is not None and s.copy.kind == "save":
@@ -722,6 +790,7 @@ class SessionManager:
         copy = self.engine.runner.copy
         if prefetch:
             s.copy = copy.load(new_ids, lambda: self._fetch(s, have, have + len(new_ids)))
+            self._watched[s.session_id] = s
             s.importing = (hit, new_ids)
             return True
         data = self._fetch(s, have, have + len(new_ids))
@@ -733,6 +802,7 @@ class SessionManager:
             s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids + new_ids[:filled])
             s.hold = kv.pin(s.history, s.cache_salt)  # nobody evicts blocks still being written
             s.copy = copy.load(new_ids[:filled], data)
+            self._watched[s.session_id] = s
         return True
 
     def _fetch(self, s: Session, start: int, end: int) -> list[torch.Tensor]:
@@ -804,12 +874,17 @@ class SessionManager:
 
     def _check_open(self, s: Session, what: str) -> None:
         if s.state is SessionState.CLOSED:
-            raise ValueError(f"{what}: session {s.session_id!r} is closed")
+            why = ""
+            if s.expired == "idle":
+                why = f" (no activity for {self.idle_ttl_s:g} s)"
+            elif s.expired == "cap":
+                why = f" (the least recently active of {self.max_sessions} open sessions)"
+            raise ValueError(f"{what}: session {s.session_id!r} is closed{why}")
 
     def metrics(self) -> dict:
         st = self.stats
         return {"sessions": len(self.sessions),
-                "paused": sum(s.state is SessionState.PAUSED for s in self.sessions.values()),
+                "paused": sum(s.state is SessionState.PAUSED for s in self._watched.values()),
                 "keep_decisions": dict(st.decisions), "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
                 "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
                 "swap_out_s": st.swap_out_s, "swap_in_s": st.swap_in_s, "corrupt_blocks": st.corrupt_blocks,
@@ -819,4 +894,5 @@ class SessionManager:
                 "prefetches": st.prefetches, "prefetch_hits": st.prefetch_hits,
                 "resume_stalls": st.resume_stalls, "resume_stall_s": st.resume_stall_s,
                 "reload_hidden_s": st.reload_hidden_s, "reload_no_room": st.reload_no_room,
-                "copies_in_flight": sum(s.copy is not None for s in self.sessions.values())}
+                "copies_in_flight": sum(s.copy is not None for s in self._watched.values()),
+                "expired": {k: st.expired.get(k, 0) for k in ("idle", "cap")}}

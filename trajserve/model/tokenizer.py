@@ -95,14 +95,23 @@ class Tokenizer:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self._compiled_template: Any = None
         self.chat_template = chat_template
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
         # Special token strings a template may reference beyond bos/eos (pad_token, unk_token).
         self._template_vars = dict(template_vars or {})
-        self._compiled_template: Any = None
         self.eos_token_ids: set[int] = self._end_of_generation_ids(extra_eos_token_ids)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._chat_template = template
+        self._compiled_template = None  # compiled on first use
 
     def _end_of_generation_ids(self, extra: Iterable[int]) -> set[int]:
         ids = set(extra)
@@ -360,6 +369,27 @@ def _hf_chat_template(d: Path, config: dict) -> str | None:
     return template
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file's path or as the Jinja text itself
+    (vLLM's --chat-template), compiled once here so a syntax error stops
+    start-up with its line instead of failing every chat request."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    path = Path(value)
+    if "{" not in value and path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat template {value!r}: no such file, and not a Jinja template (no {{{{ or {{%)")
+    try:
+        _jinja_env().from_string(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat template {value if len(value) < 80 else value[:77] + '...'!r}: "
+                         f"line {e.lineno}: {e.message}") from None
+    return text
+
+
 def _raise_exception(message: str) -> None:
     from jinja2.exceptions import TemplateError
 
@@ -386,4 +416,5 @@ def _jinja_env() -> Any:
     return env
 
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizer", "END_OF_TURN_TOKENS", "GGUF_PRE_TOKENIZERS"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "load_tokenizer", "read_chat_template", "END_OF_TURN_TOKENS",
+           "GGUF_PRE_TOKENIZERS"]

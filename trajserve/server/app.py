@@ -9,6 +9,8 @@
     POST /v1/responses           OpenAI's Responses API (server/responses.py)
     GET / DELETE /v1/responses/{id}
     GET  /metrics                Prometheus
+    POST /tokenize, /detokenize  vLLM's: a prompt or chat messages to token ids, and back
+    GET  /version
 
 Errors use OpenAI's shape {"error": {"message", "type", "param", "code"}}:
 400 bad JSON or values out of range (the message names the field and the
@@ -20,6 +22,7 @@ fields, 429 admission queue full (with Retry-After), 503 engine down. Under
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
@@ -37,11 +40,13 @@ from trajserve.engine.memory import bytes_per_block
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server import anthropic, responses
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull, StepFailed
+from trajserve.server.auth import ApiKeyAuth
 from trajserve.server.body_cap import BodyCap
 from trajserve.server.tap import Tap, sse_event
 from trajserve.server.metrics import ServerMetrics
 from trajserve.engine.session import SessionBusy, SessionManager
-from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest, ForkRequest
+from trajserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ForkRequest,
+                                       TokenizeRequest)
 from trajserve.server.tool_calls import (FORMATS, ForcedStream, call_stream, forced_schema, format_for_template,
                                         parse_calls, parse_forced)
 from trajserve.structured import StructuredOutput
@@ -50,6 +55,13 @@ log = logging.getLogger("trajserve")
 # The APIs translated into the chat path: wrong types and missing fields are
 # 400s there, as Anthropic's and OpenAI's Responses API answer.
 TRANSLATED = ("/v1/messages", "/v1/responses")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trajserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 def _calibrate(sessions: SessionManager) -> None:
@@ -77,10 +89,15 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
 
 
 def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body_bytes: int = 8 * 2**20,
-              tool_call_parser: str = "auto", allowed_origins: list[str] | tuple[str, ...] = ("*",)) -> FastAPI:
+              tool_call_parser: str = "auto", allowed_origins: list[str] | tuple[str, ...] = ("*",),
+              session_ttl_s: float | None = 3600.0, max_sessions: int | None = 4096,
+              api_keys: list[str] | None = None) -> FastAPI:
     """served_model_name: the model id clients send; several are aliases
     (the first is the one replies name). allowed_origins: the browser
-    origins CORS lets call the API (vLLM's default: any)."""
+    origins CORS lets call the API (vLLM's default: any). session_ttl_s,
+    max_sessions: when session records are closed (None: never), since
+    clients that send a session_id need not DELETE it. api_keys: if given,
+    /v1 routes want one of them (server/auth.py)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     served_model_name = names[0]
     engine = aengine.engine
@@ -92,7 +109,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                             bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype))
     aengine.on_finished = metrics.observe
     # Touched only on the engine thread (through aengine.call / submit).
-    sessions = SessionManager(engine) if engine.kv.radix is not None else None
+    sessions = SessionManager(engine, idle_ttl_s=session_ttl_s, max_sessions=max_sessions) \
+        if engine.kv.radix is not None else None
     if sessions is not None:
         aengine.extra_metrics = lambda: {"sessions": sessions.metrics()}
         aengine.step_fn, aengine.on_idle = sessions.step, sessions.tick
@@ -137,6 +155,9 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
 
     app.add_middleware(BodyCap, max_bytes=max_body_bytes,
                        respond=lambda status, message, path: error_response(status, message, path=path))
+    if api_keys:
+        app.add_middleware(ApiKeyAuth, keys=list(api_keys), respond=lambda status, message, path: error_response(
+            status, message, code="invalid_api_key", path=path))
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                        allow_headers=["*"])
 
@@ -163,6 +184,33 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     @app.get("/metrics")
     async def prom():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "tokenize takes either prompt (text) or messages (a chat), not both or neither",
+                           param="prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise APIError(400, "messages must not be empty", param="messages")
+            ids = render_chat(req.chat())
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                "token_strs": [tok.id_to_token(i) for i in ids] if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {tok.vocab_size})", param="tokens")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     # ------------------------------------------------------------ completion
     def reply_model(req) -> str:

@@ -104,6 +104,12 @@ class _SnapshotCollector(Collector):
         blocks.add_metric(["host"], float(sess["host_blocks"]))
         blocks.add_metric(["disk"], float(sess["disk_blocks"]))
         yield blocks
+        expired = CounterMetricFamily("trajserve_sessions_expired", "sessions the server closed: idle past "
+                                      "--session-ttl, or the least recently active over --max-sessions",
+                                      labels=["reason"])
+        for why, count in sess["expired"].items():
+            expired.add_metric([why], float(count))
+        yield expired
         for key, name, doc in (("sessions", "trajserve_sessions", "open agent sessions"),
                                ("paused", "trajserve_sessions_paused", "sessions waiting for a tool")):
             g = GaugeMetricFamily(name, doc)

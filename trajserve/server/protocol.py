@@ -294,3 +294,28 @@ class ChatCompletionRequest(_Common):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text prompt (encoded as /v1/completions encodes
+    it), or chat messages (rendered as /v1/chat/completions renders them)."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True  # prompt form only: the template writes a chat's own
+    return_token_strs: bool = False
+
+    def chat(self) -> ChatCompletionRequest:
+        return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message)
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]

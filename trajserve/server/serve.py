@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -28,6 +29,13 @@ def serve(args: argparse.Namespace) -> int:
 
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    if not 0 <= args.session_ttl < float("inf"):
+        raise ValueError(f"--session-ttl must be a finite number of seconds >= 0 (0: never), got {args.session_ttl}")
+    if args.max_sessions < 0:
+        raise ValueError(f"--max-sessions must be >= 0 (0: no limit), got {args.max_sessions}")
+    api_keys = args.api_key or ([os.environ["TRAJSERVE_API_KEY"]] if os.environ.get("TRAJSERVE_API_KEY") else None)
+    if api_keys is not None and not all(api_keys):
+        raise ValueError("--api-key: a key must not be empty")
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -40,7 +48,8 @@ def serve(args: argparse.Namespace) -> int:
     aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
     aengine.start()
     app = build_app(aengine, names, max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                    allowed_origins=args.allowed_origins)
+                    allowed_origins=args.allowed_origins, session_ttl_s=args.session_ttl or None,
+                    max_sessions=args.max_sessions or None, api_keys=api_keys)
     host, port = sock.getsockname()[:2]
     print(f"trajserve serving {name} on http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

@@ -370,6 +370,7 @@ def test_32_concurrent_streams_match_solo_runs_and_leave_the_pool_idle(server, e
 def test_client_disconnect_mid_stream_frees_its_blocks(server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0,
             "ignore_eos": True, "stream": True}
+    aborts = server.metrics().get('trajserve_requests_total{finish_reason="abort"}', 0)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         got = [json.loads(x[6:]) for x in (next(lines) for _ in range(12)) if x.startswith("data: {")]
@@ -377,7 +378,8 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server):
         m = server.metrics()
         assert m["trajserve_num_requests_running"] == 1
     # Leaving the block closed the connection: the request is aborted, its blocks freed.
-    wait_idle(server, timeout=30)
+    m = wait_idle(server, timeout=30)
+    assert m['trajserve_requests_total{finish_reason="abort"}'] == aborts + 1
 
 
 def test_client_gone_from_a_non_streaming_request_stops_it(server):

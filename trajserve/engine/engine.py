@@ -274,26 +274,29 @@ class LLMEngine:
                 f"{self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
                 f"tokens (less a watermark of {self.kv.watermark_blocks} blocks)")
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> int:
+        """Stop a request and free its blocks; returns how many of its
+        sequences (choices) were still unfinished (0: unknown or done)."""
         group = self.groups.pop(request_id, None)
         if group is None:
-            return
+            return 0
         self._pending_fork.pop(group.seqs[0].request_id, None)
-        for i, s in enumerate(group.seqs):
+        stopped = 0
+        for s in group.seqs:
             if not s.status.finished:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ABORTED)
+                stopped += 1
             self._release(s)
+        return stopped
 
-    def abort_in_flight(self) -> list[str]:
+    def abort_in_flight(self) -> dict[str, int]:
         """Abort every request that has left the waiting queue (it may have
         been in a step that failed); those still waiting are kept. Returns
-        the ids aborted."""
+        the ids aborted, each with its sequences stopped."""
         waiting = {s.request_id for s in self.scheduler.waiting}
         ids = [rid for rid, g in self.groups.items()
                if any(s.request_id not in waiting and not s.status.finished for s in g.seqs)]
-        for rid in ids:
-            self.abort_request(rid)
-        return ids
+        return {rid: self.abort_request(rid) for rid in ids}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

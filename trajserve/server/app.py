@@ -107,7 +107,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     calls_format = format_for_template(tok.chat_template) if tool_call_parser == "auto" else tool_call_parser
     metrics = ServerMetrics(lambda: aengine.snapshot,
                             bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype))
-    aengine.on_finished = metrics.observe
+    aengine.on_finished, aengine.on_aborted = metrics.observe, metrics.observe_aborted
     # Touched only on the engine thread (through aengine.call / submit).
     sessions = SessionManager(engine, idle_ttl_s=session_ttl_s, max_sessions=max_sessions) \
         if engine.kv.radix is not None else None

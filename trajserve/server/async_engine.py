@@ -63,6 +63,9 @@ class AsyncEngine:
         # Read by /metrics from other threads: replaced whole, never mutated.
         self.snapshot: dict[str, Any] = engine.metrics()
         self.on_finished: Callable[[RequestOutput], None] | None = None
+        # (reason, sequences): requests stopped before they finished, "abort"
+        # (the client went away) or "error" (a step failed under them).
+        self.on_aborted: Callable[[str, int], None] | None = None
         self.num_failed_steps = 0  # steps that raised and were recovered from (_fail_in_flight)
         # More figures for the snapshot, computed on the engine thread.
         self.extra_metrics: Callable[[], dict] | None = None
@@ -163,7 +166,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         def job(engine: LLMEngine) -> None:
             self._streams.pop(request_id, None)
-            engine.abort_request(request_id)
+            stopped = engine.abort_request(request_id)
+            if stopped and self.on_aborted is not None:
+                self.on_aborted("abort", stopped)
         self._inbox.put((job, None, None))
         self._wake.set()
 
@@ -216,6 +221,8 @@ class AsyncEngine:
         loop stops for everyone (the caller's fatal path)."""
         log.exception("a step failed; aborting the requests in flight and going on")
         aborted = self.engine.abort_in_flight()
+        if self.on_aborted is not None and aborted:
+            self.on_aborted("error", sum(aborted.values()))
         for rid in aborted:
             st = self._streams.pop(rid, None)
             if st is not None:

@@ -126,12 +126,17 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("trajserve_e2e_request_latency_seconds", "arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.requests = Counter("trajserve_requests", "finished requests", ["finish_reason"], registry=r)
+        # One per choice (as vLLM counts n > 1), "abort" and "error" included.
+        self.requests = Counter("trajserve_requests", "finished sequences (choices) by finish reason",
+                                ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("trajserve_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("trajserve_cached_prompt_tokens", "prompt tokens served from the prefix cache",
                                      registry=r)
         self.generation_tokens = Counter("trajserve_generation_tokens", "generated tokens", registry=r)
         r.register(_SnapshotCollector(snapshot, bytes_per_block))
+
+    def observe_aborted(self, reason: str, num_seqs: int) -> None:
+        self.requests.labels(reason).inc(num_seqs)
 
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics

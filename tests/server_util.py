@@ -56,6 +56,22 @@ class ServerProcess:
                 out[name] = float(value)
         return out
 
+    def stderr_so_far(self) -> str:
+        """What the server has written to stderr since start-up (without waiting)."""
+        fd = self.proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        chunks = []
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        os.set_blocking(fd, True)
+        return b"".join(chunks).decode(errors="replace")
+
     def __enter__(self) -> "ServerProcess":
         return self
 

@@ -280,9 +280,12 @@ def test_abort_mid_decode_frees_blocks_and_metrics_track_the_pool(llm, story_ref
         used_by_drop = len(eng.kv.table(drop).block_ids)
         assert used_by_drop > 1
         avail_before = available(eng)
-        eng.abort_request(drop)
-        eng.abort_request(waiting)  # never admitted
-        eng.abort_request("no-such-request")  # no-op
+        out = eng.abort_request(drop)  # its final output, for the counters
+        assert out.finished and out.outputs[0].finish_reason == "abort" and len(out.outputs[0].token_ids) >= 2
+        assert out.num_cached_tokens >= 0 and out.metrics.finished_time is not None
+        assert eng.abort_request(drop) is None  # gone already
+        assert eng.abort_request(waiting).outputs[0].token_ids == []  # never admitted
+        assert eng.abort_request("no-such-request") is None  # no-op
         assert available(eng) == avail_before + used_by_drop
         assert drop not in eng.kv.tables and drop not in eng.groups
         assert [r.request_id for r in eng.scheduler.running] == [keep] and not eng.scheduler.waiting
@@ -477,6 +480,7 @@ def test_a_step_that_raises_leaves_the_llm_usable(llm, story_ref, monkeypatch):
     (dict(cache=CacheConfig(num_blocks=0)), r"num_blocks"),
     (dict(cache=CacheConfig(memory_fraction=5)), r"memory_fraction \(--memory-fraction\) must be in \(0, 1\]"),
     (dict(max_model_len=0), r"max_model_len"),
+    (dict(num_threads=0), r"num_threads \(--threads\) must be"),  # the flag's own name
     (dict(device="tpu"), r"device must be cpu or cuda\[:N\], got 'tpu'"),
     (dict(max_model_len=10**6), r"max_model_len \(--max-model-len\) 1,000,000 is over the model's context of 8,192"),
     (dict(cache=CacheConfig(kv_cache_memory=10**15)), r"KV pool of .* blocks needs .* GiB; only .* GiB of host "
@@ -492,3 +496,30 @@ def test_sizes_take_tb_and_name_the_option():
         LLM(kv_cache_memory="abc")
     with pytest.raises(ValueError, match=r"only .* GiB of host memory is available"):
         LLM(kv_cache_memory="1TB", dtype="float32")
+
+
+def test_abort_keeps_the_reasons_of_choices_that_had_finished(llm):
+    """n = 2, one choice stopped by a stop token while the other runs: the
+    aborted request's output keeps the finished choice's reason ("stop") and
+    marks only the running one "abort", so the counters see both."""
+    eng = llm.engine
+    sp = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=64, ignore_eos=True)
+    # A token the first choice writes early becomes a stop token for both.
+    first = eng.add_request(STORY, sp)
+    out = None
+    while out is None or len(out.outputs[0].token_ids) < 6:
+        out = next((o for o in eng.step() if o.request_id == first), out)
+    stop_id = out.outputs[0].token_ids[4]
+    eng.abort_request(first)
+    rid = eng.add_request(STORY, SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=64, ignore_eos=True,
+                                                stop_token_ids=[stop_id]))
+    for _ in range(200):
+        outs = {o.request_id: o for o in eng.step()}
+        o = outs.get(rid)
+        if o is not None and [c.finish_reason for c in o.outputs].count(None) == 1:
+            break
+    else:
+        pytest.fail("no step left exactly one choice running")
+    final = eng.abort_request(rid)
+    assert sorted(c.finish_reason for c in final.outputs) == ["abort", "stop"]
+    assert_idle(eng)

@@ -203,3 +203,28 @@ def test_later_requests_hit_blocks_of_earlier_ones():
     assert sched.prefix_hit_rate == (32 + 48 + 48) / (4 * 53)  # eq. 2
     for r in reqs:
         assert r.output_token_ids == reference(r.prompt_token_ids, 10)
+
+
+def test_a_preempted_request_that_needs_the_whole_pool_is_readmitted():
+    """Two requests share a 93-block prefix and each grows to the whole
+    100-block pool: the newer is preempted, the older finishes and leaves
+    the pool full of cached blocks. Readmitting the newer needs 4 blocks
+    and only 7 are free or reclaimable: with the 5-block watermark held
+    back for running decodes it could never get in, and the FCFS head
+    blocked everyone behind it. With nothing running there is no decode to
+    hold the watermark for."""
+    kv = KVCacheManager(100, 4, 0.05, enable_prefix_caching=True)
+    assert kv.watermark_blocks == 5
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512, max_prefill_chunk=512,
+                                      admission_ceiling=1.0), kv)
+    shared = [(j * 7 + 3) % VOCAB for j in range(372)]
+    reqs = [Request(f"r{i}", shared + [i + 1], SamplingParams(max_tokens=27, temperature=0, ignore_eos=True),
+                    kv.token_capacity) for i in range(2)]
+    late = Request("late", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                   kv.token_capacity)
+    for r in (*reqs, late):
+        sched.add(r)
+    drive(sched, kv)
+    assert sched.num_preemptions >= 1
+    for r in (*reqs, late):
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params.max_tokens)

@@ -390,6 +390,16 @@ def test_client_gone_from_a_non_streaming_request_stops_it(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=3)
     wait_idle(server, timeout=10)
+    # Gone before the first token (during a long prefill): no output at all,
+    # which the handler must take as a disconnect, not an error.
+    server.stderr_so_far()
+    for i in range(3):  # the later ones are still queued when they go
+        body = {"model": MODEL, "prompt": SYSTEM * 12 + str(i), "max_tokens": 4}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    wait_idle(server, timeout=60)
+    time.sleep(1)
+    assert "Exception in ASGI application" not in server.stderr_so_far()
 
 
 def test_full_admission_queue_is_429_with_retry_after():

@@ -88,3 +88,18 @@ def test_max_sessions_closes_the_least_recently_active(manager):
 def test_bad_limits_are_refused(manager, kw, words):
     with pytest.raises(ValueError, match=words):
         manager(**kw)
+
+
+def test_sessions_opened_while_all_are_in_flight_are_trimmed_after(manager):
+    """Server turns of three new sessions arrive together under a cap of 2:
+    none can be closed while its turn runs, so all three open; once the
+    turns end, the next tick brings the count back under the cap."""
+    m = manager(max_sessions=2)
+    turns = [m.before_turn(f"k{i}", None) for i in range(3)]
+    assert len(m.sessions) == 3
+    m.tick()
+    assert len(m.sessions) == 3  # all in flight
+    for t in turns:
+        m.after_turn(t, [], None)
+    m.tick()
+    assert list(m.sessions) == ["k1", "k2"] and m.metrics()["expired"]["cap"] == 1

@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from trajserve.engine.session import SessionManager, SessionState
+from trajserve.config import CacheConfig, EngineConfig
+from trajserve.engine.engine import LLMEngine
+from trajserve.engine.session import SessionBusy, SessionManager, SessionState
 from trajserve.kv.keep_policy import Decision
 from trajserve.sampling import SamplingParams
 
@@ -126,6 +128,26 @@ def test_forks_share_the_history_and_continue_like_the_parent(mgr):
     assert all(o.num_cached_tokens >= computed for o in outs)
 
 
+def test_a_paused_session_forks_and_one_in_flight_does_not(mgr):
+    """Over HTTP a paused session resumes only with its next turn, so fork
+    takes it as it is: the children start idle with its history and run
+    like a session that never paused; it stays paused. A session whose turn
+    is still running has no settled history: fork is SessionBusy (409)."""
+    s = mgr.open(messages("Fork after the pause."))
+    s.generate(GREEDY)
+    s.pause(expected_wait_s=1.0, decision="host")
+    (kid,) = s.fork(1)
+    assert kid.state is SessionState.IDLE and kid.history == s.history and s.state is SessionState.PAUSED
+    ref = mgr.open(list(s.history))
+    assert kid.generate(GREEDY).outputs[0].token_ids == ref.generate(GREEDY).outputs[0].token_ids
+    busy = mgr.before_turn("running-turn", None)
+    with pytest.raises(SessionBusy, match="turn in flight"):
+        busy.fork(1)
+    mgr.after_turn(busy, [], None)
+    for x in (s, kid, ref, busy):
+        x.close()
+
+
 def test_session_misuse_is_a_clear_error(mgr):
     s = mgr.open(messages("hi"))
     with pytest.raises(ValueError, match="not paused"):
@@ -164,3 +186,16 @@ def test_calibrate_measures_rates_and_leaves_no_trace(mgr):
     assert r["prefill_tokens_per_s"] > 10 and r["prefill_tokens_per_s"] != before
     assert kv.pool.num_free == free and kv.radix.num_cached_blocks == cached
     assert mgr.disk.nbytes == 0 and mgr.disk.num_blocks == 0
+
+
+def test_calibrate_prefills_within_a_short_context(tmp_path):
+    """`serve --max-model-len 256` (or less): the start-up calibration's
+    256-token prefill was over the context, so it failed and the keep
+    policy ran on default rates."""
+    eng = LLMEngine(EngineConfig(dtype="float32", max_model_len=128, cache=CacheConfig(num_blocks=64)))
+    m = SessionManager(eng, disk_dir=str(tmp_path))
+    try:
+        assert m.calibrate()["prefill_tokens_per_s"] > 0
+    finally:
+        m.shutdown()
+        eng.close()

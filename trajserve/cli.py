@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins allowed to call the API (CORS; default: any, as vLLM)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model id clients send (default: the file's stem); more names are aliases, e.g. the "
-                        "model names an Anthropic client sends to /v1/messages; replies name the first")
+                        "model names an Anthropic client sends to /v1/messages; a reply names the one its "
+                        "request used")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="admission queue limit; a request beyond it gets 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body cap (413 above it)")

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Fields whose command-line flag is not the field's own name.
+FLAGS = {"num_threads": "--threads"}
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str  # "llama" | "qwen2" | "qwen3"
@@ -90,7 +94,7 @@ class EngineConfig:
         scheduled nothing, for ever)."""
         def check(ok: bool, name: str, want: str, value) -> None:
             if not ok:
-                flag = "--" + name.replace("_", "-")
+                flag = FLAGS.get(name, "--" + name.replace("_", "-"))
                 raise ValueError(f"{name} ({flag}) must be {want}, got {value!r}")
 
         def count(name: str, value, allow_none: bool = False) -> None:

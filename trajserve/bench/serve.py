@@ -203,7 +203,10 @@ def run(args: argparse.Namespace) -> int:
     if args.burstiness <= 0:
         raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     parse_goodput(args.goodput or [])
-    res = asyncio.run(run_async(args))
+    try:
+        res = asyncio.run(run_async(args))
+    except httpx.ConnectError as e:
+        raise ValueError(f"cannot reach the server at {args.base_url}: {e}") from None
     if args.json:
         print(json.dumps(res, indent=2))
         return 0 if res["successful_requests"] else 1

@@ -274,25 +274,28 @@ class LLMEngine:
                 f"{self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
                 f"tokens (less a watermark of {self.kv.watermark_blocks} blocks)")
 
-    def abort_request(self, request_id: str) -> int:
-        """Stop a request and free its blocks; returns how many of its
-        sequences (choices) were still unfinished (0: unknown or done)."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks. Returns its final output
+        (the choices still running end with finish_reason "abort"; those
+        already finished keep theirs), or None for an unknown or finished one."""
         group = self.groups.pop(request_id, None)
         if group is None:
-            return 0
+            return None
         self._pending_fork.pop(group.seqs[0].request_id, None)
-        stopped = 0
-        for s in group.seqs:
+        stopped = False
+        for comp, s in zip(group.completions, group.seqs):
             if not s.status.finished:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ABORTED)
-                stopped += 1
+                stopped = True
+            if comp.finish_reason is None:
+                comp.finish_reason = s.status.value
             self._release(s)
-        return stopped
+        return self._group_output(group, True, time.monotonic()) if stopped else None
 
-    def abort_in_flight(self) -> dict[str, int]:
+    def abort_in_flight(self) -> dict[str, RequestOutput | None]:
         """Abort every request that has left the waiting queue (it may have
         been in a step that failed); those still waiting are kept. Returns
-        the ids aborted, each with its sequences stopped."""
+        the ids aborted, with their final outputs."""
         waiting = {s.request_id for s in self.scheduler.waiting}
         ids = [rid for rid, g in self.groups.items()
                if any(s.request_id not in waiting and not s.status.finished for s in g.seqs)]
@@ -464,7 +467,10 @@ class LLMEngine:
     def invalidate(self, prefix_tokens: str | list[int] | None = None, cache_salt: str | None = None) -> int:
         """Drop cached state under a token prefix (or, with no prefix, a whole
         salt's namespace): when a file an agent read changes, KV derived from
-        its old text must not be served. Returns the blocks dropped.
+        its old text must not be served. The prefix ends with the first stale
+        token: the cached paths through it lose the block holding that token
+        and everything after it; what comes before stays. Returns the blocks
+        dropped.
 
         A text prefix is encoded on its own, and its last token may differ
         from the same text's inside a longer prompt (BPE merges across the

@@ -133,7 +133,7 @@ class Scheduler:
             if self.running and not self._under_ceiling(req, start + n, hit):
                 self.num_ceiling_waits += 1
                 break
-            if not (self.kv.can_admit(req.request_id, start + n, hit)
+            if not (self.kv.can_admit(req.request_id, start + n, hit, others_running=bool(self.running))
                     and self.kv.allocate_slots(req.request_id, start + n, hit, write_from=start)):
                 break  # FCFS: the head waits, so big prompts are not starved
             self.waiting.popleft()

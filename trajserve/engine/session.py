@@ -228,15 +228,21 @@ class SessionManager:
         return self._add(Session(sid, cache_salt, ids, self))
 
     def _add(self, s: Session) -> Session:
-        if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
-            # The least recently active go first. Closing a record loses only
-            # its saved state: the next turn of that id recomputes what the
-            # prefix cache no longer holds.
-            idle = (o for o in self.sessions.values() if not o.in_flight)
-            for old in list(itertools.islice(idle, len(self.sessions) + 1 - self.max_sessions)):
-                self._expire_one(old, "cap")
+        if self.max_sessions is not None:
+            self._trim(self.max_sessions - 1)
         self.sessions[s.session_id] = s
         return s
+
+    def _trim(self, limit: int) -> None:
+        """Close the least recently active sessions until at most `limit`
+        are open; those with a turn in flight stay (tick() trims again once
+        their turns end). Closing a record loses only its saved state: the
+        next turn of that id recomputes what the prefix cache no longer holds."""
+        if len(self.sessions) <= limit:
+            return
+        idle = (o for o in self.sessions.values() if not o.in_flight)
+        for old in list(itertools.islice(idle, len(self.sessions) - limit)):
+            self._expire_one(old, "cap")
 
     def _touch(self, s: Session) -> None:
         s.last_active = time.monotonic()
@@ -285,12 +291,15 @@ class SessionManager:
 
     def fork(self, s: Session, n: int) -> list[Session]:
         """n sessions with the same history; they share its cached blocks
-        (same namespace, same prefix) until their histories diverge."""
+        (same namespace, same prefix) until their histories diverge. A paused
+        session forks too (the children start idle; it stays paused, its state
+        where the policy put it), since over HTTP only its next turn resumes it;
+        one with a turn in flight does not (its history is not settled)."""
         self._check_open(s, "fork")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"fork: n must be an integer >= 1, got {n!r}")
-        if s.state is SessionState.PAUSED:
-            raise ValueError(f"session {s.session_id!r} is paused: resume it before forking")
+        if s.in_flight:
+            raise SessionBusy(f"session {s.session_id!r} has a turn in flight: fork it when the turn ends")
         self._touch(s)  # the children's arrival must not close it (max_sessions)
         return [self.open(list(s.history), s.cache_salt, f"{s.session_id}.{next(self._ids)}") for _ in range(n)]
 
@@ -376,7 +385,7 @@ class SessionManager:
             if ok and dt > 0:
                 rates.disk_bytes_per_s = 2 * k * nbytes / n / dt  # written and read back
         # Half the pool at most, so a small pool still runs it.
-        prefill_tokens = min(prefill_tokens, kv.token_capacity // 2)
+        prefill_tokens = min(prefill_tokens, kv.token_capacity // 2, eng.max_model_len - 1)
         if prefill_tokens and not eng.has_unfinished_requests():  # stepping must not advance anyone else
             g = torch.Generator().manual_seed(0)
             ids = torch.randint(100, eng.model_config.vocab_size - 100, (prefill_tokens,), generator=g).tolist()
@@ -539,6 +548,8 @@ class SessionManager:
         state whose return is near is loaded back."""
         now = time.monotonic()
         self._expire(now)
+        if self.max_sessions is not None:
+            self._trim(self.max_sessions)
         for s in list(self._watched.values()):
             if s.copy is not None and s.copy.done:
                 self._land(s)

@@ -233,17 +233,22 @@ class KVCacheManager:
         st.node = res.node
 
     # ------------------------------------------------------------ allocation
-    def can_admit(self, request_id: str, num_tokens: int, hit: MatchResult | None = None) -> bool:
-        """Admission keeps a watermark of free blocks for running decodes."""
+    def can_admit(self, request_id: str, num_tokens: int, hit: MatchResult | None = None,
+                  others_running: bool = True) -> bool:
+        """Admission keeps a watermark of free blocks for running decodes;
+        with none running there is nothing to keep it for (a preempted
+        request whose own cached history fills the pool could otherwise
+        never come back, and as the queue's head it would block the rest)."""
         have = len(hit.block_ids) if hit else 0
         need = max(0, self.blocks_needed(request_id, num_tokens) - have)
+        reserve = self.watermark_blocks if others_running else 0
         # Reclaimable blocks the hit itself uses are not reclaimable for it.
         avail = self.pool.num_free + max(0, self.num_reclaimable - have)
-        short = need + self.watermark_blocks - avail
+        short = need + reserve - avail
         if short > 0 and self.reclaimer is not None:
             self.reclaim(short, keep=hit)  # paused state makes room
             avail = self.pool.num_free + max(0, self.num_reclaimable - have)
-        return need + self.watermark_blocks <= avail
+        return need + reserve <= avail
 
     def allocate_slots(self, request_id: str, num_tokens: int, hit: MatchResult | None = None,
                        write_from: int | None = None) -> bool:

@@ -107,7 +107,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     calls_format = format_for_template(tok.chat_template) if tool_call_parser == "auto" else tool_call_parser
     metrics = ServerMetrics(lambda: aengine.snapshot,
                             bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype))
-    aengine.on_finished, aengine.on_aborted = metrics.observe, metrics.observe_aborted
+    aengine.on_finished = metrics.observe
     # Touched only on the engine thread (through aengine.call / submit).
     sessions = SessionManager(engine, idle_ttl_s=session_ttl_s, max_sessions=max_sessions) \
         if engine.kv.radix is not None else None
@@ -259,6 +259,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         try:
             gen = aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected)
             first = await anext(gen)
+        except StopAsyncIteration:  # the client left before the first output: nothing to send
+            first = None
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error",
                            headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from None
@@ -269,6 +271,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             raise APIError(400, str(e), param=param if code else None, code=code) from None
 
         async def chained():
+            if first is None:
+                return
             yield first
             async for out in gen:
                 yield out
@@ -328,8 +332,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         def fork(_):
             try:
                 return [c.session_id for c in sessions.fork(get_session(session_id), n)]
+            except SessionBusy as e:
+                raise APIError(409, str(e), param="session_id") from None
             except ValueError as e:
-                raise APIError(409 if "paused" in str(e) else 400, str(e)) from None
+                raise APIError(400, str(e)) from None
         return {"id": session_id, "forks": await aengine.call(fork)}
 
     @app.post("/v1/completions")

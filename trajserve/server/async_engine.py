@@ -62,10 +62,10 @@ class AsyncEngine:
         self._error: BaseException | None = None
         # Read by /metrics from other threads: replaced whole, never mutated.
         self.snapshot: dict[str, Any] = engine.metrics()
+        # Every request that ends, its output final: finished, or aborted
+        # (its unfinished choices say "abort", or "error" when a step failed
+        # under them), so counters see all the work done.
         self.on_finished: Callable[[RequestOutput], None] | None = None
-        # (reason, sequences): requests stopped before they finished, "abort"
-        # (the client went away) or "error" (a step failed under them).
-        self.on_aborted: Callable[[str, int], None] | None = None
         self.num_failed_steps = 0  # steps that raised and were recovered from (_fail_in_flight)
         # More figures for the snapshot, computed on the engine thread.
         self.extra_metrics: Callable[[], dict] | None = None
@@ -166,9 +166,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         def job(engine: LLMEngine) -> None:
             self._streams.pop(request_id, None)
-            stopped = engine.abort_request(request_id)
-            if stopped and self.on_aborted is not None:
-                self.on_aborted("abort", stopped)
+            out = engine.abort_request(request_id)
+            if out is not None and self.on_finished is not None:
+                self.on_finished(out)
         self._inbox.put((job, None, None))
         self._wake.set()
 
@@ -221,8 +221,12 @@ class AsyncEngine:
         loop stops for everyone (the caller's fatal path)."""
         log.exception("a step failed; aborting the requests in flight and going on")
         aborted = self.engine.abort_in_flight()
-        if self.on_aborted is not None and aborted:
-            self.on_aborted("error", sum(aborted.values()))
+        for out in aborted.values():
+            if out is not None and self.on_finished is not None:
+                for c in out.outputs:
+                    if c.finish_reason == "abort":
+                        c.finish_reason = "error"
+                self.on_finished(out)
         for rid in aborted:
             st = self._streams.pop(rid, None)
             if st is not None:

@@ -135,9 +135,6 @@ class ServerMetrics:
         self.generation_tokens = Counter("trajserve_generation_tokens", "generated tokens", registry=r)
         r.register(_SnapshotCollector(snapshot, bytes_per_block))
 
-    def observe_aborted(self, reason: str, num_seqs: int) -> None:
-        self.requests.labels(reason).inc(num_seqs)
-
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics
         if m.ttft is not None:

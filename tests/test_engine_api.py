@@ -402,6 +402,7 @@ def test_bad_input_is_rejected_before_allocation_and_spares_requests_in_flight(l
     (dict(seed="abc"), r"seed must be an integer"), (dict(seed=1.5), r"seed"), (dict(seed=2**70), r"seed"),
     (dict(logprobs=2.5), r"logprobs must be an integer"), (dict(stop_token_ids=13), r"stop_token_ids"),
     (dict(stop_token_ids=None), r"stop_token_ids"), (dict(stop_token_ids=[1.0]), r"stop_token_ids"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids must be token ids >= 0, got -1"),
     (dict(stop=None), r"stop must be a string or a list"), (dict(logit_bias=[1, 2]), r"logit_bias must be a dict"),
     (dict(logit_bias={1: "a"}), r"logit_bias values"), (dict(ignore_eos="no"), r"ignore_eos must be true or false"),
     (dict(n=129), r"n must be an integer in \[1, 128\]"),
@@ -440,6 +441,8 @@ def test_close_removes_the_sessions_directory(tmp_path, monkeypatch):
         assert list(tmp_path.glob("trajserve-kv-*")), "the sessions' directory exists while the LLM is open"
     assert llm.sessions is None  # the LLM is still referenced: only close() can have removed the directory
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="this engine is closed"):  # as its docstring says: not usable
+        llm.generate(STORY, greedy(2), use_tqdm=False)
 
 
 def test_a_tiny_temperature_is_greedy(llm, story_ref):

@@ -78,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
             integer("stop_token_ids", t)
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be token ids >= 0, got {t}")
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
         for name in ("ignore_eos", "include_stop_str_in_output"):

@@ -118,6 +118,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.groups: dict[str, _Group] = {}
+        self.closed = False  # close(): its copy threads are gone, so no new work
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         # n > 1: the prompt is prefilled once; when its first token is sampled
         # the other n - 1 sequences fork from it (no second prefill).
@@ -144,6 +145,8 @@ class LLMEngine:
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         """Validate and queue. Raises ValueError (naming the limit) before
         anything is allocated; requests already in flight are unaffected."""
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close / LLMEngine.close): make a new one")
         params = params or SamplingParams()
         self._validate_params(params)
         if isinstance(prompt, str):
@@ -459,6 +462,7 @@ class LLMEngine:
         """Stop the background copy threads: queued disk writes of the prefix
         cache's tiers land, its temporary directory goes. Call once no step runs
         (the server: after its engine thread has stopped)."""
+        self.closed = True
         if self.lower is not None:
             self.lower.close()
         self.runner.copy.shutdown()

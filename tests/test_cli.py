@@ -46,6 +46,7 @@ def test_generate():
     (("--top-p", "1.5"), ["top_p", "(0, 1]", "1.5"]),
     (("--top-p", "0"), ["top_p", "(0, 1]"]),
     (("--temperature", "-1"), ["temperature", ">= 0"]),
+    (("--max-prefill-chunk", "0"), ["max_prefill_chunk", "--max-prefill-chunk", ">= 1"]),  # was taken as unset
     (("--model", "/nonexistent"), ["/nonexistent"]),
     (("--model", "/nonexistent/model.gguf"), ["/nonexistent/model.gguf"]),
 ])

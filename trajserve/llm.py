@@ -41,7 +41,7 @@ class LLM:
                             disk_cache_bytes=parse_bytes(disk_cache, "disk_cache (--kv-disk-cache)") or 0,
                             disk_cache_dir=disk_cache_dir)
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_prefill_chunk=max_prefill_chunk or max_num_batched_tokens)
+                                max_prefill_chunk=max_num_batched_tokens if max_prefill_chunk is None else max_prefill_chunk)
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype,
                                              max_model_len=max_model_len, seed=seed,
                                              num_threads=num_threads, cpu_kernels=cpu_kernels,

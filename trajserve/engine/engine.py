@@ -277,9 +277,9 @@ class LLMEngine:
                 f"{self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
                 f"tokens (less a watermark of {self.kv.watermark_blocks} blocks)")
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request and free its blocks. Returns its final output
-        (the choices still running end with finish_reason "abort"; those
+        (the choices still running end with finish_reason `reason`; those
         already finished keep theirs), or None for an unknown or finished one."""
         group = self.groups.pop(request_id, None)
         if group is None:
@@ -289,20 +289,19 @@ class LLMEngine:
         for comp, s in zip(group.completions, group.seqs):
             if not s.status.finished:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ABORTED)
+                comp.finish_reason = reason
                 stopped = True
-            if comp.finish_reason is None:
-                comp.finish_reason = s.status.value
             self._release(s)
         return self._group_output(group, True, time.monotonic()) if stopped else None
 
     def abort_in_flight(self) -> dict[str, RequestOutput | None]:
         """Abort every request that has left the waiting queue (it may have
         been in a step that failed); those still waiting are kept. Returns
-        the ids aborted, with their final outputs."""
+        the ids aborted, with their final outputs (stopped choices: "error")."""
         waiting = {s.request_id for s in self.scheduler.waiting}
         ids = [rid for rid, g in self.groups.items()
                if any(s.request_id not in waiting and not s.status.finished for s in g.seqs)]
-        return {rid: self.abort_request(rid) for rid in ids}
+        return {rid: self.abort_request(rid, "error") for rid in ids}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

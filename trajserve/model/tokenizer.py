@@ -95,8 +95,7 @@ class Tokenizer:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self._compiled_template: Any = None
-        self.chat_template = chat_template
+        self.chat_template = chat_template  # the setter also clears the compiled template
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
@@ -111,7 +110,7 @@ class Tokenizer:
     @chat_template.setter
     def chat_template(self, template: str | None) -> None:
         self._chat_template = template
-        self._compiled_template = None  # compiled on first use
+        self._compiled_template: Any = None  # compiled on first use
 
     def _end_of_generation_ids(self, extra: Iterable[int]) -> set[int]:
         ids = set(extra)

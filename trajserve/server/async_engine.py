@@ -223,9 +223,6 @@ class AsyncEngine:
         aborted = self.engine.abort_in_flight()
         for out in aborted.values():
             if out is not None and self.on_finished is not None:
-                for c in out.outputs:
-                    if c.finish_reason == "abort":
-                        c.finish_reason = "error"
                 self.on_finished(out)
         for rid in aborted:
             st = self._streams.pop(rid, None)

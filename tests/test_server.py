@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from engine_util import run_requests
 from server_util import ServerProcess
 from trajserve.sampling import SamplingParams
 
@@ -196,6 +197,73 @@ def test_completions_logprobs_and_batch(client):
         assert all(abs(max(t.values()) - v) < 1e-5 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
 
 
+def test_echo_scores_the_prompt_as_lm_eval_does(client, engine_f32):
+    """lm-evaluation-harness's loglikelihood request: echo + logprobs over
+    context + continuation; the prompt's logprobs are the engine's own."""
+    text = "The capital of France is Paris"
+    r = client.completions.create(model=MODEL, prompt=[text, "Water is"], max_tokens=1, temperature=0,
+                                  logprobs=1, echo=True)
+    ids = engine_f32.tokenizer.encode(text)
+    want = run_requests(engine_f32, [(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))])[0]
+    c = r.choices[0]
+    assert c.text == text + want.outputs[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and "".join(lp.tokens) == c.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(abs(a - b[0]) < 1e-4 for a, b in zip(lp.token_logprobs[1:len(ids)], want.prompt_logprobs[1:]))
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    water = len(engine_f32.tokenizer.encode("Water is"))
+    assert r.choices[1].text.startswith("Water is") and r.usage.prompt_tokens == len(ids) + water
+    # Streamed, the first chunk carries the prompt; the chunks add up to the same text.
+    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text.startswith(text)
+    whole = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True)
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+
+
+def test_streaming_several_prompts_interleaves_their_choices(server, client):
+    """stream=true with a list of prompts (vLLM takes it): choice i * n + k
+    of the stream is choice i * n + k of the reply without stream."""
+    prompts = ["The sky is", "Water is", "def add(a, b):"]
+    kw = dict(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2, logprobs=1, echo=True)
+    whole = client.completions.create(**kw)
+    texts, lps, usage = {}, {}, None
+    for ch in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            lps.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+        usage = ch.usage or usage
+    assert sorted(texts) == list(range(6))
+    for c in whole.choices:
+        assert texts[c.index] == c.text and lps[c.index] == c.logprobs.token_logprobs
+    assert usage.prompt_tokens == whole.usage.prompt_tokens and usage.completion_tokens == 30
+    # One prompt the engine refuses (over the context): a 400 before any
+    # chunk, and the prompt queued beside it is aborted, its blocks freed.
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": [[1] * 40, [1] * 9000], "max_tokens": 200, "stream": True})
+    assert r.status_code == 400 and "max_model_len is 8,192" in r.json()["error"]["message"], r.text
+    wait_idle(server)
+
+
+def test_prompt_logprobs_field_in_vllm_shape(server, engine_f32):
+    ids = engine_f32.tokenizer.encode("def add(a, b):\n    return a + b")
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    want = run_requests(engine_f32, [(ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))])[0]
+    assert plp[0] is None and len(plp) == len(ids)
+    for t, entry, (lp, alts, rank) in zip(ids[1:], plp[1:], want.prompt_logprobs[1:]):
+        # The token itself (with its rank) and the top 2 (ranks 1 and 2).
+        assert abs(entry[str(t)]["logprob"] - lp) < 1e-4 and entry[str(t)]["rank"] == rank
+        assert sorted(e["rank"] for k, e in entry.items() if int(k) in alts) == [1, 2]
+        assert len(entry) == 2 + (t not in alts)
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": HI, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
 def test_logit_bias_and_penalties_reach_the_sampler(client):
     """OpenAI's logit_bias (string token ids) forces a token; a frequency
     penalty changes a greedy reply that repeats itself."""
@@ -308,7 +376,11 @@ BAD = [
     ("image part", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400,
      "messages.0.content.0: image_url parts are not supported"),
-    ("echo", "/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "echo is not supported"),
+    ("prompt_logprobs with stream", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs is not available with stream=true"),
+    ("prompt_logprobs out of range", "/v1/chat/completions", {"model": MODEL, "messages": HI, "prompt_logprobs": 21},
+     400, "prompt_logprobs must be in [0, 20], got 21"),
     ("no such route", "/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, "no route POST /v1/embeddings"),
 ]
 

@@ -41,3 +41,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, (its logprob, top-k
+    # {token: logprob}, its rank); the first token's is None (nothing precedes it).
+    prompt_logprobs: list[tuple[float, dict[int, float], int] | None] | None = None

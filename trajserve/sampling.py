@@ -7,6 +7,7 @@ from trajserve.structured import StructuredOutput
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM)
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit)
 MAX_N = 128  # choices per request (OpenAI's limit): each is a sequence with its own KV tail
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # int64, as vLLM's API takes it
 
@@ -23,6 +24,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; k = chosen token + top-k alternatives
+    # Per prompt token (from the second on): its logprob given the tokens
+    # before it, + top-k alternatives (vLLM's prompt_logprobs). None = off.
+    # Such a prompt is computed whole: cached blocks hold no logits.
+    prompt_logprobs: int | None = None
     n: int = 1
     # Penalties on tokens already there (OpenAI and vLLM semantics): presence
     # subtracts once per token that appeared in the output, frequency once per
@@ -70,8 +75,9 @@ class SamplingParams:
             integer(name, getattr(self, name))
         if self.seed is not None:
             integer("seed", self.seed)
-        if self.logprobs is not None:
-            integer("logprobs", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, getattr(self, name))
         if not isinstance(self.stop, list):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list):
@@ -93,8 +99,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v!r}")
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         # The seed goes to torch.Generator.manual_seed, which takes 64 bits:

@@ -169,6 +169,9 @@ class LLMEngine:
                         frozenset(self.tokenizer.eos_token_ids), arrival_time=now, cache_salt=cache_salt,
                         matcher=matcher.deep_copy() if matcher is not None and i else matcher)
                 for i, sid in enumerate(seq_ids)]
+        if params.prompt_logprobs is not None:  # the request's, so its first sequence's only
+            seqs[0].prompt_logprobs = [None] * len(ids)
+            seqs[0].prompt_logprobs_done = len(ids) == 1
         group = _Group(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
                        [0] * params.n, [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)])
         self.groups[rid] = group
@@ -327,6 +330,9 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t3 = time.perf_counter()
+        if batch.prompt_spans:
+            self._prompt_logprobs(batch.prompt_spans, logits)
+            logits = logits[batch.sample_pick]
         ids = batch.sample_ids
         if self._pending_fork:
             logits, ids = self._fork_samples(sched, logits, ids)
@@ -343,6 +349,25 @@ class LLMEngine:
         st.prepare, st.forward, st.sample, st.update = t2 - t1, t3 - t2, t4 - t3, t5 - t4
         self.last_step = st
         return outputs
+
+    def _prompt_logprobs(self, spans: list[tuple], logits: torch.Tensor) -> None:
+        """Each prompt row's logits score the prompt token after it: its
+        logprob, the top-k alternatives (the model's own distribution, as for
+        sampled tokens) and its rank (1 = the likeliest)."""
+        for req, first, start, n in spans:
+            k = req.sampling_params.prompt_logprobs
+            nxt = torch.tensor(req.all_token_ids[start + 1:start + 1 + n], dtype=torch.long)
+            lp = logits[first:first + n].cpu().log_softmax(-1)
+            chosen = lp.gather(1, nxt[:, None])
+            rank = ((lp > chosen).sum(1) + 1).tolist()
+            if k:
+                top = torch.topk(lp, k)
+                alts = [dict(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            else:
+                alts = [{} for _ in range(n)]
+            req.prompt_logprobs[start + 1:start + 1 + n] = list(zip(chosen[:, 0].tolist(), alts, rank))
+            if start + 1 + n == req.num_prompt_tokens:
+                req.prompt_logprobs_done = True
 
     def _fork_samples(self, sched: SchedulerOutput, logits: torch.Tensor, ids: list[str]
                       ) -> tuple[torch.Tensor, list[str]]:
@@ -443,8 +468,10 @@ class LLMEngine:
         comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                   c.logprobs, c.delta_text, list(c.delta_token_ids))
                  for c in group.completions]
+        plp = group.seqs[0].prompt_logprobs
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished, metrics,
-                             num_cached_tokens=max(s.num_cached_tokens for s in group.seqs))
+                             num_cached_tokens=max(s.num_cached_tokens for s in group.seqs),
+                             prompt_logprobs=list(plp) if plp is not None else None)
 
     def _record_latency(self, group: _Group) -> None:
         first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)

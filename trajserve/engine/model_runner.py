@@ -23,8 +23,14 @@ class PreparedBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # rows whose logits are sampled
+    sample_rows: torch.Tensor  # rows whose logits the forward returns
     sample_ids: list[str]  # request of each sampled row
+    # Prompt logprobs: (request, first logits row, first position, rows) per
+    # chunk that computes prompt rows of a request asking for them; their
+    # logits come first, then the sampled rows' (at sample_pick). None: every
+    # returned row is sampled.
+    prompt_spans: list[tuple] = field(default_factory=list)
+    sample_pick: torch.Tensor | None = None
     copy_src: torch.Tensor | None = None  # copy-on-write: blocks to copy before the forward
     copy_dst: torch.Tensor | None = None
     # Reloads still streaming into blocks this batch reads (kv/copy_engine.py).
@@ -58,7 +64,8 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> PreparedBatch:
         B = self.block_size
         ids, pos, slots = [], [], []
-        sample_rows, sample_ids = [], []
+        sample_rows, sample_ids, pick = [], [], []
+        prompt_spans = []
         spans, sampled = [], []  # (first row, rows, context incl. them, block table, decode?)
         row = 0
         for c in out.chunks:
@@ -70,12 +77,26 @@ class ModelRunner:
             decode = c.num_tokens == 1
             spans.append((row, c.num_tokens, c.end, table, decode))
             row += c.num_tokens
-            if c.sample:
+            req = c.request
+            # Rows whose logits give a prompt token's logprob: positions
+            # [start, end) below the prompt's last (whose row is sampled).
+            n_prompt = min(c.end, req.num_prompt_tokens - 1) - c.start \
+                if req.prompt_logprobs is not None and not req.prompt_logprobs_done else 0
+            if n_prompt > 0:
+                n_rows = n_prompt + c.sample
+                sampled.append((len(sample_rows), n_rows, c.start + n_rows, table, decode))
+                prompt_spans.append((req, len(sample_rows), c.start, n_prompt))
+                sample_rows.extend(range(row - c.num_tokens, row - c.num_tokens + n_rows))
+                if c.sample:
+                    pick.append(len(sample_rows) - 1)
+                    sample_ids.append(req.request_id)
+            elif c.sample:
                 # In the last layer only this row goes on: its query alone,
                 # over the same context (computed as it is inside the chunk).
                 sampled.append((len(sample_rows), 1, c.end, table, decode))
+                pick.append(len(sample_rows))
                 sample_rows.append(row - 1)
-                sample_ids.append(c.request.request_id)
+                sample_ids.append(req.request_id)
 
         slots = np.concatenate(slots)
         meta = self._attention_meta(spans)
@@ -84,6 +105,9 @@ class ModelRunner:
                               self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids,
                               # every row sampled (a step of decodes only): nothing to leave out
                               sample_meta=self._attention_meta(sampled) if len(sample_rows) < row else None)
+        if prompt_spans:
+            batch.prompt_spans = prompt_spans
+            batch.sample_pick = self._tensor(np.asarray(pick, dtype=np.int64))
         if out.copies:
             cp = np.asarray(out.copies, dtype=np.int64)
             batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])
@@ -147,7 +171,8 @@ class ModelRunner:
             v.index_copy_(0, idx, data[:, layer, 1])
 
     def run(self, batch: PreparedBatch) -> torch.Tensor:
-        """Float32 logits [len(batch.sample_ids), vocab]."""
+        """Float32 logits [len(batch.sample_rows), vocab]: with prompt spans,
+        their rows too (take the sampled ones with batch.sample_pick)."""
         if batch.copy_src is not None:
             for job in batch.loads:  # a copy-on-write source must be whole first
                 self.copy.wait_s += job.wait_layer(job.num_layers - 1)
@@ -156,5 +181,7 @@ class ModelRunner:
                                   batch.sample_rows, self.copy.layer_barrier(batch.loads), batch.sample_meta)
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
+        """The sampled rows' logits, and whose they are."""
         batch = self.prepare(out)
-        return self.run(batch), batch.sample_ids
+        logits = self.run(batch)
+        return (logits if batch.sample_pick is None else logits[batch.sample_pick]), batch.sample_ids

@@ -58,6 +58,13 @@ class Request:
     inter_token_times: list[float] = field(default_factory=list)
     # Per output token: (logprob of chosen, {token: logprob} top-k) if asked.
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs, on the first sequence of a request: per
+    # prompt position, (logprob of that token given those before, top-k, rank);
+    # position 0 has none. Filled as the prefill's chunks run (model_runner).
+    prompt_logprobs: list[tuple[float, dict[int, float], int] | None] | None = None
+    # Every prompt position has its entry: from then on (a recompute after a
+    # preemption) the prompt may come from the prefix cache like any other.
+    prompt_logprobs_done: bool = False
     # Structured output: the llguidance matcher, at the end of the output so
     # far (the sampler masks with it and advances it).
     matcher: Any = None

@@ -127,7 +127,10 @@ class Scheduler:
                 break
             req = self.waiting[0]
             # Radix match: the cached block-aligned prefix needs no compute.
-            hit = self.kv.match(req.request_id, req.all_token_ids, req.cache_salt)
+            # Prompt logprobs need every prompt row's logits, which the
+            # cache does not hold: such a prompt is computed whole (vLLM's rule).
+            hit = None if req.prompt_logprobs is not None and not req.prompt_logprobs_done \
+                else self.kv.match(req.request_id, req.all_token_ids, req.cache_salt)
             start = hit.num_tokens if hit else req.num_computed_tokens
             n = min(req.num_tokens - start, budget, cap)
             if self.running and not self._under_ceiling(req, start + n, hit):

@@ -252,7 +252,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                            param="max_tokens", code="context_length_exceeded")
 
     async def start(prompt, sp, salt, request: Request, stream: bool, param: str = "messages"
-                    ) -> AsyncIterator[RequestOutput]:
+                    ) -> _Outputs:
         """Queue the request now (so bad input fails before a stream starts)
         and return its output iterator. param: the request's prompt field
         (named by a context error)."""
@@ -270,13 +270,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             code = "context_length_exceeded" if "tokens" in str(e) else None
             raise APIError(400, str(e), param=param if code else None, code=code) from None
 
-        async def chained():
-            if first is None:
-                return
-            yield first
-            async for out in gen:
-                yield out
-        return chained()
+        return _Outputs(first, gen)
 
     # -------------------------------------------------------------- sessions
     async def begin_session(req, request: Request, n_prompts: int = 1):
@@ -342,25 +336,37 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         sp = sampling(req, req.max_tokens, 16, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            # echo + logprobs scores the prompt's tokens too (the legacy API's
+            # way to score text, e.g. lm-evaluation-harness's loglikelihood).
+            sp.prompt_logprobs = max(sp.prompt_logprobs or 0, req.logprobs)
         # Text prompts are encoded here (as the engine would) to check each
         # one's room for max_tokens before any is queued.
-        prompts = [tok.encode(p) if isinstance(p, str) else p for p in _prompts(req.prompt)]
+        given = _prompts(req.prompt)
+        prompts = [tok.encode(p) if isinstance(p, str) else p for p in given]
+        # echo: the prompt as sent (token prompts decoded, special tokens kept).
+        echoed = [(p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False)) if req.echo else ""
+                  for p in given]
         for p in prompts:
             check_room(len(p), sp, "max_tokens" in req.model_fields_set and req.max_tokens is not None)
         await compile_constraint(sp)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        if req.stream and len(prompts) != 1:
-            raise APIError(400, f"stream=true takes one prompt, got {len(prompts)}; send one request per prompt",
-                           param="prompt")
         sess = await begin_session(req, request, len(prompts))
         if req.stream:
-            try:
-                outs = await start(prompts[0], sp, req.cache_salt, request, True, "prompt")
-            except APIError:
+            # Every prompt is queued before the stream starts: one the engine
+            # refuses is a 400 for the request, and the others are aborted.
+            started = await asyncio.gather(*(start(p, sp, req.cache_salt, request, True, "prompt")
+                                             for p in prompts), return_exceptions=True)
+            failed = [r for r in started if isinstance(r, BaseException)]
+            if failed:
+                for r in started:
+                    if not isinstance(r, BaseException):
+                        await r.aclose()
                 end_session(sess, None, req)
-                raise
-            return _sse(_completion_chunks(session_stream(outs, sess, req), rid, created, reply_model(req), req,
-                                           tok))
+                raise next((e for e in failed if isinstance(e, APIError)), failed[0])
+            if sess is not None:  # a session turn has one prompt
+                started[0] = session_stream(started[0], sess, req)
+            return _sse(_completion_chunks(_merge(started), rid, created, reply_model(req), req, tok, echoed, sp.n))
 
         async def one(p):
             final = None
@@ -381,9 +387,13 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         choices = []
         for i, final in enumerate(finals):
             for c in final.outputs:
-                choices.append({"index": i * sp.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
-                                "logprobs": _completion_logprobs(c.token_ids, c.logprobs, tok)
-                                if req.logprobs is not None else None})
+                choice = {"index": i * sp.n + c.index, "text": echoed[i] + c.text,
+                          "finish_reason": c.finish_reason,
+                          "logprobs": _completion_logprobs(*_echo_logprobs(final, c, req), tok)
+                          if req.logprobs is not None else None}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _prompt_logprobs(final, tok)
+                choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": created, "model": reply_model(req),
                 "choices": choices, "usage": _usage(finals)}
 
@@ -456,8 +466,11 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         choices = [{"index": c.index, **_chat_message(c, req, calls_format),
                     "logprobs": _chat_logprobs(c.token_ids, c.logprobs, tok) if req.logprobs else None}
                    for c in final.outputs]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": reply_model(req),
+        body = {"id": rid, "object": "chat.completion", "created": created, "model": reply_model(req),
                 "choices": choices, "usage": _usage([final])}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs(final, tok)  # vLLM's place: beside the choices
+        return body
 
     @app.post("/v1/messages")
     async def messages(body: anthropic.MessagesRequest, request: Request):
@@ -564,6 +577,8 @@ def _token_str(tok, t: int) -> str:
 
 
 def _completion_logprobs(ids: list[int], lps, tok) -> dict | None:
+    """The legacy logprobs object. An entry of lps is (logprob, {token: logprob}, ...)
+    or None (an echoed prompt's first token, which nothing predicts)."""
     if lps is None:
         return None
     tokens = [_token_str(tok, t) for t in ids]
@@ -571,9 +586,30 @@ def _completion_logprobs(ids: list[int], lps, tok) -> dict | None:
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in lps],
-            "top_logprobs": [{_token_str(tok, a): v for a, v in alts.items()} for _, alts in lps],
+    return {"tokens": tokens, "token_logprobs": [e and e[0] for e in lps],
+            "top_logprobs": [e and {_token_str(tok, a): v for a, v in e[1].items()} for e in lps],
             "text_offset": offsets}
+
+
+def _echo_logprobs(final: RequestOutput, c: CompletionOutput, req: CompletionRequest) -> tuple[list[int], list]:
+    """A choice's tokens and their logprobs, the prompt's first when echoed."""
+    if not req.echo or c.logprobs is None:
+        return c.token_ids, c.logprobs
+    return final.prompt_token_ids + c.token_ids, final.prompt_logprobs + c.logprobs
+
+
+def _prompt_logprobs(final: RequestOutput, tok) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id:
+    {logprob, rank, decoded_token}} for the token itself and the top-k."""
+    if final.prompt_logprobs is None:
+        return None
+    out: list = [None]
+    for t, (lp, alts, rank) in zip(final.prompt_token_ids[1:], final.prompt_logprobs[1:]):
+        d = {a: {"logprob": v, "rank": r, "decoded_token": _token_str(tok, a)}
+             for r, (a, v) in enumerate(alts.items(), 1)}
+        d[t] = {"logprob": lp, "rank": rank, "decoded_token": _token_str(tok, t)}
+        out.append(d)
+    return out
 
 
 def _chat_logprobs(ids: list[int], lps, tok) -> dict | None:
@@ -656,34 +692,99 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return _event_stream(lines(), error)
 
 
-def _new_logprobs(c: CompletionOutput, sent: dict[int, int]) -> tuple[list[int], list] | None:
+def _new_logprobs(c: CompletionOutput, sent: dict[int, int], index: int | None = None
+                  ) -> tuple[list[int], list] | None:
+    """The choice's tokens and logprobs not sent yet (sent: per choice index, how many were)."""
     if c.logprobs is None:
         return None
-    k = sent.get(c.index, 0)
-    sent[c.index] = len(c.logprobs)
+    index = c.index if index is None else index
+    k = sent.get(index, 0)
+    sent[index] = len(c.logprobs)
     return c.token_ids[k:len(c.logprobs)], c.logprobs[k:]
 
 
-async def _completion_chunks(outs, rid, created, model, req: CompletionRequest, tok) -> AsyncIterator[dict]:
+class _Outputs:
+    """A request's outputs, the first of which start() has awaited (None: the
+    client left before it). aclose() aborts the request if it still runs."""
+
+    def __init__(self, first: RequestOutput | None, gen: AsyncIterator[RequestOutput]) -> None:
+        self._first, self._gen, self._done = first, gen, first is None
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            out, self._first = self._first, None
+            return out
+        if self._done:
+            raise StopAsyncIteration
+        return await anext(self._gen)
+
+    async def aclose(self) -> None:
+        self._done, self._first = True, None
+        await self._gen.aclose()
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(i, output) from several requests' outputs as they arrive. Leaving
+    early (the client went) cancels the readers, which aborts what still runs."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, outs) -> None:
+        try:
+            async for out in outs:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:  # noqa: BLE001 - the stream's reader raises it
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, outs)) for i, outs in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _completion_chunks(outs: AsyncIterator[tuple[int, RequestOutput]], rid, created, model,
+                             req: CompletionRequest, tok, echoed: list[str], n: int) -> AsyncIterator[dict]:
+    """Chunks of prompt i's choices (index i * n + choice, as the reply
+    without stream numbers them), interleaved as the steps produce them."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent: dict[int, int] = {}
-    final = None
-    async for out in outs:
-        final = out
+    started: set[int] = set()
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in outs:
+        finals[i] = out
         for c in out.outputs:
             if not c.delta_token_ids:
                 continue
-            new = _new_logprobs(c, sent)
+            index = i * n + c.index
+            first = index not in started  # the choice's first chunk carries the echo
+            started.add(index)
+            new = _new_logprobs(c, sent, index)
+            if new and first and req.echo:
+                new = (out.prompt_token_ids + new[0], out.prompt_logprobs + new[1])
             lp = _completion_logprobs(*new, tok) if new and req.logprobs is not None else None
+            choice = {"index": index, "text": (echoed[i] if first else "") + c.delta_text, "logprobs": lp,
+                      "finish_reason": c.finish_reason}
             chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [{"index": c.index, "text": c.delta_text, "logprobs": lp,
-                                  "finish_reason": c.finish_reason}]}
+                     "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None
             yield chunk
-    if include_usage and final is not None:
+    if include_usage and finals:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-               "usage": _usage([final])}
+               "usage": _usage(list(finals.values()))}
 
 
 async def _chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, tok, fmt: str

@@ -60,6 +60,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM)
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
+    prompt_logprobs: int | None = None  # extension (vLLM): score each prompt token, top-k alternatives
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -113,6 +114,8 @@ class _Common(BaseModel):
         refused by name (ValueError) rather than ignored."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream=true (as vLLM)")
 
     def sampling_params(self, max_tokens: int | None, default_max: int, logprobs: int | None,
                         structured: StructuredOutput | None = None) -> SamplingParams:
@@ -128,7 +131,7 @@ class _Common(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            logprobs=logprobs, presence_penalty=self.presence_penalty or 0.0,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias, structured=structured)
@@ -151,8 +154,6 @@ class CompletionRequest(_Common):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported (no fill-in-the-middle)")
         if self.best_of is not None and self.best_of != self.n:

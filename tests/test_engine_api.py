@@ -488,6 +488,11 @@ def test_a_step_that_raises_leaves_the_llm_usable(llm, story_ref, monkeypatch):
     (dict(max_model_len=10**6), r"max_model_len \(--max-model-len\) 1,000,000 is over the model's context of 8,192"),
     (dict(cache=CacheConfig(kv_cache_memory=10**15)), r"KV pool of .* blocks needs .* GiB; only .* GiB of host "
                                                       r"memory is available"),  # was killed by the OOM killer
+    # Accepted before, and the host tier was silently absent.
+    (dict(cache=CacheConfig(host_cache_bytes=2**20, enable_prefix_caching=False)),
+     r"--kv-host-cache / --kv-disk-cache\) are tiers under the prefix cache, which .*--no-prefix-caching"),
+    (dict(cache=CacheConfig(disk_cache_bytes=2**20, disk_cache_dir="/proc/nope")),
+     r"the disk tier's directory '/proc/nope' cannot be used: No such file or directory"),  # was a bare errno
 ])
 def test_engine_options_are_checked_before_anything_is_allocated(config, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -457,6 +457,29 @@ def test_cpu_local_placeholder_reports_unknown_times():
     assert row.recompute_s is None and row.reload_host_s is None and row.break_even_wait_s is None
 
 
+def test_cpu_local_plans_in_the_dtype_the_engine_runs_here():
+    """On this machine's CPU the engine keeps weights and KV in the dtype it
+    resolves for the CPU (fp32 without native bf16), so the plan does too; an
+    accelerator keeps bf16, and a dtype given by flag wins."""
+    import argparse
+
+    import torch
+
+    from trajserve.engine.dtype import resolve_dtype
+    from trajserve.plan.cli import add_plan_parser, request_from
+
+    p = argparse.ArgumentParser()
+    add_plan_parser(p)
+    engine_dtype, _ = resolve_dtype("auto", torch.device("cpu"))
+    want = {torch.float32: "fp32", torch.bfloat16: "bf16"}[engine_dtype]
+    local = request_from(p.parse_args(["--model", "smollm2-135m", "--gpu", "cpu-local"]))
+    assert local.kv_dtype == local.weight_dtype == want
+    gpu = request_from(p.parse_args(["--model", "smollm2-135m", "--gpu", "h100"]))
+    assert gpu.kv_dtype == "bf16" and gpu.weight_dtype is None
+    given_ = request_from(p.parse_args(["--model", "smollm2-135m", "--gpu", "cpu-local", "--kv-dtype", "fp8"]))
+    assert given_.kv_dtype == "fp8"
+
+
 def test_hf_config_json(tmp_path: Path):
     cfg = {"model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
            "head_dim": 128, "num_hidden_layers": 36, "intermediate_size": 12288, "vocab_size": 151936,

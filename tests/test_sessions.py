@@ -85,8 +85,12 @@ def test_corrupted_disk_block_is_recomputed_not_served(mgr):
     s = mgr.open(messages(task))
     s.generate(GREEDY)
     s.pause(decision="disk")
+    if s.copy is not None:  # still copying: the record says so, and counts the blocks where they are
+        info = mgr.describe(s)
+        assert info["copying"] == "save" and info["tier"] == "disk" and info["saved_blocks"] == 0
     mgr.flush()  # the copy and the write run on background threads
     assert s.saved_blocks > 4 and s.table.counts()["disk"] == s.saved_blocks
+    assert mgr.describe(s)["copying"] is None
     bad = 3
     path = mgr.disk.path(mgr._key(s, bad))
     raw = bytearray(path.read_bytes())

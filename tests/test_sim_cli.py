@@ -174,6 +174,11 @@ def test_bad_arguments_fail_cleanly(capsys):
     assert main(["simulate", "--validate", "--measured", "/nonexistent.json", "--json", "--no-progress"]) == 2
     # 0 used to read as "not given" and run the default 1,000 requests.
     assert main(["simulate", "--workload", "chat", "--num-requests", "0", "--json", "--no-progress"]) == 2
+    assert main(["simulate", "--max-prefill-chunk", "0", "--json", "--no-progress"]) == 2
+    assert main(["simulate", "--turns", "3", "--branching", "2", "--branch-turn", "4", "--json",
+                 "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "unknown gpu" in err and "--slo" in err and "tool wait" in err
     assert "--num-requests must be >= 1, got 0" in err
+    assert "--max-prefill-chunk must be >= 1 (unset: the token budget), got 0" in err
+    assert "branch turn 4 is past the last turn (3)" in err

@@ -114,6 +114,11 @@ class EngineConfig:
         check(0 <= cc.watermark < 1, "watermark", "in [0, 1)", cc.watermark)
         check(cc.host_cache_bytes >= 0, "kv_host_cache", "a size >= 0", cc.host_cache_bytes)
         check(cc.disk_cache_bytes >= 0, "kv_disk_cache", "a size >= 0", cc.disk_cache_bytes)
+        if (cc.host_cache_bytes or cc.disk_cache_bytes) and not cc.enable_prefix_caching:
+            # Accepted, the tiers would be silently absent (the engine builds them under the cache).
+            raise ValueError("kv_host_cache / kv_disk_cache (--kv-host-cache / --kv-disk-cache) are tiers under "
+                             "the prefix cache, which enable_prefix_caching=False (--no-prefix-caching) turns off: "
+                             "drop one or the other")
         count("max_num_seqs", sc.max_num_seqs)
         count("max_num_batched_tokens", sc.max_num_batched_tokens)
         count("max_prefill_chunk", sc.max_prefill_chunk)

@@ -349,6 +349,9 @@ class SessionManager:
                 "tier": s.tier.value if s.tier is not None else "device",
                 "num_tokens": len(s.history), "device_tokens": hit.num_tokens if hit else 0,
                 "saved_blocks": s.saved_blocks, "turns": s.turns,
+                # A save or load still copying: "tier" is where the state is
+                # going; its blocks are counted where they are now.
+                "copying": s.copy.kind if s.copy is not None else None,
                 "blocks_by_tier": s.table.counts() if s.table is not None else None,
                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,

@@ -14,6 +14,7 @@ can always be rebuilt from tokens).
 """
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import zlib
@@ -78,7 +79,13 @@ class DiskKVStore:
 
     def __init__(self, directory: str | os.PathLike, byte_cap: int) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if not os.access(self.dir, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "not writable")
+        except OSError as e:  # a bare errno would not say which flag to fix
+            raise ValueError(f"the disk tier's directory {str(directory)!r} cannot be used: "
+                             f"{e.strerror or e}") from None
         self.byte_cap = byte_cap
         self.nbytes = 0
         self.num_corrupt = 0

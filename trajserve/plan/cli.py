@@ -21,6 +21,18 @@ def _ints(text: str) -> tuple[int, ...]:
 DEFAULT_CONTEXTS = (8192, 32768, 131072)
 
 
+def default_kv_dtype(device) -> str:
+    """bf16 on accelerators. On this machine's CPU, the dtype the engine
+    computes in there (engine/dtype.py), for its KV and its weights alike:
+    fp32 unless the CPU has native bf16 matmuls (fp32 KV holds half the
+    tokens bf16 would)."""
+    if device.key == "cpu-local":
+        from trajserve.engine.dtype import cpu_has_native_bf16
+
+        return "bf16" if cpu_has_native_bf16() else "fp32"
+    return "bf16"
+
+
 def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help=f"{' | '.join(model_names())}, a config.json / HF directory, or a .gguf file")
@@ -38,8 +50,11 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
     share.add_argument("--shared-fraction", type=float, default=None,
                        help="share sigma of each context that is common to all trajectories")
     p.add_argument("--headroom", type=float, default=0.1, help="free share of the KV pool kept (default 0.1)")
-    p.add_argument("--kv-dtype", default="bf16", help=" | ".join(FORMATS))
-    p.add_argument("--weight-dtype", default=None, help=f"{' | '.join(FORMATS)} (default: the model's)")
+    p.add_argument("--kv-dtype", default=None,
+                   help=f"{' | '.join(FORMATS)} (default bf16; on cpu-local the dtype the engine runs in on "
+                        "this CPU: fp32 without AVX-512 BF16 or AMX)")
+    p.add_argument("--weight-dtype", default=None,
+                   help=f"{' | '.join(FORMATS)} (default: the model's; on cpu-local as --kv-dtype)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--reserve", default="4.5GB", help="activations + runtime per device (default 4.5GB)")
     p.add_argument("--gpu-memory", default=None, help="override the device memory, e.g. 80GB or 80GiB")
@@ -69,11 +84,14 @@ def request_from(args: argparse.Namespace):
         if not contexts:
             raise ValueError(f"shared prefix ({args.shared_prefix} tokens) is longer than every default context "
                              f"(up to {DEFAULT_CONTEXTS[-1]} tokens); give --context")
+    device = get_device(args.gpu)
     return PlanRequest(
-        model=model, device=get_device(args.gpu), contexts=contexts, num_gpus=args.num_gpus,
+        model=model, device=device, contexts=contexts, num_gpus=args.num_gpus,
         tp=args.tp, pp=args.pp, output_tokens=args.output_tokens, shared_prefix=args.shared_prefix,
-        shared_fraction=args.shared_fraction, headroom=args.headroom, kv_dtype=args.kv_dtype,
-        weight_dtype=args.weight_dtype, block_size=args.block_size,
+        shared_fraction=args.shared_fraction, headroom=args.headroom,
+        kv_dtype=args.kv_dtype or default_kv_dtype(device),
+        weight_dtype=args.weight_dtype or (default_kv_dtype(device) if device.key == "cpu-local" else None),
+        block_size=args.block_size,
         reserve_bytes=parse_bytes(args.reserve, "--reserve"),
         memory_bytes=parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
         mfu=args.mfu, hit_prob=args.hit_prob, dram_cost_ratio=args.dram_cost_ratio)

@@ -22,6 +22,7 @@ fields, 429 admission queue full (with Retry-After), 503 engine down. Under
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -49,6 +50,7 @@ from trajserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        TokenizeRequest)
 from trajserve.server.tool_calls import (FORMATS, ForcedStream, call_stream, forced_schema, format_for_template,
                                         parse_calls, parse_forced)
+from trajserve.sampling import SamplingParams
 from trajserve.structured import StructuredOutput
 
 log = logging.getLogger("trajserve")
@@ -228,7 +230,9 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             structured = structured or req.structured()
             return req.sampling_params(max_tokens, default_max, logprobs, structured)
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            # SamplingParams' messages start with the field they are about.
+            name = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=name if name in type(req).model_fields else None) from None
 
     async def compile_constraint(sp) -> None:
         """A structured output compiles here, on a worker thread (llguidance
@@ -268,7 +272,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             raise APIError(503, str(e), "server_error") from None
         except ValueError as e:
             code = "context_length_exceeded" if "tokens" in str(e) else None
-            raise APIError(400, str(e), param=param if code else None, code=code) from None
+            # The engine's messages start with what they are about: the prompt, or a sampling field.
+            name = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=param if name == "prompt" else name if name in _SAMPLING_FIELDS
+                           else None, code=code) from None
 
         return _Outputs(first, gen)
 
@@ -548,6 +555,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
 
 
 # --------------------------------------------------------------- helpers
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
 def _prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]

@@ -80,6 +80,9 @@ class AgentSpec:
             raise ValueError(f"reply tokens must be >= 1, got {self.reply_tokens}")
         if self.branching < 1 or not 1 <= self.branch_turn:
             raise ValueError("branching and branch turn must be >= 1")
+        if self.branching > 1 and self.branch_turn > self.turns:
+            raise ValueError(f"branch turn {self.branch_turn} is past the last turn ({self.turns}): "
+                             "no trajectory would fork")
 
 
 def agent_sessions(spec: AgentSpec, tokens: TokenSource) -> list[Session]:

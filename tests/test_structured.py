@@ -126,3 +126,57 @@ def test_the_compiled_grammars_are_kept_lru(engine_f32):
     for spec in (a, b, a, c, b):  # c pushes out b (a was used after b), so b compiles again
         g.matcher(spec)
     assert (g.compiled, g.cache_hits) == (4, 1)
+
+
+def test_objects_are_closed_unless_the_schema_opens_them(engine_f32):
+    """closed_objects: what xgrammar's strict mode (vLLM's default) holds a
+    schema to. Checked on the schema and on the matcher the engine compiles."""
+    from trajserve.structured import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},  # a property so named
+        "open": {"type": "object", "properties": {"b": {"type": "integer"}}, "additionalProperties": True},
+        "pick": {"enum": [{"properties": 1}]},  # data, not a schema
+        "both": {"allOf": [{"type": "object", "properties": {"c": {"type": "integer"}}}]}},
+        "$defs": {"p": {"type": "object", "properties": {"d": {"type": "string"}}}}}
+    got = closed_objects(schema)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in got["properties"]  # the map of names was not taken for a schema
+    assert got["properties"]["open"]["additionalProperties"] is True
+    assert got["properties"]["pick"] == schema["properties"]["pick"]
+    assert got["properties"]["both"] == schema["properties"]["both"]
+    assert got["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+    tok = engine_f32.tokenizer
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
+
+    def accepts(schema, text):
+        m = engine_f32.grammars.matcher(StructuredOutput(json_schema=schema))
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and not m.is_error()
+
+    assert accepts(city, '{"city": "Paris"}')
+    assert not accepts(city, '{"city": "Paris", "unit": "c"}')
+    assert accepts({**city, "additionalProperties": True}, '{"city": "Paris", "unit": "c"}')
+
+
+def test_a_forced_tool_call_ends_with_the_declared_arguments(engine_f32):
+    """The embedded model under tool_choice naming a function: with objects
+    open it invented keys until max_tokens ("unit_description_type_name",
+    ...) and the reply came back as text; closed, it ends the call."""
+    from trajserve.server.tool_calls import forced_schema
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city"]}}}]
+    tok = engine_f32.tokenizer
+    ids = tok.encode(tok.apply_chat_template([
+        {"role": "system", "content": "You can call get_weather(city, unit)."},
+        {"role": "user", "content": "What's the weather in Paris?"}]), add_special_tokens=False)
+    so = StructuredOutput(json_schema=forced_schema(tools, "get_weather"))
+    (out,) = run(engine_f32, [(ids, SamplingParams(max_tokens=100, temperature=0, structured=so))])
+    c = out.outputs[0]
+    assert c.finish_reason == "stop", c.text
+    args = json.loads(c.text)
+    assert "city" in args and set(args) <= {"city", "unit"}

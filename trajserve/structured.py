@@ -55,7 +55,8 @@ class StructuredOutput:
         from llguidance import LLMatcher
 
         if self.json_schema is not None:
-            return LLMatcher.grammar_from_json_schema(self.json_schema)
+            schema = _json.loads(self.json_schema) if isinstance(self.json_schema, str) else self.json_schema
+            return LLMatcher.grammar_from_json_schema(closed_objects(schema))
         if self.json_object:
             return LLMatcher.grammar_from_json_schema({"type": "object"})
         if self.regex is not None:
@@ -64,6 +65,38 @@ class StructuredOutput:
             return LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(_json.dumps(c, ensure_ascii=False) for c in self.choice))
         return LLMatcher.grammar_from_lark(self.grammar)
+
+
+# Keywords whose value maps names to schemas, and keywords whose value is data.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("const", "enum", "default", "examples")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema):
+    """The schema with `additionalProperties: false` on every object schema
+    that lists its properties and says nothing about others: what xgrammar's
+    strict mode (vLLM's default backend) enforces. By JSON Schema's default
+    a small model fills a reply or a tool call's arguments with invented
+    keys until max_tokens (SmolLM2: "unit_description_type_name", ...). A
+    schema that opens its objects (`additionalProperties: true` or a schema)
+    keeps them open; allOf branches are left as written (closing each would
+    leave no object that fits them all)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: closed_objects(s) for name, s in v.items()}
+        elif k in _DATA or k == "allOf":
+            out[k] = v
+        else:
+            out[k] = closed_objects(v)
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 class GrammarCompiler:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -99,3 +100,23 @@ def test_bench_structured_prints_a_table_and_json():
     assert "step free" in table and "sampler json" in table
     (row,) = json.loads("{" + js)["rows"]
     assert row["batch"] == 2 and row["steps_free"] > 0 and row["steps_json"] > 0 and row["step_ratio"] > 0
+
+
+def test_help_states_the_defaults():
+    """Every subcommand's --help says what an option it leaves out is set to."""
+    from trajserve.cli import build_parser
+
+    p = build_parser()
+    sub = next(a for a in p._actions if a.dest == "command")  # noqa: SLF001
+    texts = {name: parser.format_help() for name, parser in sub.choices.items()}
+    serve = " ".join(texts["serve"].split())  # argparse wraps lines
+    for words in ("--port PORT 0 picks a free port (printed at start-up) (default: 8000)",
+                  "(default: 127.0.0.1)", "--max-waiting MAX_WAITING", "(default: 256)", "--block-size BLOCK_SIZE"):
+        assert words in serve, words
+    assert re.search(r"--block-size BLOCK_SIZE tokens per KV block [^-]*\(default: 16\)", serve), serve
+    assert re.search(r"--no-prefix-caching disable the radix prefix cache --", serve)  # a flag: no default
+    # Options with no default (None) or a flag (False) say nothing; none says it twice.
+    assert "(default: None)" not in serve and "(default: False)" not in serve
+    assert all(t.count("(default: default") == 0 for t in texts.values())
+    bench = next(a for a in sub.choices["bench"]._actions if a.dest and a.choices)  # noqa: SLF001
+    assert "(default:" in bench.choices["agent"].format_help()

@@ -212,14 +212,26 @@ def test_echo_scores_the_prompt_as_lm_eval_does(client, engine_f32):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(abs(a - b[0]) < 1e-4 for a, b in zip(lp.token_logprobs[1:len(ids)], want.prompt_logprobs[1:]))
     assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    # top_logprobs: the likeliest and the token itself (vLLM's), so lm-eval's max() has something to take.
+    for t, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[t] == v and 1 <= len(top) <= 2 and max(top.values()) >= v
     water = len(engine_f32.tokenizer.encode("Water is"))
     assert r.choices[1].text.startswith("Water is") and r.usage.prompt_tokens == len(ids) + water
-    # Streamed, the first chunk carries the prompt; the chunks add up to the same text.
-    chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True,
-                                            stream=True))
+    # Streamed, the first chunk carries the prompt; the chunks add up to the
+    # same text and logprobs, offsets counted from the start of the whole text.
+    kw = dict(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    chunks = list(client.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].text.startswith(text)
-    whole = client.completions.create(model=MODEL, prompt=text, max_tokens=3, temperature=0, echo=True)
-    assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
+    whole = client.completions.create(**kw).choices[0]
+    assert "".join(ch.choices[0].text for ch in chunks) == whole.text
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert sum((getattr(ch.choices[0].logprobs, field) for ch in chunks), []) == getattr(whole.logprobs, field)
+    # Each output keeps its own top-k though the engine scored the prompt with the larger.
+    r = httpx.post(client.base_url.join("completions").__str__(), timeout=120, json={
+        "model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1,
+        "prompt_logprobs": 3}).json()["choices"][0]
+    assert all(len(top) <= 2 for top in r["logprobs"]["top_logprobs"][1:])
+    assert all(3 <= len(e) <= 4 for e in r["prompt_logprobs"][1:])
 
 
 def test_streaming_several_prompts_interleaves_their_choices(server, client):

@@ -20,9 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32")
     g.add_argument("--kv-cache-memory", default=None,
                    help="KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)")
-    g.add_argument("--memory-fraction", type=float, default=0.25)
+    g.add_argument("--memory-fraction", type=float, default=0.25,
+                   help="share of the memory free at start-up the KV pool takes, without --kv-cache-memory")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the prefix cache shares "
+                   "whole blocks)")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="disable the radix prefix cache")
     g.add_argument("--kv-host-cache", default=None, metavar="BYTES",
@@ -31,12 +33,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-cache", default=None, metavar="BYTES",
                    help="disk tier below it (blocks the host tier pushes out; CRC-checked on read)")
     g.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: a temporary one)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-prefill-chunk", type=int, default=None, help="per-request chunk cap")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--max-prefill-chunk", type=int, default=None,
+                   help="per-request chunk cap (default: the token budget, --max-num-batched-tokens)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit, prompt + output (default: the model's)")
+    g.add_argument("--seed", type=int, default=0, help="the engine's seed for requests that give none")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     g.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
                    help="float32 on the CPU: torch ops only, not the C kernels built on first use")
 
@@ -55,11 +59,11 @@ def make_llm(args: argparse.Namespace):
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set of this much mass")
+    g.add_argument("--top-k", type=int, default=0, help="the k likeliest tokens only (0: off)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="this request's seed (default: from --seed)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages prompt and output tokens")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], per occurrence in the output")
@@ -170,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
     s.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS; default: any, as vLLM)")
@@ -269,7 +273,37 @@ def build_parser() -> argparse.ArgumentParser:
     from trajserve.sim.cli import add_calibrate_parser, add_simulate_parser  # imports no torch
     add_simulate_parser(sub.add_parser("simulate", help="the real scheduler + KV cache on a cost model: latency, hit rate, U_KV"))
     add_calibrate_parser(sub.add_parser("calibrate", help="measure this machine's engine; write a hardware profile for simulate"))
+    _show_defaults(p)
     return p
+
+
+class _DefaultsHelp(argparse.HelpFormatter):
+    """--help states each option's default (as ArgumentDefaultsHelpFormatter),
+    except where it has none or its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if not _has_default(action) or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _has_default(action: argparse.Action) -> bool:
+    """An option whose default is worth stating (not a flag, not unset)."""
+    d = action.default
+    return bool(action.option_strings) and action.nargs != 0 and d is not None and d != [] \
+        and d is not argparse.SUPPRESS
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = _DefaultsHelp
+    for action in p._actions:  # noqa: SLF001 - argparse keeps its subcommands only here
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for child in action.choices.values():
+                _show_defaults(child)
+        elif not action.help and _has_default(action):
+            action.help = "default: %(default)s"  # argparse prints nothing for an option without help
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
+import itertools
 import json
 import logging
 import time
@@ -396,10 +397,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             for c in final.outputs:
                 choice = {"index": i * sp.n + c.index, "text": echoed[i] + c.text,
                           "finish_reason": c.finish_reason,
-                          "logprobs": _completion_logprobs(*_echo_logprobs(final, c, req), tok)
+                          "logprobs": _completion_logprobs(*_echo_logprobs(final, c, req), tok, req.logprobs)
                           if req.logprobs is not None else None}
                 if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = _prompt_logprobs(final, tok)
+                    choice["prompt_logprobs"] = _prompt_logprobs(final, tok, req.prompt_logprobs)
                 choices.append(choice)
         return {"id": rid, "object": "text_completion", "created": created, "model": reply_model(req),
                 "choices": choices, "usage": _usage(finals)}
@@ -476,7 +477,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         body = {"id": rid, "object": "chat.completion", "created": created, "model": reply_model(req),
                 "choices": choices, "usage": _usage([final])}
         if req.prompt_logprobs is not None:
-            body["prompt_logprobs"] = _prompt_logprobs(final, tok)  # vLLM's place: beside the choices
+            body["prompt_logprobs"] = _prompt_logprobs(final, tok, req.prompt_logprobs)  # vLLM's place
         return body
 
     @app.post("/v1/messages")
@@ -585,18 +586,27 @@ def _token_str(tok, t: int) -> str:
     return tok.decode([t], skip_special_tokens=False)
 
 
-def _completion_logprobs(ids: list[int], lps, tok) -> dict | None:
-    """The legacy logprobs object. An entry of lps is (logprob, {token: logprob}, ...)
-    or None (an echoed prompt's first token, which nothing predicts)."""
+def _completion_logprobs(ids: list[int], lps, tok, k: int, start: int = 0) -> dict | None:
+    """The legacy logprobs object. An entry of lps is (logprob, {token: logprob}
+    top alternatives, ...) or None (an echoed prompt's first token, which
+    nothing predicts). top_logprobs: the k likeliest and the token itself,
+    as vLLM gives them; text_offset counts from `start` (the text before)."""
     if lps is None:
         return None
     tokens = [_token_str(tok, t) for t in ids]
-    offsets, pos = [], 0
+    offsets, pos = [], start
     for s in tokens:
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": [e and e[0] for e in lps],
-            "top_logprobs": [e and {_token_str(tok, a): v for a, v in e[1].items()} for e in lps],
+    top = []
+    for t, s, e in zip(ids, tokens, lps):
+        if e is None:
+            top.append(None)
+            continue
+        d = {_token_str(tok, a): v for a, v in itertools.islice(e[1].items(), k)}
+        d.setdefault(s, e[0])
+        top.append(d)
+    return {"tokens": tokens, "token_logprobs": [e and e[0] for e in lps], "top_logprobs": top,
             "text_offset": offsets}
 
 
@@ -607,15 +617,16 @@ def _echo_logprobs(final: RequestOutput, c: CompletionOutput, req: CompletionReq
     return final.prompt_token_ids + c.token_ids, final.prompt_logprobs + c.logprobs
 
 
-def _prompt_logprobs(final: RequestOutput, tok) -> list | None:
+def _prompt_logprobs(final: RequestOutput, tok, k: int) -> list | None:
     """vLLM's prompt_logprobs: per prompt token None (the first) or {token id:
-    {logprob, rank, decoded_token}} for the token itself and the top-k."""
+    {logprob, rank, decoded_token}} for the token itself and the top k (the
+    engine may hold more: echo + logprobs asked for them too)."""
     if final.prompt_logprobs is None:
         return None
     out: list = [None]
     for t, (lp, alts, rank) in zip(final.prompt_token_ids[1:], final.prompt_logprobs[1:]):
         d = {a: {"logprob": v, "rank": r, "decoded_token": _token_str(tok, a)}
-             for r, (a, v) in enumerate(alts.items(), 1)}
+             for r, (a, v) in enumerate(itertools.islice(alts.items(), k), 1)}
         d[t] = {"logprob": lp, "rank": rank, "decoded_token": _token_str(tok, t)}
         out.append(d)
     return out
@@ -770,7 +781,7 @@ async def _completion_chunks(outs: AsyncIterator[tuple[int, RequestOutput]], rid
     without stream numbers them), interleaved as the steps produce them."""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     sent: dict[int, int] = {}
-    started: set[int] = set()
+    at: dict[int, int] = {}  # per choice: text_offset of its next token (the echo and tokens sent before)
     finals: dict[int, RequestOutput] = {}
     async for i, out in outs:
         finals[i] = out
@@ -778,12 +789,16 @@ async def _completion_chunks(outs: AsyncIterator[tuple[int, RequestOutput]], rid
             if not c.delta_token_ids:
                 continue
             index = i * n + c.index
-            first = index not in started  # the choice's first chunk carries the echo
-            started.add(index)
+            first = index not in at  # the choice's first chunk carries the echo
             new = _new_logprobs(c, sent, index)
             if new and first and req.echo:
                 new = (out.prompt_token_ids + new[0], out.prompt_logprobs + new[1])
-            lp = _completion_logprobs(*new, tok) if new and req.logprobs is not None else None
+            lp = _completion_logprobs(*new, tok, req.logprobs, at.get(index, 0)) \
+                if new and req.logprobs is not None else None
+            if lp is not None and lp["tokens"]:
+                at[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            else:
+                at.setdefault(index, 0)
             choice = {"index": index, "text": (echoed[i] if first else "") + c.delta_text, "logprobs": lp,
                       "finish_reason": c.finish_reason}
             chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,

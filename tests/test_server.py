@@ -234,6 +234,34 @@ def test_echo_scores_the_prompt_as_lm_eval_does(client, engine_f32):
     assert all(3 <= len(e) <= 4 for e in r["prompt_logprobs"][1:])
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_only(server, client):
+    """The legacy scoring request (echo, max_tokens 0, logprobs): the prompt
+    with its logprobs, nothing generated; max_tokens 0 without echo is a 400."""
+    text = "The capital of France is Paris"
+    kw = dict(model=MODEL, prompt=[text, "Water is wet"], max_tokens=0, temperature=0, echo=True, logprobs=1)
+    r = client.completions.create(**kw)
+    scored = client.completions.create(**{**kw, "max_tokens": 1})
+    for c, s in zip(r.choices, scored.choices):
+        assert s.text.startswith(c.text) and c.text in (text, "Water is wet") and c.finish_reason == "length"
+        assert c.logprobs.token_logprobs == s.logprobs.token_logprobs[:-1]
+        assert c.logprobs.tokens == s.logprobs.tokens[:-1]
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == scored.usage.prompt_tokens
+    chunks = list(client.completions.create(stream=True, **kw))
+    by_index = {}
+    for ch in chunks:
+        for c in ch.choices:
+            by_index.setdefault(c.index, []).append(c)
+    for c in r.choices:
+        got = by_index[c.index]
+        assert "".join(x.text for x in got) == c.text and got[-1].finish_reason == "length"
+        assert sum((x.logprobs.token_logprobs for x in got), []) == c.logprobs.token_logprobs
+    bad = httpx.post(server.url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "hi",
+                                                                       "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert "0 is allowed only with echo=true" in bad.json()["error"]["message"]
+    wait_idle(server)
+
+
 def test_streaming_several_prompts_interleaves_their_choices(server, client):
     """stream=true with a list of prompts (vLLM takes it): choice i * n + k
     of the stream is choice i * n + k of the reply without stream."""

@@ -343,7 +343,14 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
-        sp = sampling(req, req.max_tokens, 16, req.logprobs)
+        # echo with max_tokens 0 scores the prompt and generates nothing (the
+        # legacy API's scoring request): the engine samples the one token
+        # the prefill gives anyway, and the reply leaves it out.
+        score_only = req.echo and req.max_tokens == 0
+        if req.max_tokens == 0 and not score_only:
+            raise APIError(400, "max_tokens must be >= 1; 0 is allowed only with echo=true (the prompt is scored, "
+                                "nothing is generated)", param="max_tokens")
+        sp = sampling(req, 1 if score_only else req.max_tokens, 16, req.logprobs)
         if req.echo and req.logprobs is not None:
             # echo + logprobs scores the prompt's tokens too (the legacy API's
             # way to score text, e.g. lm-evaluation-harness's loglikelihood).
@@ -374,7 +381,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                 raise next((e for e in failed if isinstance(e, APIError)), failed[0])
             if sess is not None:  # a session turn has one prompt
                 started[0] = session_stream(started[0], sess, req)
-            return _sse(_completion_chunks(_merge(started), rid, created, reply_model(req), req, tok, echoed, sp.n))
+            outs = _merge(started)
+            if score_only:
+                outs = ((i, _prompt_only(out)) async for i, out in outs)
+            return _sse(_completion_chunks(outs, rid, created, reply_model(req), req, tok, echoed, sp.n))
 
         async def one(p):
             final = None
@@ -392,6 +402,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         finals = [t.result() for t in tasks]
         if any(f is None for f in finals):
             return Response(status_code=499)  # client went away
+        if score_only:
+            finals = [_prompt_only(f) for f in finals]
         choices = []
         for i, final in enumerate(finals):
             for c in final.outputs:
@@ -712,6 +724,17 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return _event_stream(lines(), error)
 
 
+def _prompt_only(out: RequestOutput) -> RequestOutput:
+    """A scoring request's output (echo, max_tokens 0): the token sampled
+    past the prompt is not part of the reply."""
+    comps = [dataclasses.replace(c, text="", token_ids=[], delta_text="", delta_token_ids=[],
+                                 logprobs=None if c.logprobs is None else [],
+                                 finish_reason="length" if c.finish_reason in ("stop", "length")
+                                 else c.finish_reason, stop_reason=None)
+             for c in out.outputs]
+    return dataclasses.replace(out, outputs=comps)
+
+
 def _new_logprobs(c: CompletionOutput, sent: dict[int, int], index: int | None = None
                   ) -> tuple[list[int], list] | None:
     """The choice's tokens and logprobs not sent yet (sent: per choice index, how many were)."""
@@ -786,10 +809,10 @@ async def _completion_chunks(outs: AsyncIterator[tuple[int, RequestOutput]], rid
     async for i, out in outs:
         finals[i] = out
         for c in out.outputs:
-            if not c.delta_token_ids:
-                continue
             index = i * n + c.index
             first = index not in at  # the choice's first chunk carries the echo
+            if not c.delta_token_ids and not (first and req.echo):
+                continue
             new = _new_logprobs(c, sent, index)
             if new and first and req.echo:
                 new = (out.prompt_token_ids + new[0], out.prompt_logprobs + new[1])

@@ -151,6 +151,12 @@ def test_text_format_and_tool_choice(s):
     ({"max_output_tokens": 0}, 400, "max_output_tokens must be an integer >= 1"),
     ({"max_output_tokens": 10**6}, 400, "max_output_tokens is too large"),
     ({"input": 5}, 400, "input"),
+    # A result for a call never made (OpenAI's 400); the call's own id answers it (test above).
+    ({"input": [{"type": "function_call_output", "call_id": "call_zz", "output": "3 passed"}]}, 400,
+     "no tool call found for function call output with call_id 'call_zz'"),
+    ({"input": [{"type": "function_call", "call_id": "call_1", "name": "run_tests", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "3 passed"}]}, 400,
+     "call_id 'call_2'"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(s, body, status, words):
     r = s["http"].post("/v1/responses", json={"model": "m", "input": "hi", **body})

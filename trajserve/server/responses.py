@@ -155,6 +155,7 @@ class ResponsesRequest(BaseModel):
         plus this input, under this request's instructions."""
         msgs = ([{"role": "system", "content": self.instructions}] if self.instructions else []) \
             + history + self.input_messages()
+        _check_outputs_answer_calls(msgs)
         body = {"model": self.model, "messages": msgs, "max_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
@@ -183,6 +184,19 @@ class ResponsesRequest(BaseModel):
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name,
                                                                               "schema": fmt.schema_}}
         return ChatCompletionRequest.model_validate(body)
+
+
+def _check_outputs_answer_calls(msgs: list[dict]) -> None:
+    """A function_call_output answers a call made before it, in this input
+    or the previous response (OpenAI refuses one that does not): a model
+    shown a result for a call it never made is a client's bug to report,
+    not a prompt to render."""
+    made: set[str] = set()
+    for m in msgs:
+        made.update(c["id"] for c in m.get("tool_calls") or [])
+        if m["role"] == "tool" and m.get("tool_call_id") not in made:
+            raise ValueError(f"input: no tool call found for function call output with call_id "
+                             f"{m.get('tool_call_id')!r} (none in this input or the previous response)")
 
 
 def _text(content, where: str) -> str:

@@ -196,6 +196,16 @@ def test_count_tokens(s):
     ({"max_tokens": None}, 400, "max_tokens: Field required"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"messages": []}, 400, "messages"),
+    # A tool_result for a tool_use the previous message did not make (Anthropic's 400, its words).
+    ({"messages": [{"role": "user", "content": "Run the tests"},
+                   {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "run_tests",
+                                                      "input": {}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2",
+                                                 "content": "3 passed"}]}]}, 400,
+     "messages.2.content.0: unexpected tool_use_id found in tool_result blocks: toolu_2"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                 "content": "3 passed"}]}]}, 400,
+     "messages.0.content.0: unexpected tool_use_id"),
 ])
 def test_errors_in_anthropics_shape(s, body, status, words):
     body = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}], **body}

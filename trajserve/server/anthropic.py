@@ -113,6 +113,7 @@ class CountTokensRequest(BaseModel):
         if self.system:
             msgs.append({"role": "system", "content": _text(self.system, "system")})
         for i, m in enumerate(self.messages):
+            _check_results_answer_uses(m, self.messages[i - 1] if i else None, f"messages.{i}.content")
             msgs.extend(_chat_messages(m, f"messages.{i}.content"))
         body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool, **sampling}
@@ -178,6 +179,21 @@ def _unsupported(kind: str, where: str) -> str:
     if kind in ("image", "document"):
         return f"{where}: {kind} content is not supported; the models served here read text"
     return f"{where}: content block type {kind!r} is not supported here"
+
+
+def _check_results_answer_uses(m: Message, prev: Message | None, where: str) -> None:
+    """Each tool_result answers a tool_use of the message just before it, as
+    Anthropic's API requires (its 400 names the stray id): a result for a
+    call the model never made is the client's bug, not a prompt to render."""
+    if isinstance(m.content, str):
+        return
+    used = {b.id for b in prev.content if b.type == "tool_use"} \
+        if prev is not None and prev.role == "assistant" and not isinstance(prev.content, str) else set()
+    for j, b in enumerate(m.content):
+        if b.type == "tool_result" and b.tool_use_id not in used:
+            raise ValueError(f"{where}.{j}: unexpected tool_use_id found in tool_result blocks: {b.tool_use_id}. "
+                             "Each tool_result block must have a corresponding tool_use block in the previous "
+                             "message.")
 
 
 def _chat_messages(m: Message, where: str) -> list[dict]:

@@ -283,7 +283,6 @@ class _DefaultsHelp(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        d = action.default
         if not _has_default(action) or "default" in text:
             return text
         return f"{text} (default: %(default)s)"

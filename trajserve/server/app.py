@@ -570,6 +570,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
 # --------------------------------------------------------------- helpers
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
+
 def _prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]

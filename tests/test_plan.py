@@ -171,6 +171,16 @@ def test_box_0_6_tool_wait_keep_offload_recompute():
     # The planner's row for the same node gives the same reload time.
     p = plan(PlanRequest(model=L70, device=get_device("h100"), num_gpus=8, tp=8, contexts=(32768,)))
     assert round(p.rows[0].reload_host_s * 1e3) == 21
+    # Past its 8 KV heads, TP copies heads: each rank moves 1/8 of the state
+    # over its own link as before, so 16 or 64 devices reload no faster than 8
+    # (they were taken as 16 or 64 links sharing the bytes: 10.5 and 2.6 ms).
+    for tp in (16, 64):
+        wide = plan(PlanRequest(model=L70, device=get_device("h100"), num_gpus=tp, tp=tp, contexts=(32768,)))
+        assert wide.rows[0].reload_host_s == pytest.approx(p.rows[0].reload_host_s)
+        assert wide.rows[0].break_even_wait_s == pytest.approx(p.rows[0].break_even_wait_s)
+    # PP splits the layers, so it does add links: half the bytes each.
+    pp = plan(PlanRequest(model=L70, device=get_device("h100"), num_gpus=16, tp=8, pp=2, contexts=(32768,)))
+    assert pp.rows[0].reload_host_s == pytest.approx(p.rows[0].reload_host_s / 2)
 
 
 def test_box_0_7_eight_h100_headroom_and_shared_prefix():
@@ -497,6 +507,31 @@ def test_hf_config_json(tmp_path: Path):
     cfg["num_local_experts"] = 8
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mixture-of-experts"):
+        get_model(str(tmp_path))
+    # Any .json file holding a config, not only one named config.json.
+    del cfg["num_local_experts"]
+    (tmp_path / "qwen.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert get_model(str(tmp_path / "qwen.json")).params == get_model(str(tmp_path)).params
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be >= 1, got 0"),  # divided by zero
+    ({"num_key_value_heads": -8}, "num_key_value_heads must be >= 1, got -8"),  # planned a negative m_token
+    ({"num_key_value_heads": 5}, r"num_attention_heads \(32\) is not a multiple of num_key_value_heads \(5\)"),
+    ({"hidden_size": 4100}, r"hidden_size \(4100\) is not a multiple of num_attention_heads \(32\)"),
+    ({"head_dim": -1}, "head_dim must be >= 1"),
+])
+def test_a_config_that_describes_no_model_is_refused(tmp_path: Path, change, message):
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32}
+    if "head_dim" not in change:
+        cfg["head_dim"] = None
+    cfg = {k: v for k, v in {**cfg, **change}.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        get_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")  # was an AttributeError
+    with pytest.raises(ValueError, match="is not a JSON object"):
         get_model(str(tmp_path))
 
 

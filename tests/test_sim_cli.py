@@ -167,7 +167,7 @@ def test_trace_workloads_from_the_command_line(capsys):
     assert res["summary"]["calls"] == 50
 
 
-def test_bad_arguments_fail_cleanly(capsys):
+def test_bad_arguments_fail_cleanly(capsys, tmp_path):
     assert main(["simulate", "--gpu", "tpu-v9", "--json", "--no-progress"]) == 2
     assert main(["simulate", "--slo", "ttft:-1", "--json", "--no-progress"]) == 2
     assert main(["simulate", "--tool-wait", "gauss:3", "--json", "--no-progress"]) == 2
@@ -182,3 +182,14 @@ def test_bad_arguments_fail_cleanly(capsys):
     assert "--num-requests must be >= 1, got 0" in err
     assert "--max-prefill-chunk must be >= 1 (unset: the token budget), got 0" in err
     assert "branch turn 4 is past the last turn (3)" in err
+    # These ran for ever (a NaN rate, no sequence slots) or ran ignoring the value.
+    for bad in (["--rate", "nan"], ["--max-num-seqs", "0"], ["--watermark", "2"], ["--seed", "-1"],
+                ["--max-num-batched-tokens", "-5"], ["--save-measured", "x.json"],
+                ["--plot", "/nonexistent/dir/u.png"]):
+        capsys.readouterr()
+        assert main(["simulate", "--trajectories", "2", "--turns", "1", *bad, "--json", "--no-progress"]) == 2
+        assert bad[0] in capsys.readouterr().err, bad
+    trace = tmp_path / "t.json"
+    trace.write_text("{}")  # was a KeyError
+    assert main(["simulate", "--workload", "claude-code", "--trace", str(trace), "--json", "--no-progress"]) == 2
+    assert "is not a Claude Code trace: it lacks id, block_size, requests" in capsys.readouterr().err

@@ -36,7 +36,14 @@ def load_claude_code_trace(path: Path) -> ClaudeCodeTrace:
     """Read one `trace_NNNN.json`; nested sub-agent calls are flattened and
     everything is ordered by arrival time (stable, so equal times keep file
     order)."""
-    doc = json.loads(Path(path).read_text())
+    try:
+        doc = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"trace {str(path)!r} is not valid JSON: {e}") from None
+    missing = [k for k in ("id", "block_size", "requests") if not isinstance(doc, dict) or k not in doc]
+    if missing:
+        raise ValueError(f"trace {str(path)!r} is not a Claude Code trace: it lacks {', '.join(missing)} "
+                         "(see the README beside the traces)")
     out: list[TraceRequest] = []
 
     def walk(reqs: list[dict], t0: float, agent: str) -> None:

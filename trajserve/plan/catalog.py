@@ -82,7 +82,8 @@ _MODEL_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_
 
 
 def get_model(name_or_path: str) -> ModelSpec:
-    """A catalog name, a config.json (or its directory), or a .gguf file."""
+    """A catalog name, a config.json (or its directory, or any .json file
+    holding one), or a .gguf file."""
     p = Path(name_or_path).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
@@ -91,7 +92,7 @@ def get_model(name_or_path: str) -> ModelSpec:
         # Quantized weights: the file size is the resident size, not params * b.
         return ModelSpec(key=p.stem, config=cfg, params=model_shapes.total_params(cfg), dtype="gguf",
                          source=f"GGUF metadata of {p}", weight_bytes=p.stat().st_size)
-    if p.name == "config.json" or p.is_dir():
+    if p.name == "config.json" or p.is_dir() or (p.suffix == ".json" and p.is_file()):
         cfg, dtype = model_shapes.read_hf_config(p)
         return ModelSpec(key=cfg.name or p.name, config=cfg, params=model_shapes.total_params(cfg),
                          dtype=dtype, source=f"config.json at {p}; params counted from its shapes")

@@ -75,6 +75,8 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str]:
         raw = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"model config {str(f)!r} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"model config {str(f)!r} is not a JSON object")
     raw = raw.get("text_config", raw)  # multimodal wrappers nest the decoder
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in raw]
     if missing:
@@ -87,6 +89,20 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str]:
         raise ValueError(f"model config {str(f)!r} uses sliding-window/hybrid layers; "
                          "the planner supports full attention in every layer only")
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    sizes = {"num_hidden_layers": int(raw["num_hidden_layers"]), "num_attention_heads": heads,
+             "num_key_value_heads": kv_heads, "hidden_size": hidden}
+    bad = next((k for k, v in sizes.items() if v < 1), None)
+    if bad is not None:
+        raise ValueError(f"model config {str(f)!r}: {bad} must be >= 1, got {sizes[bad]}")
+    if heads % kv_heads:
+        raise ValueError(f"model config {str(f)!r}: num_attention_heads ({heads}) is not a multiple of "
+                         f"num_key_value_heads ({kv_heads}): no grouped-query attention splits them so")
+    if raw.get("head_dim") is not None and int(raw["head_dim"]) < 1:
+        raise ValueError(f"model config {str(f)!r}: head_dim must be >= 1, got {raw['head_dim']}")
+    if not raw.get("head_dim") and hidden % heads:
+        raise ValueError(f"model config {str(f)!r}: hidden_size ({hidden}) is not a multiple of "
+                         f"num_attention_heads ({heads}) and no head_dim is given")
     model_type = str(raw.get("model_type", "llama"))
     cfg = ModelConfig(
         architecture=model_type,
@@ -95,7 +111,7 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str]:
         intermediate_size=int(raw.get("intermediate_size", 4 * hidden)),
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        num_kv_heads=kv_heads,
         head_dim=int(raw.get("head_dim") or hidden // heads),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

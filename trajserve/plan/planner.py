@@ -170,8 +170,13 @@ def plan(r: PlanRequest) -> Plan:
                weights_per_device=w_dev, reserve_per_device=r.reserve_bytes, kv_pool_per_device=pool_dev,
                kv_pool_total=pool_dev * replicas * group, token_capacity=blocks * r.block_size)
 
-    host_bw = dev.host_link_bandwidth * group  # each device moves its own shard over its own link
-    nvme_bw = dev.nvme_bandwidth * group
+    # Each device moves its own share over its own link, all at once: the
+    # replica's bytes go at link x (m_token / m_token per device), which is
+    # link x TP x PP until TP passes the KV heads (each rank then holds a
+    # whole head that others hold too, and the copies do not add bandwidth).
+    links = m_tok / m_dev
+    host_bw = dev.host_link_bandwidth * links
+    nvme_bw = dev.nvme_bandwidth * links
     # One sequence's prefill runs its PP stages one after another: only TP adds FLOP/s.
     prefill_peak = dev.bf16_flops * r.tp
     n_matmul = model_shapes.matmul_params(cfg)

@@ -150,7 +150,37 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the option for a value the simulation cannot run
+    with (a NaN rate or no sequence slots ran for ever), or one it would
+    ignore; before any work, so a bad --plot path does not cost a run."""
+    def need(ok: bool, flag: str, want: str, value) -> None:
+        if not ok:
+            raise ValueError(f"{flag} must be {want}, got {value!r}")
+
+    for name in ("max_num_seqs", "max_num_batched_tokens", "tp"):
+        v = getattr(args, name)
+        need(v >= 1, "--" + name.replace("_", "-"), "an integer >= 1", v)
+    if args.max_concurrency is not None:
+        need(args.max_concurrency >= 1, "--max-concurrency", "an integer >= 1 (unset: no limit)", args.max_concurrency)
+    need(0 <= args.watermark < 1, "--watermark", "in [0, 1)", args.watermark)
+    need(args.rate > 0, "--rate", "> 0 arrivals per second (inf: all at once)", args.rate)  # NaN fails too
+    for flag, v in (("--burstiness", args.burstiness), ("--time-scale", args.time_scale)):
+        need(0 < v < math.inf, flag, "a finite number > 0", v)
+    need(0 <= args.overhead_ms < math.inf, "--overhead-ms", "a finite number of ms >= 0", args.overhead_ms)
+    need(args.seed >= 0, "--seed", "an integer >= 0", args.seed)
+    if not args.validate:
+        for flag, v in (("--measured", args.measured), ("--save-measured", args.save_measured)):
+            if v is not None:
+                raise ValueError(f"{flag} compares with a measurement: it needs --validate")
+    for flag in ("plot", "sweep_plot"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).expanduser().resolve().parent.is_dir():
+            raise ValueError(f"--{flag.replace('_', '-')} {path!r}: no such directory to write it in")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    check_args(args)
     if args.validate:
         from trajserve.sim.validate import run as run_validate
 

@@ -203,3 +203,25 @@ def test_calibrate_prefills_within_a_short_context(tmp_path):
     finally:
         m.shutdown()
         eng.close()
+
+
+def test_a_host_tier_without_room_passes_the_state_to_disk(engine_f32, tmp_path):
+    """Forced host on a manager with no host room: what was asked stays the
+    decision, metrics()["placed"] says the state went to disk, and the next
+    turn still comes out as a session that never paused."""
+    engine_f32.kv.clear_cache()
+    task = "Fix the failing test."
+    ref = SessionManager(engine_f32, disk_dir=str(tmp_path / "a"))
+    _, ref_second, _ = two_turns(ref, task)
+    ref.shutdown()
+    engine_f32.kv.clear_cache()
+    m = SessionManager(engine_f32, host_bytes=0, disk_dir=str(tmp_path / "b"))
+    try:
+        _, second, (d, _, _) = two_turns(m, task, pause="host")
+        assert d.decision is Decision.HOST
+        met = m.metrics()
+        assert met["keep_decisions"] == {"host": 1} and met["placed"] == {"disk": 1}
+        assert second.outputs[0].token_ids == ref_second.outputs[0].token_ids
+    finally:
+        m.shutdown()
+        engine_f32.kv.clear_cache()

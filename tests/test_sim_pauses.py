@@ -85,6 +85,19 @@ def test_forced_host_costs_one_copy_out_and_one_copy_back_before_the_next_call()
     assert_pool_settled(sim, pauses)
 
 
+def test_a_full_tier_passes_the_state_down_and_the_summary_says_where_it_went():
+    """Forced host with no host room: the decision stays host (what was
+    asked), and `placed` says the state went to disk; with no disk room either,
+    it was dropped and the next call recomputes it."""
+    for disk, where in ((2**42, "disk"), (0, "drop")):
+        sim, pauses, _ = simulator("host", host=0, disk=disk)
+        res = sim.run([two_calls(sim.tokens, wait=5.0)])
+        p = res.pauses
+        assert p["decisions"] == {"host": 1} and p["placed"] == {where: 1}
+        assert p["blocks_out"] == ({"disk": HISTORY_BLOCKS} if where == "disk" else {})
+        assert_pool_settled(sim, pauses)
+
+
 def test_drop_recomputes_the_history_and_keep_finds_it_on_the_device():
     ttft = {}
     for mode in ("drop", "keep"):

@@ -137,6 +137,7 @@ class Session:
 @dataclass
 class SessionStats:
     decisions: Counter = field(default_factory=Counter)
+    placed: Counter = field(default_factory=Counter)  # where each pause's state went (a full tier falls through)
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
     swap_out_s: float = 0.0
@@ -503,6 +504,7 @@ class SessionManager:
         s.expected_wait_s = wait if est.source != "prior" else math.inf
         s.prefetched, s.prefetch_at = False, None
         self._place(s, d.decision, d.lease_s)
+        self.stats.placed[s.tier.value] += 1
         return d
 
     def resume(self, s: Session, observation: str | list[int] = ()) -> None:
@@ -899,7 +901,7 @@ class SessionManager:
         st = self.stats
         return {"sessions": len(self.sessions),
                 "paused": sum(s.state is SessionState.PAUSED for s in self._watched.values()),
-                "keep_decisions": dict(st.decisions), "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
+                "keep_decisions": dict(st.decisions), "placed": dict(st.placed), "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
                 "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
                 "swap_out_s": st.swap_out_s, "swap_in_s": st.swap_in_s, "corrupt_blocks": st.corrupt_blocks,
                 "lease_demotions": st.lease_demotions, "recomputed_tokens": st.recomputed_tokens,

@@ -77,6 +77,7 @@ class Paused:
 class PauseStats:
     pauses: int = 0
     decisions: Counter = field(default_factory=Counter)   # one per pause, as the policy (or the mode) made it
+    placed: Counter = field(default_factory=Counter)      # where each pause's state went (a full tier falls through)
     demoted_to: Counter = field(default_factory=Counter)  # where kept state went when a lease or pressure moved it
     blocks_out: Counter = field(default_factory=Counter)  # per tier: blocks written to host / disk
     blocks_in: Counter = field(default_factory=Counter)   # per tier: blocks loaded back
@@ -177,6 +178,7 @@ class PauseController:
         self.stats.pauses += 1
         self.stats.decisions[d.decision.value] += 1
         self._place(p, d.decision, d.lease_s)
+        self.stats.placed[p.tier.value] += 1
 
     def resume(self, s: Session, arrival: float, now: float) -> None:
         """s's next call arrived at `arrival` and enters the scheduler at `now`:

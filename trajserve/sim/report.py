@@ -68,6 +68,10 @@ def print_pauses(p: dict, block_size: int) -> None:
     dec = p["decisions"]
     print("keep decisions: " + ", ".join(f"{k} {dec.get(k, 0):,} ({dec.get(k, 0) / n * 100:.0f}%)"
                                          for k in ("keep", "host", "disk", "drop")))
+    placed = p.get("placed", dec)
+    if placed != dec:  # a tier without room passed the state down: say where it went
+        print("placed (a full tier falls to the next): " + ", ".join(
+            f"{k} {placed.get(k, 0):,}" for k in ("keep", "host", "disk", "drop")))
     out, inn, link = p["blocks_out"], p["blocks_in"], p["link_s"]
     print(f"blocks out/in: host {out.get('host', 0):,}/{inn.get('host', 0):,}, disk {out.get('disk', 0):,}/"
           f"{inn.get('disk', 0):,} (x {block_size} tokens); link time host {link.get('host', 0.0):.2f} s, "

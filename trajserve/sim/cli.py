@@ -44,7 +44,8 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     h.add_argument("--profile", default=None, metavar="JSON",
                    help="hardware profile from `trajserve calibrate` (replaces --gpu and the efficiencies; "
                         "its measured model is used unless --model is given)")
-    h.add_argument("--kv-dtype", default="bf16")
+    h.add_argument("--kv-dtype", default="bf16",
+                   help="KV cache dtype (with --profile and no --model: the profiled engine's, e.g. fp32 on a CPU)")
     h.add_argument("--weight-dtype", default=None, help="default: the model's")
     h.add_argument("--mfu", type=float, default=0.45, help="achieved share of peak FLOP/s")
     h.add_argument("--mbu", type=float, default=0.7, help="achieved share of peak memory bandwidth")

@@ -75,7 +75,7 @@ def summarize(res: SimResult, slos: dict[str, float] | None = None) -> dict:
         "compute_bound_steps": st.compute_bound_steps,
         "throughput": {"requests_per_s": float(own.sum()) / t_obs, "output_tokens_per_s": float(outs.sum()) / t_obs,
                        "prompt_tokens_per_s": float(prompts[own].sum()) / t_obs,
-                       "computed_tokens_per_s": st.tokens / t_obs},
+                       "computed_tokens_per_s": st.tokens / t_obs},  # every token a forward ran: prefill + decode
         "goodput": {"slo_ms": {k: v * 1e3 for k, v in slos.items()},
                     "requests_per_s": float(ok.sum()) / t_obs, "fraction": float(ok.mean())} if slos else None,
         "ttft_ms": dist_ms(ttft[own]), "tpot_ms": dist_ms(tpot[multi]), "itl_ms": dist_ms(r.col("itl")),

@@ -113,7 +113,8 @@ def print_report(res: dict, args: argparse.Namespace) -> None:
             print(f"{label:<10} {_ms(d, 'mean')} {_ms(d, 'p50')} {_ms(d, 'p90')} {_ms(d, 'p99')}")
         t = m["throughput"]
         print(f"\nthroughput: {t['requests_per_s']:.3f} calls/s, {t['output_tokens_per_s']:,.1f} output tokens/s, "
-              f"{t['prompt_tokens_per_s']:,.0f} prompt tokens/s ({t['computed_tokens_per_s']:,.0f} computed)")
+              f"{t['prompt_tokens_per_s']:,.0f} prompt tokens/s; {t['computed_tokens_per_s']:,.0f} tokens/s "
+              f"through the model (prefill not served by the cache, and decode)")
         if m["goodput"]:
             g = m["goodput"]
             slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo_ms"].items())

@@ -490,6 +490,34 @@ def test_cpu_local_plans_in_the_dtype_the_engine_runs_here():
     assert given_.kv_dtype == "fp8"
 
 
+def test_contexts_stay_within_the_models_own(embedded_gguf: Path, tmp_path: Path):
+    """Where the model's file gives its trained context, the default contexts
+    past it are left out (the context itself is listed) and an explicit one
+    past it is refused; catalog entries, whose aliases span versions, keep all."""
+    import argparse
+
+    from trajserve.plan.cli import add_plan_parser, request_from
+
+    p = argparse.ArgumentParser()
+    add_plan_parser(p)
+
+    def contexts(*argv):
+        return request_from(p.parse_args(["--gpu", "h100", *argv])).contexts
+
+    assert contexts("--model", str(embedded_gguf)) == (8192,)
+    assert contexts("--model", "smollm2-135m") == (8192, 32768, 131072)
+    cfg = {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32, "intermediate_size": 11008,
+           "vocab_size": 32000, "max_position_embeddings": 20000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert contexts("--model", str(tmp_path)) == (8192, 20000)
+    assert contexts("--model", str(tmp_path), "--context", "20000") == (20000,)
+    with pytest.raises(ValueError, match="--context 32,768 is over the model's context of 20,000 tokens"):
+        contexts("--model", str(tmp_path), "--context", "8192,32768")
+    del cfg["max_position_embeddings"]  # not given: no limit taken from the 2048 stand-in
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert contexts("--model", str(tmp_path)) == (8192, 32768, 131072)
+
+
 def test_hf_config_json(tmp_path: Path):
     cfg = {"model_type": "qwen3", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
            "head_dim": 128, "num_hidden_layers": 36, "intermediate_size": 12288, "vocab_size": 151936,
@@ -502,8 +530,8 @@ def test_hf_config_json(tmp_path: Path):
     del cfg["head_dim"]
     cfg["model_type"] = "llama"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    c, dtype = read_hf_config(tmp_path / "config.json")
-    assert c.head_dim == 128 and dtype == "bfloat16"
+    c, dtype, context_given = read_hf_config(tmp_path / "config.json")
+    assert c.head_dim == 128 and dtype == "bfloat16" and not context_given
     cfg["num_local_experts"] = 8
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="mixture-of-experts"):

@@ -33,6 +33,10 @@ class ModelSpec:
     dtype: str                  # weight storage format name
     source: str
     weight_bytes: int | None = None  # measured resident size (a GGUF file) instead of params * b
+    # The context the model was trained for, where its file says (a GGUF, a
+    # config.json with max_position_embeddings); None for catalog entries,
+    # whose aliases span versions with different contexts (Llama 3 / 3.1).
+    max_context: int | None = None
 
     @property
     def name(self) -> str:
@@ -91,11 +95,13 @@ def get_model(name_or_path: str) -> ModelSpec:
         cfg = model_shapes.read_gguf_config(p)
         # Quantized weights: the file size is the resident size, not params * b.
         return ModelSpec(key=p.stem, config=cfg, params=model_shapes.total_params(cfg), dtype="gguf",
-                         source=f"GGUF metadata of {p}", weight_bytes=p.stat().st_size)
+                         source=f"GGUF metadata of {p}", weight_bytes=p.stat().st_size,
+                         max_context=cfg.max_position_embeddings)
     if p.name == "config.json" or p.is_dir() or (p.suffix == ".json" and p.is_file()):
-        cfg, dtype = model_shapes.read_hf_config(p)
+        cfg, dtype, given = model_shapes.read_hf_config(p)
         return ModelSpec(key=cfg.name or p.name, config=cfg, params=model_shapes.total_params(cfg),
-                         dtype=dtype, source=f"config.json at {p}; params counted from its shapes")
+                         dtype=dtype, source=f"config.json at {p}; params counted from its shapes",
+                         max_context=cfg.max_position_embeddings if given else None)
     try:
         key, e = _find("models", name_or_path, "model")
     except ValueError as err:

@@ -42,7 +42,8 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (divides the layers)")
     p.add_argument("--context", type=_ints, default=None,
                    help="context tokens per trajectory, comma-separated (default 8192,32768,131072, "
-                        "leaving out those shorter than --shared-prefix)")
+                        "leaving out those shorter than --shared-prefix, and those past the model's own "
+                        "context where its file gives it, which is then listed)")
     p.add_argument("--output-tokens", type=int, default=0, help="tokens each trajectory generates (K_avg)")
     share = p.add_mutually_exclusive_group()
     share.add_argument("--shared-prefix", type=int, default=0,
@@ -79,11 +80,17 @@ def request_from(args: argparse.Namespace):
             raise ValueError(f"--params must be > 0, got {args.params}")
         model = dataclasses.replace(model, params=int(args.params), weight_bytes=None)
     contexts = args.context
+    limit = model.max_context  # known from a GGUF or a config.json that gives it
     if contexts is None:  # a shared prefix longer than a default context asks about the longer ones
         contexts = tuple(c for c in DEFAULT_CONTEXTS if c >= args.shared_prefix)
+        if limit is not None:  # and none past what the model was trained for: its own context instead
+            contexts = tuple(c for c in contexts if c < limit) + ((limit,) if limit >= args.shared_prefix else ())
         if not contexts:
             raise ValueError(f"shared prefix ({args.shared_prefix} tokens) is longer than every default context "
                              f"(up to {DEFAULT_CONTEXTS[-1]} tokens); give --context")
+    elif limit is not None and max(contexts) > limit:
+        raise ValueError(f"--context {max(contexts):,} is over the model's context of {limit:,} tokens "
+                         f"(max_position_embeddings); the engine refuses such a max_model_len too")
     device = get_device(args.gpu)
     return PlanRequest(
         model=model, device=device, contexts=contexts, num_gpus=args.num_gpus,

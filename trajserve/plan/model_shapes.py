@@ -59,8 +59,9 @@ def decode_read_params(c: ModelConfig) -> int:
 # ---------------------------------------------------------------- reading
 
 
-def read_hf_config(path: str | Path) -> tuple[ModelConfig, str]:
-    """A config.json (or a directory holding one) -> (shapes, dtype name).
+def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
+    """A config.json (or a directory holding one) -> (shapes, dtype name,
+    whether it gives the trained context: max_position_embeddings).
 
     Lenient on purpose: planning needs shapes, not a model the engine can
     run, so any decoder with the usual fields is accepted. Mixture-of-experts
@@ -120,7 +121,7 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str]:
         name=str(raw.get("_name_or_path") or f.parent.name),
     )
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-    return cfg, dtype
+    return cfg, dtype, "max_position_embeddings" in raw  # without it, 2048 above is only a stand-in
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:

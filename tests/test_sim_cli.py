@@ -69,6 +69,11 @@ def test_cache_blocks_sweep_is_sorted_and_bigger_pools_hit_more(capsys, tmp_path
     capsys.readouterr()
     assert main(["simulate", "--sweep-plot", str(png), "--json", "--no-progress"]) != 0
     assert "--sweep-plot needs --cache-blocks" in capsys.readouterr().err
+    # A size too small for any call is a row that says so; the rest of the sweep stands (it was lost).
+    rows = simulate(capsys, "--trajectories", "4", "--turns", "2", "--cache-blocks", "100,4000",
+                    "--sweep-plot", str(png))["sweep"]
+    assert "no call finished" in rows[0]["error"] and rows[0]["rejected"] == 4
+    assert rows[1]["num_blocks"] == 4000 and rows[1]["hit_rate"] > 0
 
 
 def test_agent_branching_reports_per_turn(capsys):

@@ -51,8 +51,9 @@ def plot_hit_rate_sweep(rows: list[dict], path: str, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "error" not in r]  # sizes where no call could run
     if not rows:
-        raise ValueError("nothing to plot: the sweep is empty")
+        raise ValueError("nothing to plot: no size of the sweep ran a call")
     tokens = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(tokens, [r["hit_rate"] * 100 for r in rows], "o-", label="prefix hit rate H_prefix (eq. 2)")

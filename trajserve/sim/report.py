@@ -145,6 +145,9 @@ def print_report(res: dict, args: argparse.Namespace) -> None:
         print(f"{'blocks':>9} {'tokens':>11} {'hit':>7} {'evicted':>10} {'preempt':>8} {'TTFT p50 ms':>12} "
               f"{'out tok/s':>10} {'wall s':>7}")
         for r in res["sweep"]:
+            if "error" in r:
+                print(f"{r['num_blocks']:>9,} {r['tokens']:>11,}  {r['error']}")
+                continue
             p50 = f"{r['ttft_ms_p50']:>12.1f}" if r["ttft_ms_p50"] is not None else f"{'-':>12}"
             print(f"{r['num_blocks']:>9,} {r['tokens']:>11,} {r['hit_rate'] * 100:>6.2f}% {r['evicted_blocks']:>10,} "
                   f"{r['preemptions']:>8,} {p50} {r['output_tokens_per_s']:>10,.1f} {r['wall_s']:>7.1f}")

@@ -17,7 +17,12 @@ def cache_size_sweep(setup: SimSetup, make_sessions: Callable[[TokenSource], lis
         sim, tokens = setup.simulator(n, max_concurrency=max_concurrency, progress=progress,
                                       desc=f"{n:,} blocks")
         res = sim.run(make_sessions(tokens))
-        s = summarize(res)
+        try:
+            s = summarize(res)
+        except ValueError as e:  # a pool too small for any call: a row that says so, not a lost sweep
+            rows.append({"num_blocks": n, "tokens": n * setup.block_size, "error": str(e),
+                         "rejected": len(res.rejected), "wall_s": res.wall_s})
+            continue
         rows.append({"num_blocks": n, "tokens": n * setup.block_size, "hit_rate": res.hit_rate,
                      "evicted_blocks": res.evicted_blocks, "preemptions": res.preemptions,
                      "rejected": len(res.rejected), "ttft_ms_p50": s["ttft_ms"]["p50"],

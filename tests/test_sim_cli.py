@@ -190,7 +190,8 @@ def test_bad_arguments_fail_cleanly(capsys, tmp_path):
     # These ran for ever (a NaN rate, no sequence slots) or ran ignoring the value.
     for bad in (["--rate", "nan"], ["--max-num-seqs", "0"], ["--watermark", "2"], ["--seed", "-1"],
                 ["--max-num-batched-tokens", "-5"], ["--save-measured", "x.json"],
-                ["--plot", "/nonexistent/dir/u.png"]):
+                ["--plot", "/nonexistent/dir/u.png"], ["--workload", "chat"],
+                ["--validate", "--cache-blocks", "100,200"]):
         capsys.readouterr()
         assert main(["simulate", "--trajectories", "2", "--turns", "1", *bad, "--json", "--no-progress"]) == 2
         assert bad[0] in capsys.readouterr().err, bad

@@ -174,6 +174,15 @@ def check_args(args: argparse.Namespace) -> None:
         for flag, v in (("--measured", args.measured), ("--save-measured", args.save_measured)):
             if v is not None:
                 raise ValueError(f"{flag} compares with a measurement: it needs --validate")
+    elif args.workload != "agent" or args.cache_blocks:
+        raise ValueError("--validate predicts `bench agent`'s workload on one pool: it takes neither "
+                         "--workload other than agent nor --cache-blocks")
+    if args.workload != "agent":  # options the other workloads would run without
+        given = [k for k in AGENT_DEFAULTS if getattr(args, k) is not None]
+        given += ["branching"] if args.branching != 1 else []
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} shapes the agent workload; --workload "
+                             f"{args.workload} does not use it")
     for flag in ("plot", "sweep_plot"):
         path = getattr(args, flag)
         if path is not None and not Path(path).expanduser().resolve().parent.is_dir():

@@ -29,7 +29,7 @@ from trajserve.kv.preemption import PreemptionPricer
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
-from trajserve.model.sampler import RowContext, Sampler
+from trajserve.model.sampler import RowContext, Sampler, token_logprobs
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from trajserve.sampling import SamplingParams
@@ -350,23 +350,16 @@ class LLMEngine:
         self.last_step = st
         return outputs
 
-    def _prompt_logprobs(self, spans: list[tuple], logits: torch.Tensor) -> None:
-        """Each prompt row's logits score the prompt token after it: its
-        logprob, the top-k alternatives (the model's own distribution, as for
-        sampled tokens) and its rank (1 = the likeliest)."""
+    @staticmethod
+    def _prompt_logprobs(spans: list[tuple], logits: torch.Tensor) -> None:
+        """Each prompt row's logits score the prompt token after it (its
+        logprob, top-k and rank), filed at that token's position."""
         for req, first, start, n in spans:
-            k = req.sampling_params.prompt_logprobs
-            nxt = torch.tensor(req.all_token_ids[start + 1:start + 1 + n], dtype=torch.long)
-            lp = logits[first:first + n].cpu().log_softmax(-1)
-            chosen = lp.gather(1, nxt[:, None])
-            rank = ((lp > chosen).sum(1) + 1).tolist()
-            if k:
-                top = torch.topk(lp, k)
-                alts = [dict(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-            else:
-                alts = [{} for _ in range(n)]
-            req.prompt_logprobs[start + 1:start + 1 + n] = list(zip(chosen[:, 0].tolist(), alts, rank))
-            if start + 1 + n == req.num_prompt_tokens:
+            end = start + 1 + n
+            req.prompt_logprobs[start + 1:end] = token_logprobs(
+                logits[first:first + n].cpu(), req.all_token_ids[start + 1:end],
+                req.sampling_params.prompt_logprobs, with_rank=True)
+            if end == req.num_prompt_tokens:
                 req.prompt_logprobs_done = True
 
     def _fork_samples(self, sched: SchedulerOutput, logits: torch.Tensor, ids: list[str]
@@ -468,10 +461,12 @@ class LLMEngine:
         comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                   c.logprobs, c.delta_text, list(c.delta_token_ids))
                  for c in group.completions]
-        plp = group.seqs[0].prompt_logprobs
+        # Not copied each step: the list is complete by the first output (the
+        # first sampled token), and nothing writes it after that -- nor after
+        # an abort's output, which is the request's last.
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished, metrics,
                              num_cached_tokens=max(s.num_cached_tokens for s in group.seqs),
-                             prompt_logprobs=list(plp) if plp is not None else None)
+                             prompt_logprobs=group.seqs[0].prompt_logprobs)
 
     def _record_latency(self, group: _Group) -> None:
         first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)

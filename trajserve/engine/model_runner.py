@@ -78,15 +78,15 @@ class ModelRunner:
             spans.append((row, c.num_tokens, c.end, table, decode))
             row += c.num_tokens
             req = c.request
-            # Rows whose logits give a prompt token's logprob: positions
-            # [start, end) below the prompt's last (whose row is sampled).
-            n_prompt = min(c.end, req.num_prompt_tokens - 1) - c.start \
-                if req.prompt_logprobs is not None and not req.prompt_logprobs_done else 0
-            if n_prompt > 0:
-                n_rows = n_prompt + c.sample
-                sampled.append((len(sample_rows), n_rows, c.start + n_rows, table, decode))
-                prompt_spans.append((req, len(sample_rows), c.start, n_prompt))
-                sample_rows.extend(range(row - c.num_tokens, row - c.num_tokens + n_rows))
+            if req.prompt_logprobs is not None and not req.prompt_logprobs_done:
+                # Prompt logprobs: every row of the chunk goes on through the
+                # last layer (a prompt not scored yet is computed from its
+                # start, so its chunks lie inside it); each row but the
+                # prompt's last scores the token after it.
+                first = len(sample_rows)
+                sampled.append((first, c.num_tokens, c.end, table, decode))
+                prompt_spans.append((req, first, c.start, c.num_tokens - c.sample))
+                sample_rows.extend(range(row - c.num_tokens, row))
                 if c.sample:
                     pick.append(len(sample_rows) - 1)
                     sample_ids.append(req.request_id)

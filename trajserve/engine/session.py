@@ -901,7 +901,8 @@ class SessionManager:
         st = self.stats
         return {"sessions": len(self.sessions),
                 "paused": sum(s.state is SessionState.PAUSED for s in self._watched.values()),
-                "keep_decisions": dict(st.decisions), "placed": dict(st.placed), "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
+                "keep_decisions": dict(st.decisions), "placed": dict(st.placed),
+                "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
                 "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
                 "swap_out_s": st.swap_out_s, "swap_in_s": st.swap_in_s, "corrupt_blocks": st.corrupt_blocks,
                 "lease_demotions": st.lease_demotions, "recomputed_tokens": st.recomputed_tokens,

@@ -73,6 +73,24 @@ def adjust_logits(row: torch.Tensor, sp: SamplingParams, token_ids: list[int], n
     return row
 
 
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int,
+                   with_rank: bool = False) -> list[tuple]:
+    """Rows of float32 logits scored against the token each one is followed
+    by: (that token's logprob, the top-k {token: logprob}[, its rank, 1 = the
+    likeliest]) per row -- the model's own distribution."""
+    lp = logits.log_softmax(-1)
+    chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])
+    if k:
+        top = torch.topk(lp, k)
+        alts = [dict(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        alts = [{} for _ in token_ids]
+    cols = [chosen[:, 0].tolist(), alts]
+    if with_rank:
+        cols.append(((lp > chosen).sum(1) + 1).tolist())
+    return list(zip(*cols))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seed = seed
@@ -124,12 +142,8 @@ class Sampler:
             tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(rid, sp)))
         logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(tokens)
         for i, sp in enumerate(params):
-            if sp.logprobs is None:
-                continue
-            lp = logits[i].log_softmax(-1)
-            top = torch.topk(lp, sp.logprobs) if sp.logprobs else None
-            alts = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-            logprobs[i] = (float(lp[tokens[i]]), alts)
+            if sp.logprobs is not None:
+                logprobs[i] = token_logprobs(logits[i:i + 1], [tokens[i]], sp.logprobs)[0]
         for t, ctx in zip(tokens, contexts):
             if ctx is not None and ctx.matcher is not None:
                 ctx.matcher.consume_token(t)

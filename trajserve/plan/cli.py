@@ -21,16 +21,17 @@ def _ints(text: str) -> tuple[int, ...]:
 DEFAULT_CONTEXTS = (8192, 32768, 131072)
 
 
-def default_kv_dtype(device) -> str:
-    """bf16 on accelerators. On this machine's CPU, the dtype the engine
-    computes in there (engine/dtype.py), for its KV and its weights alike:
-    fp32 unless the CPU has native bf16 matmuls (fp32 KV holds half the
-    tokens bf16 would)."""
+def default_dtypes(device) -> tuple[str, str | None]:
+    """(KV dtype, weight dtype; None: the model's) when the flags leave them
+    out: bf16 KV on accelerators. On this machine's CPU, both in the dtype the
+    engine computes in there (engine/dtype.py): fp32 unless the CPU has native
+    bf16 matmuls (fp32 KV holds half the tokens bf16 would)."""
     if device.key == "cpu-local":
         from trajserve.engine.dtype import cpu_has_native_bf16
 
-        return "bf16" if cpu_has_native_bf16() else "fp32"
-    return "bf16"
+        engine = "bf16" if cpu_has_native_bf16() else "fp32"
+        return engine, engine
+    return "bf16", None
 
 
 def add_plan_parser(p: argparse.ArgumentParser) -> None:
@@ -92,12 +93,12 @@ def request_from(args: argparse.Namespace):
         raise ValueError(f"--context {max(contexts):,} is over the model's context of {limit:,} tokens "
                          f"(max_position_embeddings); the engine refuses such a max_model_len too")
     device = get_device(args.gpu)
+    kv_dtype, weight_dtype = default_dtypes(device)
     return PlanRequest(
         model=model, device=device, contexts=contexts, num_gpus=args.num_gpus,
         tp=args.tp, pp=args.pp, output_tokens=args.output_tokens, shared_prefix=args.shared_prefix,
         shared_fraction=args.shared_fraction, headroom=args.headroom,
-        kv_dtype=args.kv_dtype or default_kv_dtype(device),
-        weight_dtype=args.weight_dtype or (default_kv_dtype(device) if device.key == "cpu-local" else None),
+        kv_dtype=args.kv_dtype or kv_dtype, weight_dtype=args.weight_dtype or weight_dtype,
         block_size=args.block_size,
         reserve_bytes=parse_bytes(args.reserve, "--reserve"),
         memory_bytes=parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,

@@ -231,9 +231,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             structured = structured or req.structured()
             return req.sampling_params(max_tokens, default_max, logprobs, structured)
         except ValueError as e:
-            # SamplingParams' messages start with the field they are about.
-            name = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=name if name in type(req).model_fields else None) from None
+            raise APIError(400, str(e), param=_field_named(e, type(req).model_fields)) from None
 
     async def compile_constraint(sp) -> None:
         """A structured output compiles here, on a worker thread (llguidance
@@ -273,10 +271,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             raise APIError(503, str(e), "server_error") from None
         except ValueError as e:
             code = "context_length_exceeded" if "tokens" in str(e) else None
-            # The engine's messages start with what they are about: the prompt, or a sampling field.
-            name = str(e).split(" ", 1)[0]
-            raise APIError(400, str(e), param=param if name == "prompt" else name if name in _SAMPLING_FIELDS
-                           else None, code=code) from None
+            name = _field_named(e, _SAMPLING_FIELDS | {"prompt"})
+            raise APIError(400, str(e), param=param if name == "prompt" else name, code=code) from None
 
         return _Outputs(first, gen)
 
@@ -407,9 +403,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         choices = []
         for i, final in enumerate(finals):
             for c in final.outputs:
+                scored = _echo_logprobs(final, c.token_ids, c.logprobs, req.echo)
                 choice = {"index": i * sp.n + c.index, "text": echoed[i] + c.text,
                           "finish_reason": c.finish_reason,
-                          "logprobs": _completion_logprobs(*_echo_logprobs(final, c, req), tok, req.logprobs)
+                          "logprobs": _completion_logprobs(*scored, tok, req.logprobs)
                           if req.logprobs is not None else None}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _prompt_logprobs(final, tok, req.prompt_logprobs)
@@ -571,6 +568,13 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
+def _field_named(e: ValueError, fields) -> str | None:
+    """The field a validation message is about: SamplingParams' and the
+    engine's messages start with it ("temperature must be ...", "prompt has ...")."""
+    name = str(e).split(" ", 1)[0]
+    return name if name in fields else None
+
+
 def _prompts(prompt) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -623,11 +627,11 @@ def _completion_logprobs(ids: list[int], lps, tok, k: int, start: int = 0) -> di
             "text_offset": offsets}
 
 
-def _echo_logprobs(final: RequestOutput, c: CompletionOutput, req: CompletionRequest) -> tuple[list[int], list]:
+def _echo_logprobs(out: RequestOutput, ids: list[int], lps: list | None, echo: bool) -> tuple[list[int], list]:
     """A choice's tokens and their logprobs, the prompt's first when echoed."""
-    if not req.echo or c.logprobs is None:
-        return c.token_ids, c.logprobs
-    return final.prompt_token_ids + c.token_ids, final.prompt_logprobs + c.logprobs
+    if not echo or lps is None:
+        return ids, lps
+    return out.prompt_token_ids + ids, out.prompt_logprobs + lps
 
 
 def _prompt_logprobs(final: RequestOutput, tok, k: int) -> list | None:
@@ -815,8 +819,8 @@ async def _completion_chunks(outs: AsyncIterator[tuple[int, RequestOutput]], rid
             if not c.delta_token_ids and not (first and req.echo):
                 continue
             new = _new_logprobs(c, sent, index)
-            if new and first and req.echo:
-                new = (out.prompt_token_ids + new[0], out.prompt_logprobs + new[1])
+            if new:
+                new = _echo_logprobs(out, *new, first and req.echo)
             lp = _completion_logprobs(*new, tok, req.logprobs, at.get(index, 0)) \
                 if new and req.logprobs is not None else None
             if lp is not None and lp["tokens"]:

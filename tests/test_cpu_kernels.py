@@ -277,6 +277,22 @@ def test_prefill_attention_rejects_a_context_its_blocks_cannot_hold():
 
 
 @needs_kernels
+def test_auto_dtype_runs_the_kernels_where_they_load():
+    """--dtype auto on the CPU is float32 with the C kernels wherever they
+    load (AVX2-only and AVX-512 CPUs alike: they decode faster than torch's
+    bf16 there), and without them bf16 only where the CPU has native bf16."""
+    import torch
+
+    from trajserve.engine.dtype import cpu_has_native_bf16, resolve_dtype
+
+    cpu = torch.device("cpu")
+    dtype, why = resolve_dtype("auto", cpu)
+    assert dtype == (torch.float32 if cpu_kernels.load() is not None else
+                     torch.bfloat16 if cpu_has_native_bf16() else torch.float32), why
+    off, _ = resolve_dtype("auto", cpu, cpu_kernels=False)
+    assert off == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+
+
 def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
     from trajserve.llm import LLM
     from trajserve.sampling import SamplingParams
@@ -285,7 +301,8 @@ def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
     sp = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
     outs = {}
     for on in (True, False):
-        llm = LLM(num_blocks=64, cpu_kernels=on)
+        # float32 both ways: without the kernels "auto" may pick bf16 (an AVX-512 BF16 CPU).
+        llm = LLM(num_blocks=64, cpu_kernels=on, dtype="float32")
         assert (llm.engine.model.kernels is not None) == on
         outs[on] = llm.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(outs[True], outs[False]):

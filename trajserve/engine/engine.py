@@ -80,7 +80,7 @@ class LLMEngine:
             raise ValueError(f"device must be cpu or cuda[:N], got {config.device!r}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device")
-        self.dtype, dtype_reason = resolve_dtype(config.dtype, self.device)
+        self.dtype, dtype_reason = resolve_dtype(config.dtype, self.device, config.cpu_kernels)
         self.model_path = config.model or default_model_path()
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config, weights = load_weights(self.model_path, self.dtype, self.device)

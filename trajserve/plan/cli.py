@@ -24,12 +24,14 @@ DEFAULT_CONTEXTS = (8192, 32768, 131072)
 def default_dtypes(device) -> tuple[str, str | None]:
     """(KV dtype, weight dtype; None: the model's) when the flags leave them
     out: bf16 KV on accelerators. On this machine's CPU, both in the dtype the
-    engine computes in there (engine/dtype.py): fp32 unless the CPU has native
-    bf16 matmuls (fp32 KV holds half the tokens bf16 would)."""
+    engine computes in there by default (engine/dtype.py; fp32 KV holds half
+    the tokens bf16 would)."""
     if device.key == "cpu-local":
-        from trajserve.engine.dtype import cpu_has_native_bf16
+        import torch
 
-        engine = "bf16" if cpu_has_native_bf16() else "fp32"
+        from trajserve.engine.dtype import resolve_dtype
+
+        engine = "bf16" if resolve_dtype("auto", torch.device("cpu"))[0] == torch.bfloat16 else "fp32"
         return engine, engine
     return "bf16", None
 

@@ -11,6 +11,7 @@ from trajserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from trajserve.engine.engine import StepStats
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler
+from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.copy_engine import CopyEngine
@@ -64,6 +65,7 @@ class StandInEngine:
                                         num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
                                         max_position_embeddings=10**6)
         self.dtype = torch.float32
+        self.block_layout = BlockLayout.of(b"stand-in", torch.float32, (1, 2, 1, block_size, 1))
         self.kv = KVCacheManager(num_blocks, block_size, 0.0, enable_prefix_caching=True)
         self.config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
                                                              max_prefill_chunk=64))

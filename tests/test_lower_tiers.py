@@ -22,9 +22,12 @@ from test_prefix_cache_engine import run
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.block_format import BlockLayout, namespace_digest
 from trajserve.kv.lower_tiers import LowerTiers
+from trajserve.kv.tiers import DISK_HEADER_BYTES
 
 B = 4
+LAYOUT = BlockLayout.of(b"token-pool", torch.long, (B,))
 
 
 class TokenPool:
@@ -44,9 +47,9 @@ def manager(num_blocks: int, host_blocks: int, disk_blocks: int = 0, tmp_path=No
     pool = TokenPool(num_blocks)
     kv = KVCacheManager(num_blocks, B, watermark=0.0, enable_prefix_caching=True)
     nbytes = B * 8  # one block of the stand-in: B int64 tokens
-    disk_file = nbytes + 18  # + the disk header (magic, size, CRC-32)
+    disk_file = nbytes + DISK_HEADER_BYTES  # + the disk header (identity, checksum)
     lower = LowerTiers(pool.read, pool.write, host_blocks * nbytes, disk_blocks * disk_file,
-                       str(tmp_path) if tmp_path is not None and disk_blocks else None)
+                       str(tmp_path) if tmp_path is not None and disk_blocks else None, layout=LAYOUT)
     kv.attach_lower_tiers(lower)
     return kv, pool, lower
 
@@ -133,9 +136,9 @@ def test_disk_writes_run_in_the_background_and_queued_blocks_are_served_from_mem
     gate = threading.Event()
     write_file = lower.disk.write_file
 
-    def slow_write(key, block):  # a disk that takes its time
+    def slow_write(*args):  # a disk that takes its time
         gate.wait(timeout=30)
-        write_file(key, block)
+        write_file(*args)
 
     lower.disk.write_file = slow_write
     a = list(range(100, 116))
@@ -161,7 +164,8 @@ def test_invalidate_and_tenants_never_reach_the_lower_tiers():
     # Another tenant with the same tokens: nothing from t1's tiers.
     assert run_request(kv, pool, "a-t2", a + [1], salt="t2") == 0
     kv.invalidate(cache_salt="t1")
-    assert lower.num_host_blocks == 0 or all(lower._ns[k] != kv.namespace("t1") for k in lower._ns)
+    t1 = namespace_digest(kv.namespace("t1"))
+    assert lower.num_host_blocks == 0 or all(lower._ns[k] != t1 for k in lower._ns)
     assert run_request(kv, pool, "a-again", a + [1], salt="t1") == 0
 
 

@@ -22,11 +22,13 @@ from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.request import Request, RequestStatus
 from trajserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.keep_policy import CostRates
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.kv.lower_tiers import LowerTiers
+from trajserve.model.fingerprint import model_fingerprint
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
 from trajserve.model.sampler import RowContext, Sampler, token_logprobs
@@ -101,10 +103,13 @@ class LLMEngine:
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
+        # What every block written to disk says it is (kv/block_format.py).
+        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path), self.dtype,
+                                           (mc.num_layers, 2, mc.num_kv_heads, cc.block_size, mc.head_dim))
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
             self.lower = LowerTiers(self.runner.read_blocks, self.runner.write_blocks, cc.host_cache_bytes,
-                                    cc.disk_cache_bytes, cc.disk_cache_dir)
+                                    cc.disk_cache_bytes, cc.disk_cache_dir, layout=self.block_layout)
             self.kv.attach_lower_tiers(self.lower)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         # What the keep policy and preemption price with; a session manager
@@ -154,6 +159,8 @@ class LLMEngine:
         else:
             text, ids = None, list(prompt)
         self.validate_prompt(ids)
+        if params.n > 1:
+            self._check_n_fits(len(ids), params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.groups:
             raise ValueError(f"request_id {rid!r} is already in flight")
@@ -256,6 +263,9 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:  # it could never be sampled: a stop that silently never fires
+            raise ValueError(f"stop_token_ids token id {bad} is outside the vocabulary [0, {vocab})")
 
     def validate_prompt(self, ids: list[int]) -> None:
         """ValueError naming the limit for a prompt the engine cannot take
@@ -279,6 +289,28 @@ class LLMEngine:
                 f"prompt has {len(ids):,} tokens, more than the whole KV pool holds: "
                 f"{self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
                 f"tokens (less a watermark of {self.kv.watermark_blocks} blocks)")
+
+    def max_tokens_within_pool(self, prompt_len: int, n: int) -> int:
+        """The largest max_tokens with which n sequences over a prompt of
+        prompt_len tokens fit in the pool at once (they share the prompt's
+        full blocks; each has its own tail and output). 0: none fits."""
+        B = self.kv.block_size
+        shared = prompt_len // B
+        per_seq = (self.kv.num_blocks - self.kv.watermark_blocks - shared) // n
+        return max(0, (shared + per_seq) * B - prompt_len)
+
+    def _check_n_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """n sequences that cannot all be held at once never finish: each
+        preempts the others over and over (n=128 x 512 tokens on a 64-block
+        pool preempted 249 times in 45 s). Refused up front, naming the limit."""
+        cap = min(self.max_model_len, self.kv.token_capacity)
+        want = min(params.max_tokens, cap - prompt_len)
+        fit = self.max_tokens_within_pool(prompt_len, params.n)
+        if want > fit:
+            raise ValueError(
+                f"n is {params.n}: that many sequences of up to {want:,} new tokens each (max_tokens) over a "
+                f"{prompt_len:,}-token prompt need more than the KV pool's {self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens "
+                f"at once; with this n, max_tokens can be at most {fit:,}" + (" (lower n)" if fit == 0 else ""))
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request and free its blocks. Returns its final output
@@ -481,10 +513,17 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the background copy threads: queued disk writes of the prefix
-        cache's tiers land, its temporary directory goes. Call once no step runs
-        (the server: after its engine thread has stopped)."""
+        cache's tiers land, its temporary directory goes (a --kv-disk-dir
+        keeps its files, and gets the device and host tiers' blocks first,
+        so the next engine on it starts warm). Call once no step runs (the
+        server: after its engine thread has stopped)."""
+        if self.closed:
+            return
         self.closed = True
         if self.lower is not None:
+            if self.lower.persistent:
+                n = self.lower.persist(self.kv.cached_paths())
+                log.info("prefix cache: %d blocks written to the disk tier for the next start", n)
             self.lower.close()
         self.runner.copy.shutdown()
 

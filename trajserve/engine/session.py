@@ -10,7 +10,7 @@ that path waits:
     keep   pin the path in the device pool (a lease; when it runs out the
            state moves down a tier)
     host   copy its blocks to host memory, then free them on the device
-    disk   write them to the disk tier (size + CRC-32 per block), free them
+    disk   write them to the disk tier (identity + checksum per block), free them
     drop   free them; the next turn recomputes (prefill) what is missing
 
 Copies run on the runner's copy engine ("异步分页换入换出", kv/copy_engine.py):
@@ -43,8 +43,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import logging
 import math
-import tempfile
+import re
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -55,7 +56,10 @@ import torch
 
 from trajserve.engine.engine import LLMEngine
 from trajserve.engine.memory import bytes_per_block
+from trajserve.engine.calibration import calibrate_rates
+from trajserve.kv.block_format import BlockIdentity, digest, namespace_digest
 from trajserve.kv.copy_engine import CopyJob
+from trajserve.kv.dir_lock import ScratchDir
 from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
 from trajserve.kv.radix_cache import MatchResult, RadixNode
 from trajserve.kv.tiered_table import Tier, TieredBlockTable
@@ -63,6 +67,26 @@ from trajserve.kv.tiers import DISK_HEADER_BYTES, DiskKVStore, HostKVStore
 from trajserve.kv.wait_estimator import WaitEstimator
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
+
+log = logging.getLogger("trajserve")
+# A session id a client chooses: bounded, and of characters that survive a
+# URL path unescaped, so GET / DELETE /v1/sessions/{id} reach every id a turn
+# accepted; it starts with neither a dot nor a dash ("..", "-rf"). Ids never
+# name files: saved blocks are keyed by the manager's own counter.
+SESSION_ID_MAX = 128
+_SESSION_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]*")
+
+
+def check_session_id(sid: object) -> str:
+    """The id, or a ValueError that names the field and the limit."""
+    if not isinstance(sid, str) or not sid:
+        raise ValueError(f"session_id must be a non-empty string, got {type(sid).__name__}")
+    if len(sid) > SESSION_ID_MAX:
+        raise ValueError(f"session_id is {len(sid):,} characters; at most {SESSION_ID_MAX} are allowed")
+    if not _SESSION_ID.fullmatch(sid):
+        raise ValueError("session_id may hold only letters, digits and _ . : @ - (starting with a letter, digit "
+                         f"or _), at most {SESSION_ID_MAX} characters")
+    return sid
 
 
 class SessionBusy(RuntimeError):
@@ -142,7 +166,8 @@ class SessionStats:
     swap_in_bytes: int = 0
     swap_out_s: float = 0.0
     swap_in_s: float = 0.0
-    corrupt_blocks: int = 0
+    corrupt_blocks: int = 0  # saved blocks rejected on the way back: damaged or not the block saved
+    write_errors: int = 0  # disk writes that failed: those blocks are recomputed on resume
     lease_demotions: int = 0
     recomputed_tokens: int = 0  # tokens a resumed turn had to prefill again
     pressure_demotions: int = 0  # kept states moved down a tier to make room for running work
@@ -178,8 +203,13 @@ class SessionManager:
         self.policy = policy or KeepPolicy(engine.rates, admission_ceiling=engine.config.scheduler.admission_ceiling)
         self.waits = waits or WaitEstimator()
         self.host = HostKVStore(host_bytes)
-        self._tmp = None if disk_dir else tempfile.TemporaryDirectory(prefix="trajserve-kv-")
-        self.disk = DiskKVStore(disk_dir or self._tmp.name, disk_bytes)
+        # Saved state does not outlive the manager: a scratch directory of its
+        # own (locked while it runs, swept by the next one if it is killed).
+        self._tmp = None if disk_dir else ScratchDir("session")
+        self.disk = DiskKVStore(disk_dir or self._tmp.name, disk_bytes, engine.block_layout,
+                                lock=disk_dir is not None)
+        self._saves = itertools.count()  # names saved blocks: never the client's session id
+        self._idents: dict[str, BlockIdentity] = {}  # saved block key -> what its file must hold
         if idle_ttl_s is not None and not 0 < idle_ttl_s < math.inf:
             raise ValueError(f"idle_ttl_s must be a finite number of seconds > 0 (or None: never), "
                              f"got {idle_ttl_s!r}")
@@ -223,7 +253,7 @@ class SessionManager:
         else:
             ids = list(prompt)
         self.engine.validate_prompt(ids)
-        sid = session_id or f"sess-{next(self._ids)}"
+        sid = check_session_id(session_id) if session_id is not None else f"sess-{next(self._ids)}"
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
         return self._add(Session(sid, cache_salt, ids, self))
@@ -275,6 +305,7 @@ class SessionManager:
         self._io.shutdown(wait=True)  # the copy engine is the runner's: it stays
         if self.engine.kv.reclaimer == self._reclaim:
             self.engine.kv.reclaimer = None
+        self.disk.release()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -302,7 +333,32 @@ class SessionManager:
         if s.in_flight:
             raise SessionBusy(f"session {s.session_id!r} has a turn in flight: fork it when the turn ends")
         self._touch(s)  # the children's arrival must not close it (max_sessions)
-        return [self.open(list(s.history), s.cache_salt, f"{s.session_id}.{next(self._ids)}") for _ in range(n)]
+        if s.state is SessionState.PAUSED:
+            self._share_saved(s)
+        return [self._add(Session(f"{s.session_id}.{next(self._ids)}", s.cache_salt, list(s.history), self))
+                for _ in range(n)]
+
+    def _share_saved(self, s: Session) -> None:
+        """Forking a session paused on the host or disk: its saved blocks are
+        copied back into the tree as cold cache (the parent keeps its saved
+        copy and stays where it is), so the children's first turns hit them
+        instead of recomputing the whole history."""
+        if s.copy is not None:
+            self._land(s)  # a save or prefetch in flight ends first
+        if s.table is None or s.tier not in (Decision.HOST, Decision.DISK):
+            return  # on the device already (kept, prefetched) or dropped
+        kv = self.engine.kv
+        self._collect_write(s)
+        got = kv.begin_import(s.history, s.cache_salt, len(s.table))
+        if got is None:
+            return  # no room: the children recompute
+        hit, new_ids = got
+        have = len(hit.block_ids)
+        data = self._fetch(s, have, have + len(new_ids))
+        if data:
+            self.engine.runner.write_blocks(new_ids[:len(data)], torch.stack(data))
+        kv.finish_import(s.history, s.cache_salt, hit, new_ids, len(data))
+        self.stats.corrupt_blocks = self.disk.num_rejected
 
     # ------------------------------------------------- turns run elsewhere
     # The HTTP server runs turns as ordinary requests on the engine thread
@@ -313,7 +369,7 @@ class SessionManager:
     def before_turn(self, session_id: str, cache_salt: str | None) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
-            s = self._add(Session(session_id, cache_salt, [], self))
+            s = self._add(Session(check_session_id(session_id), cache_salt, [], self))
         elif s.cache_salt != cache_salt:
             raise ValueError(f"session {session_id!r} belongs to another cache_salt")
         elif s.in_flight:
@@ -360,50 +416,11 @@ class SessionManager:
                     "decision": s.decision.decision.value, "reason": s.decision.reason,
                     "lease_s": s.decision.lease_s}}
 
-    def calibrate(self, num_blocks: int = 32, prefill_tokens: int = 256) -> dict:
-        """Measure the rates the keep policy prices with, on this machine, now:
-        the device -> host copy of num_blocks blocks, a disk write + read of a
-        few, and a prefill of prefill_tokens random tokens (its cached blocks
-        are invalidated after). Real transfers and prefills keep updating them.
-        Run it while the engine is idle (start-up)."""
-        eng, kv = self.engine, self.engine.kv
-        rates = self.policy.rates
-        n = min(num_blocks, kv.pool.num_free)
-        if n:
-            ids = kv.pool.allocate(n)
-            t = time.perf_counter()
-            data = eng.runner.read_blocks(ids)
-            dt = time.perf_counter() - t
-            kv.pool.free(ids)
-            nbytes = data.numel() * data.element_size()
-            if dt > 0:
-                rates.host_bytes_per_s = nbytes / dt
-            k = min(4, n)
-            t = time.perf_counter()
-            with self._disk_lock:
-                ok = all(self.disk.put(f"calibrate-{i}", data[i]) for i in range(k))
-                ok = ok and all(self.disk.get(f"calibrate-{i}") is not None for i in range(k))
-                for i in range(k):
-                    self.disk.discard(f"calibrate-{i}")
-            dt = time.perf_counter() - t
-            if ok and dt > 0:
-                rates.disk_bytes_per_s = 2 * k * nbytes / n / dt  # written and read back
-        # Half the pool at most, so a small pool still runs it.
-        prefill_tokens = min(prefill_tokens, kv.token_capacity // 2, eng.max_model_len - 1)
-        if prefill_tokens and not eng.has_unfinished_requests():  # stepping must not advance anyone else
-            g = torch.Generator().manual_seed(0)
-            ids = torch.randint(100, eng.model_config.vocab_size - 100, (prefill_tokens,), generator=g).tolist()
-            # Its own cache namespace, dropped whole afterwards: no one else's state is touched.
-            salt = "trajserve-calibrate"
-            rid = eng.add_request(ids, SamplingParams(max_tokens=1, temperature=0), cache_salt=salt)
-            out = None
-            while out is None:
-                out = next((o for o in eng.step() if o.request_id == rid and o.finished), None)
-            eng.invalidate(cache_salt=salt)
-            if out.metrics.ttft:
-                rates.prefill_tokens_per_s = prefill_tokens / out.metrics.ttft
-        return {"host_bytes_per_s": rates.host_bytes_per_s, "disk_bytes_per_s": rates.disk_bytes_per_s,
-                "prefill_tokens_per_s": rates.prefill_tokens_per_s}
+    def calibrate(self, prefill_tokens: int = 256) -> dict:
+        """Measure the rates the keep policy prices with, on this machine, now
+        (engine/calibration.py). Run it while the engine is idle (start-up)."""
+        with self._disk_lock:
+            return calibrate_rates(self.engine, self.policy.rates, self.disk, prefill_tokens)
 
     # ------------------------------------------------------------------ turns
     def generate(self, s: Session, params: SamplingParams | None = None) -> RequestOutput:
@@ -685,7 +702,7 @@ class SessionManager:
                 return Decision.DROP
         s.hold = kv.pin(s.history, s.cache_salt)
         s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids)
-        s.saving = (d, reserved)
+        s.saving = (d, reserved, kv.prefix_hashes(s.history, s.cache_salt, n))
         s.copy = self.engine.runner.copy.save(hit.block_ids)
         self._watched[s.session_id] = s
         if sync:
@@ -696,12 +713,16 @@ class SessionManager:
         """The host copy is there (waits for it if not): store it, remap the
         table to the tier, free the device frames. A disk save goes on to
         the disk writer thread from here."""
-        job, (d, reserved) = s.copy, s.saving
+        job, (d, reserved, hashes) = s.copy, s.saving
         self.engine.runner.copy.finish(job)
         s.copy, s.saving = None, None
         data, job.data = job.data, None
         n = data.shape[0]
-        keys = [self._key(s, i) for i in range(n)]
+        save = next(self._saves)
+        keys = [f"save{save}-{i}" for i in range(n)]
+        ns = namespace_digest(self.engine.kv.namespace(s.cache_salt))
+        for k, h in zip(keys, hashes):
+            self._idents[k] = BlockIdentity(ns, h)
         if d is Decision.HOST:
             self._host_reserved -= reserved
             for k, block in zip(keys, data):
@@ -732,7 +753,7 @@ class SessionManager:
     def _abandon_save(self, s: Session) -> None:
         """Resumed or closed before the save landed: the blocks never left
         the device, so the copy is thrown away."""
-        d, reserved = s.saving
+        d, reserved, _ = s.saving
         self.engine.runner.copy.finish(s.copy)
         s.copy.data = None
         s.copy, s.saving, s.table = None, None, None
@@ -746,13 +767,22 @@ class SessionManager:
 
     def _write_disk(self, keys: list[str], data: torch.Tensor, reserved: int) -> tuple[int, int, float]:
         """On the I/O thread: write the blocks. Returns (blocks written, bytes,
-        seconds); the engine thread accounts them when it collects the result."""
+        seconds); the engine thread accounts them when it collects the result.
+        A write that fails (disk full, an I/O error) ends the run there: it is
+        logged and counted, and the blocks from it on are recomputed on resume."""
         t = time.perf_counter()
         written = 0
         with self._disk_lock:
             self._disk_pending -= reserved
             for i, k in enumerate(keys):
-                if not self.disk.put(k, data[i]):
+                try:
+                    if not self.disk.put(k, data[i], self._idents[k]):
+                        break
+                except Exception as e:  # noqa: BLE001 - on the writer thread: the turn must not fail for ever
+                    log.warning("session disk tier: writing a saved block failed (%s); the state from "
+                                "block %d on will be recomputed", e, i)
+                    self.disk.path(k).with_suffix(".tmp").unlink(missing_ok=True)
+                    self.stats.write_errors += 1
                     break
                 written += 1
         return written, written * data[0].numel() * data.element_size(), time.perf_counter() - t
@@ -767,6 +797,8 @@ class SessionManager:
         self.policy.rates.observe_disk_copy(nbytes, dt)
         self.stats.swap_out_s += dt
         if s.table is not None:
+            for _, key in s.table.frames_in(Tier.DISK)[written:]:
+                self._idents.pop(key, None)
             s.table.truncate(written)
 
     def flush(self) -> None:
@@ -829,7 +861,8 @@ class SessionManager:
         with self._disk_lock:
             for i in range(start, min(end, len(s.table))):
                 tier, key = s.table.tiers[i], s.table.frames[i]
-                b = self.host.get(key) if tier is Tier.HOST else self.disk.get(key) if tier is Tier.DISK else None
+                b = (self.host.get(key) if tier is Tier.HOST else
+                     self.disk.get(key, self._idents[key]) if tier is Tier.DISK else None)
                 if b is None:  # missing or corrupt: recompute from here on
                     break
                 blocks.append(b)
@@ -868,7 +901,7 @@ class SessionManager:
             self.stats.reload_hidden_s += max(0.0, job.seconds - job.waited_s - waited)
         self.stats.swap_in_bytes += job.nbytes
         self.stats.swap_in_s += job.seconds
-        self.stats.corrupt_blocks = self.disk.num_corrupt
+        self.stats.corrupt_blocks = self.disk.num_rejected
         if job.nbytes:
             self.policy.rates.observe_host_copy(job.nbytes, job.seconds)
 
@@ -880,13 +913,11 @@ class SessionManager:
         with self._disk_lock:
             for _, key in s.table.frames_in(Tier.HOST):
                 self.host.discard(key)
+                self._idents.pop(key, None)
             for _, key in s.table.frames_in(Tier.DISK):
                 self.disk.discard(key)
+                self._idents.pop(key, None)
         s.table = None
-
-    @staticmethod
-    def _key(s: Session, i: int) -> str:
-        return f"{s.session_id}-{i}"
 
     def _check_open(self, s: Session, what: str) -> None:
         if s.state is SessionState.CLOSED:
@@ -905,7 +936,7 @@ class SessionManager:
                 "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
                 "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
                 "swap_out_s": st.swap_out_s, "swap_in_s": st.swap_in_s, "corrupt_blocks": st.corrupt_blocks,
-                "lease_demotions": st.lease_demotions, "recomputed_tokens": st.recomputed_tokens,
+                "write_errors": st.write_errors, "lease_demotions": st.lease_demotions, "recomputed_tokens": st.recomputed_tokens,
                 "host_blocks": len(self.host), "disk_blocks": self.disk.num_blocks,
                 "pressure_demotions": st.pressure_demotions, "stall_drops": st.stall_drops,
                 "prefetches": st.prefetches, "prefetch_hits": st.prefetch_hits,

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.block_table import BlockTable, blocks_for
-from trajserve.kv.radix_cache import BlockKey, MatchResult, RadixCache, RadixNode, Spill, chain_hash
+from trajserve.kv.radix_cache import BlockKey, MatchResult, RadixCache, RadixNode, Spill, chain_hash, namespace_hash
 
 
 class LowerTierCache(Spill, Protocol):
@@ -401,6 +401,24 @@ class KVCacheManager:
         table = self.tables.get(request_id)
         have = len(table) if table is not None else 0
         return max(0, blocks_for(num_tokens, self.block_size) - have)
+
+    def cached_paths(self):
+        """(namespace, chained hashes, block ids) of every cached node, least
+        recently used first: what a persistent disk tier takes at a clean close."""
+        if self.radix is None:
+            return
+        for node in sorted(self.radix.iter_nodes(), key=lambda n: n.last_access):
+            yield node.namespace, self.radix.block_hashes(node), list(node.block_ids)
+
+    def prefix_hashes(self, token_ids: list[int], cache_salt: str | None, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the first num_blocks full blocks of token_ids:
+        the identities a session's saved blocks carry on the disk tier."""
+        h = namespace_hash(self.namespace(cache_salt))
+        out = []
+        for k in self.radix.block_keys(token_ids[:num_blocks * self.block_size]):
+            h = chain_hash(h, k)
+            out.append(h)
+        return out
 
     def clear_cache(self) -> int:
         """Drop every cached block no request uses (and the lower tiers' copies)."""

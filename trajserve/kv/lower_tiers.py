@@ -17,9 +17,18 @@ is exactly the KV the tree would have computed for that position. Each tier
 is exclusive: a block loaded back leaves the tier (it is on the device, and
 will come down again if evicted again).
 
-Disk blocks carry size + CRC-32 (tiers.DiskKVStore): a block that fails a
-check is reported missing, so the match stops there and the rest of the
-prompt is recomputed -- never served corrupt.
+Disk blocks carry their identity and a checksum (kv/block_format.py): a
+block that is damaged or is not the one asked for (another namespace,
+hash, model or layout) is reported missing, so the match stops there and
+the rest of the prompt is recomputed -- never served corrupt or mislabelled.
+
+A --kv-disk-dir survives restarts: the tier holds the directory's lock
+(a second engine on it is refused), scans it at start-up and keeps the
+blocks of this model and layout, newest first, up to the cap (the rest,
+temporary and foreign files are removed); a clean close writes what the
+device tree and the host tier hold down to disk first, so a conversation
+computed before a restart hits after it. A crash loses only blocks not yet
+on disk: files are written under a temporary name and renamed.
 
 Copies between the device and the host run on the engine thread: an
 eviction reads the blocks before the pool reuses them, a load writes them
@@ -31,16 +40,21 @@ written if it leaves the tier before its turn.
 """
 from __future__ import annotations
 
-import tempfile
+import functools
+import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from trajserve.kv.block_format import BlockIdentity, BlockLayout, namespace_digest
+from trajserve.kv.dir_lock import ScratchDir
 from trajserve.kv.tiers import DiskKVStore, HostKVStore
+
+log = logging.getLogger("trajserve")
 
 ReadBlocks = Callable[[list[int]], Sequence[torch.Tensor]]  # ModelRunner.read_blocks: a tensor of rows
 WriteBlocks = Callable[[list[int], torch.Tensor], None]  # ModelRunner.write_blocks
@@ -53,8 +67,11 @@ class LowerTierStats:
     dropped_blocks: int = 0     # fell off the last tier (or had nowhere to go)
     loaded_host_blocks: int = 0
     loaded_disk_blocks: int = 0
-    corrupt_blocks: int = 0     # failed the disk checks on the way back
+    corrupt_blocks: int = 0     # failed the disk checks on the way back (damaged or mislabelled)
+    mislabelled_blocks: int = 0  # of those: sound files that held another block or layout
     discarded_blocks: int = 0   # invalidated or cleared
+    write_errors: int = 0       # disk writes that failed (the block is dropped, recomputed on demand)
+    restored_blocks: int = 0    # found on disk at start-up, of this model and layout
 
 
 class _DiskBookkeeping(HostKVStore):
@@ -66,38 +83,56 @@ class _DiskBookkeeping(HostKVStore):
     def file_bytes(block: torch.Tensor) -> int:
         return block.nbytes
 
+    num_rejected = 0
+
     def put(self, key: str, block: torch.Tensor, copy: bool = False) -> bool:
         return super().put(key, block, copy)
 
 
+@functools.lru_cache(maxsize=4096)
+def _ns_digest(namespace: Hashable) -> bytes:
+    return namespace_digest(namespace)
+
+
 class LowerTiers:
     def __init__(self, read_blocks: ReadBlocks, write_blocks: WriteBlocks, host_bytes: int,
-                 disk_bytes: int = 0, disk_dir: str | None = None, *, files: bool = True,
-                 copy: bool = True) -> None:
+                 disk_bytes: int = 0, disk_dir: str | None = None, *, layout: BlockLayout | None = None,
+                 files: bool = True, copy: bool = True) -> None:
+        """layout: the engine's KV block layout (model fingerprint, dtype,
+        shape), which every disk file carries. disk_dir: a directory kept
+        across restarts; without one, a scratch directory removed at close."""
         if host_bytes < 0 or disk_bytes < 0:
             raise ValueError("lower tier sizes must be >= 0 bytes")
         self._read, self._write = read_blocks, write_blocks
         self._copy = copy  # stand-in blocks are one shared byte: nothing to copy
         self.host = HostKVStore(host_bytes)
-        self._tmp = None
+        self._tmp: ScratchDir | None = None
+        self.persistent = False
         self.disk: DiskKVStore | _DiskBookkeeping | None = None
         if disk_bytes and not files:
             self.disk = _DiskBookkeeping(disk_bytes)
         elif disk_bytes:
+            if layout is None:
+                raise ValueError("a disk tier needs the KV block layout its files carry")
             if disk_dir is None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="trajserve-kv-cache-")
-            self.disk = DiskKVStore(disk_dir or self._tmp.name, disk_bytes)
-        self._ns: dict[str, Hashable] = {}            # key -> namespace
-        self._by_ns: dict[Hashable, set[str]] = {}    # namespace -> keys in either tier
+                self._tmp = ScratchDir("cache")
+                self.disk = DiskKVStore(self._tmp.name, disk_bytes, layout, lock=False)
+            else:
+                self.disk = DiskKVStore(disk_dir, disk_bytes, layout)
+                self.persistent = True
+        self._ns: dict[str, bytes] = {}            # key -> namespace digest
+        self._by_ns: dict[bytes, set[str]] = {}    # namespace digest -> keys in either tier
         self.stats = LowerTierStats()
         # The disk tier's LRU order and sizes, written or still queued (the cap counts both).
         self._disk_lru: OrderedDict[str, int] = OrderedDict()
         self._disk_used = 0
         # Real files: one writer thread; the disk store is touched under the lock.
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, tuple[torch.Tensor, BlockIdentity]] = {}
         self._lock = threading.Lock()
         self._io = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-cache-io")
                     if isinstance(self.disk, DiskKVStore) else None)
+        if self.persistent:
+            self._restore()
 
     @classmethod
     def stand_in(cls, host_blocks: int, disk_blocks: int = 0) -> LowerTiers:
@@ -114,37 +149,67 @@ class LowerTiers:
         """The radix cache is evicting these device blocks: keep their KV."""
         if not block_ids:
             return
+        ns = _ns_digest(namespace)
         data = self._read(block_ids)
         for h, block in zip(hashes, data):
             key = h.hex()
             self._forget(key)  # an older copy of the same prefix (evicted, recomputed, evicted again)
             self.stats.saved_blocks += 1
-            if self._to_host(key, block) or self._to_disk(key, block):
-                self._ns[key] = namespace
-                self._by_ns.setdefault(namespace, set()).add(key)
-            else:
+            self._index(key, ns)
+            if not (self._to_host(key, block) or self._to_disk(key, block)):
+                self._unindex(key)
                 self.stats.dropped_blocks += 1
+
+    def persist(self, paths: Iterable[tuple[Hashable, list[bytes], list[int]]]) -> int:
+        """Before a clean close of a persistent tier: the host tier's blocks,
+        then these device blocks (namespace, hashes, block ids; oldest
+        first), go down to disk, so the next engine on the directory finds
+        them. The cap holds: the oldest fall off first. Returns blocks written."""
+        if not self.persistent:
+            return 0
+        written = 0
+        while len(self.host):
+            self._demote_oldest_host()
+            written += 1
+        for namespace, hashes, block_ids in paths:
+            ns = _ns_digest(namespace)
+            todo = [(h, b) for h, b in zip(hashes, block_ids) if h.hex() not in self._ns]
+            if not todo:
+                continue
+            data = self._read([b for _, b in todo])
+            for (h, _), block in zip(todo, data):
+                key = h.hex()
+                self._index(key, ns)
+                if self._to_disk(key, block):
+                    written += 1
+                else:
+                    self._unindex(key)
+        self.flush()
+        return written
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash.hex() in self._ns
 
     def load(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> int:
         blocks = []
+        ns = _ns_digest(namespace)
         for h in hashes[:len(block_ids)]:
             key = h.hex()
-            if self._ns.get(key) != namespace:
+            if self._ns.get(key) != ns:
                 break
             b = self.host.get(key)
             if b is not None:
                 self.stats.loaded_host_blocks += 1
             elif self.disk is not None:
-                before = self.disk.num_corrupt
+                before, mislabelled = self.disk.num_rejected, getattr(self.disk, "num_mislabelled", 0)
                 with self._lock:
-                    b = self._pending.get(key)
-                    if b is None:
-                        b = self.disk.get(key)
-                if b is None:
-                    self.stats.corrupt_blocks += self.disk.num_corrupt - before
+                    queued = self._pending.get(key)
+                    b = queued[0] if queued is not None else (
+                        self.disk.get(key, BlockIdentity(ns, h)) if isinstance(self.disk, DiskKVStore)
+                        else self.disk.get(key))
+                if b is None:  # missing (a failed write) or rejected: recompute from here
+                    self.stats.corrupt_blocks += self.disk.num_rejected - before
+                    self.stats.mislabelled_blocks += getattr(self.disk, "num_mislabelled", 0) - mislabelled
                     self._forget(key)
                     break
                 self.stats.loaded_disk_blocks += 1
@@ -158,7 +223,7 @@ class LowerTiers:
         return len(blocks)
 
     def discard_namespace(self, namespace: Hashable) -> None:
-        for key in list(self._by_ns.get(namespace, ())):
+        for key in list(self._by_ns.get(_ns_digest(namespace), ())):
             self._forget(key)
             self.stats.discarded_blocks += 1
 
@@ -185,9 +250,14 @@ class LowerTiers:
             self._io.submit(lambda: None).result()
 
     def close(self) -> None:
-        self.clear()
+        """A persistent tier keeps its files (queued writes land first) and
+        lets go of the directory; a scratch one is emptied and removed."""
+        if not self.persistent:
+            self.clear()
         if self._io is not None:
             self._io.shutdown(wait=True)
+        if self.persistent:
+            self.disk.release()
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -214,7 +284,8 @@ class LowerTiers:
                 "saved_blocks": st.saved_blocks, "demoted_blocks": st.demoted_blocks,
                 "dropped_blocks": st.dropped_blocks, "loaded_host_blocks": st.loaded_host_blocks,
                 "loaded_disk_blocks": st.loaded_disk_blocks, "corrupt_blocks": st.corrupt_blocks,
-                "discarded_blocks": st.discarded_blocks}
+                "mislabelled_blocks": st.mislabelled_blocks, "discarded_blocks": st.discarded_blocks,
+                "write_errors": st.write_errors, "restored_blocks": st.restored_blocks}
 
     # ------------------------------------------------------------- private
     def _to_host(self, key: str, block: torch.Tensor) -> bool:
@@ -252,24 +323,58 @@ class LowerTiers:
         if self._io is None:
             return disk.put(key, block)
         with self._lock:
-            self._pending[key] = block
+            self._pending[key] = (block, BlockIdentity(self._ns[key], bytes.fromhex(key)))
         self._io.submit(self._write_disk, key)
         return True
 
     def _write_disk(self, key: str) -> None:
         """On the writer thread: the file is written outside the lock (the engine
         thread never waits for it); a block that left the tier meanwhile is
-        skipped, or its fresh file removed."""
+        skipped, or its fresh file removed. A write that fails (disk full, an
+        I/O error) is logged and counted; the block is then missing, and a
+        match that reaches it recomputes."""
         with self._lock:
-            block = self._pending.get(key)
-        if block is None:
+            queued = self._pending.get(key)
+        if queued is None:
             return
-        self.disk.write_file(key, block)
+        block, ident = queued
+        try:
+            self.disk.write_file(key, block, ident)
+        except Exception as e:  # noqa: BLE001 - on the writer thread: nobody else would see it
+            log.warning("prefix cache disk tier: writing a block failed (%s); it will be recomputed", e)
+            with self._lock:
+                self._pending.pop(key, None)
+                self.stats.write_errors += 1
+            self.disk.path(key).with_suffix(".tmp").unlink(missing_ok=True)
+            return
         with self._lock:
             if self._pending.pop(key, None) is None:
                 self.disk.path(key).unlink(missing_ok=True)
             else:
-                self.disk.register(key, block)
+                self.disk.register(key, ident, self.disk.file_bytes(block))
+
+    def _restore(self) -> None:
+        """Adopt the blocks a previous engine left in the directory: this
+        model's and layout's, newest first up to the cap; the rest go."""
+        found = self.disk.scan(lambda ident: ident.block_hash.hex())
+        found.sort(key=lambda e: e[3], reverse=True)
+        keep, used = [], 0
+        for key, ident, size, _ in found:
+            if used + size <= self.disk.byte_cap:
+                keep.append((key, ident, size))
+                used += size
+            else:
+                self.disk.path(key).unlink(missing_ok=True)
+        for key, ident, size in reversed(keep):  # oldest first: the LRU's order
+            self.disk.register(key, ident, size)
+            self._disk_lru[key] = size
+            self._disk_used += size
+            self._index(key, ident.namespace)
+        self.stats.restored_blocks = len(keep)
+        self.stats.corrupt_blocks += self.disk.num_rejected
+        self.stats.mislabelled_blocks += self.disk.num_mislabelled
+        log.info("prefix cache disk tier %s: %d blocks (%d bytes) kept from earlier runs%s", self.disk.dir,
+                 len(keep), used, f", {len(found) - len(keep)} over the cap removed" if len(found) > len(keep) else "")
 
     def _disk_discard(self, key: str) -> None:
         size = self._disk_lru.pop(key, None)
@@ -285,6 +390,10 @@ class LowerTiers:
             self.host.discard(key)
             self._disk_discard(key)
             self._unindex(key)
+
+    def _index(self, key: str, ns: bytes) -> None:
+        self._ns[key] = ns
+        self._by_ns.setdefault(ns, set()).add(key)
 
     def _unindex(self, key: str) -> None:
         ns = self._ns.pop(key, None)

@@ -2,31 +2,36 @@
 
 A saved state is a run of full blocks, stored as one tensor per block,
 [layers, 2 (K, V), kv_heads, block_size, head_dim], under a key chosen by
-the caller (a session id and the block's index). The device pool stays the
-only place attention reads from: a reload copies blocks back into freshly
-allocated device blocks.
+the caller (the prefix cache: a block's chained hash; sessions: a counter
+of their own). The device pool stays the only place attention reads from:
+a reload copies blocks back into freshly allocated device blocks.
 
-Disk blocks are written as  header | payload  where the header holds a magic
-number, the payload's byte count and its CRC-32; a block whose file is
-short, has another size or fails the checksum is deleted and reported
-missing, never served: its tokens are recomputed instead (attention state
-can always be rebuilt from tokens).
+Disk blocks are files in the format of kv/block_format.py: a header that
+names the model, the KV layout, the namespace and the block's chained hash,
+and a checksum over header and payload. A file is named by a digest of its
+key, never by a client string. Reading one back checks it against what the
+caller asks for: a file that is damaged (corrupt) or holds another block
+(mislabelled: renamed, restored, another engine's) is deleted, counted and
+reported missing, never served: its tokens are recomputed instead
+(attention state can always be rebuilt from tokens).
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
-import struct
-import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
-_MAGIC = b"TSKV1\0"
-_HEADER = struct.Struct("<6sQI")  # magic, payload bytes, crc32
-DISK_HEADER_BYTES = _HEADER.size  # what a block's file holds beyond its KV bytes
+from trajserve.kv import block_format as fmt
+from trajserve.kv.block_format import BlockIdentity, BlockLayout, BlockRejected
+from trajserve.kv.dir_lock import LOCK_NAME, DirLock
+
+log = logging.getLogger("trajserve")
+DISK_HEADER_BYTES = fmt.HEADER_BYTES  # what a block's file holds beyond its KV bytes
 
 
 class HostKVStore:
@@ -75,9 +80,11 @@ class HostKVStore:
 
 
 class DiskKVStore:
-    """One file per block in `directory`, under a byte cap."""
+    """One file per block in `directory`, under a byte cap. lock: hold the
+    directory's lock file (a --kv-disk-dir; a scratch directory holds its own)."""
 
-    def __init__(self, directory: str | os.PathLike, byte_cap: int) -> None:
+    def __init__(self, directory: str | os.PathLike, byte_cap: int, layout: BlockLayout,
+                 lock: bool = True) -> None:
         self.dir = Path(directory)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -86,11 +93,14 @@ class DiskKVStore:
         except OSError as e:  # a bare errno would not say which flag to fix
             raise ValueError(f"the disk tier's directory {str(directory)!r} cannot be used: "
                              f"{e.strerror or e}") from None
+        self._dir_lock = DirLock(self.dir) if lock else None
+        self.layout = layout
         self.byte_cap = byte_cap
         self.nbytes = 0
-        self.num_corrupt = 0
+        self.num_corrupt = 0  # damaged files rejected on the way back
+        self.num_mislabelled = 0  # sound files of another block or layout rejected
         self._sizes: dict[str, int] = {}
-        self._meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._idents: dict[str, BlockIdentity] = {}  # what was written under each key
 
     @property
     def free_bytes(self) -> int:
@@ -100,79 +110,121 @@ class DiskKVStore:
     def num_blocks(self) -> int:
         return len(self._sizes)
 
+    @property
+    def num_rejected(self) -> int:
+        return self.num_corrupt + self.num_mislabelled
+
     @staticmethod
     def file_bytes(block: torch.Tensor) -> int:
         """Bytes one block takes on disk (header + payload)."""
-        return _HEADER.size + block.nbytes
+        return fmt.HEADER_BYTES + block.nbytes
 
     def path(self, key: str) -> Path:
-        return self.dir / f"{key}.kv"
+        return self.dir / f"{fmt.digest(key).hex()}.kv"
 
-    def put(self, key: str, block: torch.Tensor) -> bool:
+    def put(self, key: str, block: torch.Tensor, ident: BlockIdentity) -> bool:
         size = self.file_bytes(block)
         if key in self._sizes:
             self.discard(key)
         if size > self.free_bytes:
             return False
-        self.write_file(key, block)
-        self.register(key, block)
+        self.write_file(key, block, ident)
+        self.register(key, ident, size)
         return True
 
-    def write_file(self, key: str, block: torch.Tensor) -> None:
+    def write_file(self, key: str, block: torch.Tensor, ident: BlockIdentity) -> None:
         """The I/O half of put, no bookkeeping: a writer thread runs it outside
         the owner's lock, then the owner registers the block."""
-        payload = _to_bytes(block)
-        tmp = self.path(key).with_suffix(".tmp")
+        if block.dtype != self.layout.torch_dtype or tuple(block.shape) != self.layout.shape:
+            raise ValueError(f"a block of {block.dtype} {tuple(block.shape)} does not fit the store's layout "
+                             f"({self.layout.dtype} {self.layout.shape})")
+        payload = fmt.to_bytes(block)
+        path = self.path(key)
+        tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)))
+            f.write(fmt.encode(self.layout, ident, payload))
             f.write(payload)
-        os.replace(tmp, self.path(key))  # a crash mid-write never leaves a half block under the real name
+        os.replace(tmp, path)  # a crash mid-write never leaves a half block under the real name
 
-    def register(self, key: str, block: torch.Tensor) -> None:
-        """The bookkeeping half of put: the file of `block` is on disk under key."""
-        size = self.file_bytes(block)
+    def register(self, key: str, ident: BlockIdentity, size: int | None = None) -> None:
+        """The bookkeeping half of put: the file of the block is on disk under key."""
+        size = self.layout.file_bytes if size is None else size
         self._sizes[key] = size
-        self._meta[key] = (block.dtype, tuple(block.shape))
+        self._idents[key] = ident
         self.nbytes += size
 
-    def get(self, key: str) -> torch.Tensor | None:
-        """The block, or None when it is missing or fails its size or
-        checksum (then the file is removed and num_corrupt counts it)."""
-        meta = self._meta.get(key)
-        if meta is None:
+    def get(self, key: str, expect: BlockIdentity) -> torch.Tensor | None:
+        """The block, or None when it is missing, damaged, or not the block
+        `expect` names (then the file is removed and counted)."""
+        if key not in self._sizes:
             return None
         try:
             data = self.path(key).read_bytes()
         except OSError:
-            return self._corrupt(key)
-        if len(data) < _HEADER.size:
-            return self._corrupt(key)
-        magic, n, crc = _HEADER.unpack_from(data)
-        payload = data[_HEADER.size:]
-        dtype, shape = meta
-        expect = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        if magic != _MAGIC or n != len(payload) or n != expect or zlib.crc32(payload) != crc:
-            return self._corrupt(key)
-        return _from_bytes(payload, dtype, shape)
+            return self._reject(key, BlockRejected("corrupt", "unreadable"))
+        try:
+            if self._idents.get(key) != expect:
+                raise BlockRejected("mislabelled", "the store wrote another block under this key")
+            return fmt.decode(data, self.layout, expect)
+        except BlockRejected as e:
+            return self._reject(key, e)
 
     def discard(self, key: str) -> None:
         size = self._sizes.pop(key, None)
-        self._meta.pop(key, None)
+        self._idents.pop(key, None)
         if size is not None:
             self.nbytes -= size
             self.path(key).unlink(missing_ok=True)
 
-    def _corrupt(self, key: str) -> None:
-        self.num_corrupt += 1
+    def scan(self, key_of: Callable[[BlockIdentity], str]) -> list[tuple[str, BlockIdentity, int, float]]:
+        """What a previous engine left in the directory: (key, identity, file
+        bytes, mtime) of each block of this layout whose file carries the name
+        of its key (key_of: the owner's key for an identity). Headers only:
+        the payload's checksum is checked when the block is read. Temporary
+        files, blocks of another model, layout or format, and misnamed files
+        are removed. Nothing is registered: the owner picks what to keep."""
+        found = []
+        for path in self.dir.iterdir():
+            if path.name.startswith(LOCK_NAME) or not path.is_file() or path.is_symlink():
+                continue
+            why = None
+            if path.suffix != ".kv":
+                why = "temporary or foreign"
+            else:
+                try:
+                    with open(path, "rb") as f:
+                        head = fmt.read_header(f.read(fmt.HEADER_BYTES))
+                    st = path.stat()
+                except (OSError, BlockRejected) as e:
+                    why = str(e)
+                else:
+                    key = key_of(head.identity)
+                    if head.layout != self.layout:
+                        why = "another model or KV layout"
+                    elif self.path(key) != path:
+                        why = "misnamed"
+                        self.num_mislabelled += 1
+                    elif st.st_size != self.layout.file_bytes or head.payload_bytes != self.layout.payload_bytes:
+                        why = "truncated"
+                        self.num_corrupt += 1
+                    else:
+                        found.append((key, head.identity, st.st_size, st.st_mtime))
+            if why is not None:
+                log.debug("disk tier: removing %s (%s)", path.name, why)
+                path.unlink(missing_ok=True)
+        return found
+
+    def release(self) -> None:
+        """Let go of the directory's lock (the files stay)."""
+        if self._dir_lock is not None:
+            self._dir_lock.release()
+            self._dir_lock = None
+
+    def _reject(self, key: str, e: BlockRejected) -> None:
+        if e.kind == "mislabelled":
+            self.num_mislabelled += 1
+        else:
+            self.num_corrupt += 1
+        log.warning("disk tier: rejected a block file (%s); its tokens are recomputed", e)
         self.discard(key)
         return None
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    # Through uint8 so any dtype (bf16 included, which numpy lacks) round-trips bit-exactly.
-    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
-def _from_bytes(payload: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    return raw.view(dtype).reshape(shape)

@@ -78,6 +78,16 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     )
 
 
+def check_unicode(text: object, field: str) -> None:
+    """ValueError naming the field if text is a str that cannot be UTF-8 (a lone surrogate)."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{field} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                             f"{e.start}") from None
+
+
 class Tokenizer:
     """Text <-> token ids, the chat template, and the ids that end generation."""
 
@@ -126,8 +136,14 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Special tokens written in `text` (e.g. `<|im_start|>`) become their ids;
-        `add_special_tokens` only controls the BOS/EOS the model adds itself."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        `add_special_tokens` only controls the BOS/EOS the model adds itself.
+        Text that is not valid Unicode (a lone surrogate, which JSON's \\ud800
+        escapes allow) is a ValueError, not the backend's TypeError."""
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            check_unicode(text, "prompt")
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -44,9 +44,10 @@ from trajserve.server import anthropic, responses
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull, StepFailed
 from trajserve.server.auth import ApiKeyAuth
 from trajserve.server.body_cap import BodyCap
+from trajserve.server.unicode_guard import UnicodeGuard
 from trajserve.server.tap import Tap, sse_event
 from trajserve.server.metrics import ServerMetrics
-from trajserve.engine.session import SessionBusy, SessionManager
+from trajserve.engine.session import SessionBusy, SessionManager, check_session_id
 from trajserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ForkRequest,
                                        TokenizeRequest)
 from trajserve.server.tool_calls import (FORMATS, ForcedStream, call_stream, forced_schema, format_for_template,
@@ -70,7 +71,7 @@ def _version() -> str:
 def _calibrate(sessions: SessionManager) -> None:
     # A failed measurement leaves the default rates; it must not stop the engine loop.
     try:
-        log.info("keep policy rates measured at start-up: %s", sessions.calibrate())
+        sessions.calibrate()  # logs what it measured and what it checked
     except Exception:  # noqa: BLE001
         log.exception("keep policy calibration failed; using default rates")
 
@@ -156,6 +157,8 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                 405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
         return error_response(e.status_code, what, path=request.url.path, headers=getattr(e, "headers", None))
 
+    app.add_middleware(UnicodeGuard, respond=lambda status, message, param, path: error_response(
+        status, message, param=param, path=path))
     app.add_middleware(BodyCap, max_bytes=max_body_bytes,
                        respond=lambda status, message, path: error_response(status, message, path=path))
     if api_keys:
@@ -289,6 +292,10 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                            param="session_id")
         if req.n != 1 or n_prompts != 1:
             raise APIError(400, "a session turn takes one prompt and n=1", param="session_id")
+        try:
+            check_session_id(sid)
+        except ValueError as e:
+            raise APIError(400, str(e), param="session_id") from None
         try:
             return await aengine.call(lambda _: sessions.before_turn(sid, req.cache_salt))
         except SessionBusy as e:
@@ -459,7 +466,11 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
                                                                 req.forced_tool, req.parallel_tool_calls is not False))
         ids = render_chat(req)
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
-        sp = sampling(req, req.requested_max_tokens, max(1, engine.max_model_len - len(ids)),
+        # n > 1: no more than the pool holds for all n at once (the engine refuses more).
+        default_max = max(1, engine.max_model_len - len(ids))
+        if req.n > 1:
+            default_max = max(1, min(default_max, engine.max_tokens_within_pool(len(ids), req.n)))
+        sp = sampling(req, req.requested_max_tokens, default_max,
                       (req.top_logprobs or 0) if req.logprobs else None, forced)
         check_room(len(ids), sp, room_checked and req.requested_max_tokens is not None)
         await compile_constraint(sp)

@@ -69,10 +69,20 @@ class _SnapshotCollector(Collector):
             fam.add_metric(["host"], float(low["host_bytes"]))
             fam.add_metric(["disk"], float(low["disk_bytes"]))
             yield fam
-            c = CounterMetricFamily("trajserve_prefix_cache_corrupt_blocks",
-                                    "prefix-cache disk blocks that failed their checks (recomputed)")
-            c.add_metric([], float(low["corrupt_blocks"]))
-            yield c
+            for key, name, doc in (
+                    ("corrupt_blocks", "trajserve_prefix_cache_corrupt_blocks",
+                     "prefix-cache disk blocks rejected on the way back, damaged or mislabelled (recomputed)"),
+                    ("mislabelled_blocks", "trajserve_prefix_cache_mislabelled_blocks",
+                     "of those: sound files that held another block, model or layout"),
+                    ("write_errors", "trajserve_prefix_cache_write_errors",
+                     "prefix-cache disk writes that failed (the block is recomputed when needed)")):
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], float(low[key]))
+                yield c
+            g = GaugeMetricFamily("trajserve_prefix_cache_restored_blocks",
+                                  "disk blocks of earlier runs adopted at start-up (--kv-disk-dir)")
+            g.add_metric([], float(low["restored_blocks"]))
+            yield g
         if sess is None:
             return
         keep = CounterMetricFamily("trajserve_keep_decisions", "tool-pause decisions by kind", labels=["decision"])
@@ -81,7 +91,10 @@ class _SnapshotCollector(Collector):
         yield keep
         for key, name, doc in (("swap_out_bytes", "trajserve_kv_swap_out_bytes", "bytes copied to host / disk"),
                                ("swap_in_bytes", "trajserve_kv_swap_in_bytes", "bytes reloaded to the device"),
-                               ("corrupt_blocks", "trajserve_kv_corrupt_blocks", "disk blocks that failed checks"),
+                               ("corrupt_blocks", "trajserve_kv_corrupt_blocks",
+                                "saved disk blocks rejected: damaged, or not the block saved"),
+                               ("write_errors", "trajserve_kv_write_errors",
+                                "session disk writes that failed (the state is recomputed on resume)"),
                                ("lease_demotions", "trajserve_keep_lease_demotions", "kept states moved down"),
                                ("pressure_demotions", "trajserve_keep_pressure_demotions",
                                 "kept states moved down to make room for running work"),

@@ -219,9 +219,42 @@ def forced_schema(tools: list[dict], forced: str, parallel: bool = True) -> dict
     params = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in tools}
     if forced != "required":
         return params[forced]
-    return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": name}, "arguments": p},
-         "required": ["name", "arguments"], "additionalProperties": False} for name, p in params.items()]}}
+    # Each tool's schema moves under the wrapper's $defs, its own $defs beside
+    # it and its "#..." references rebased, so a recursive schema ($ref
+    # "#/$defs/node") compiles here as it does alone in response_format.
+    defs, anyof = {}, []
+    for i, (name, p) in enumerate(params.items()):
+        tag = f"tool{i}"
+        p = _rebase(p, tag)
+        for kind in ("$defs", "definitions"):
+            for k, v in (p.pop(kind, None) or {}).items() if isinstance(p, dict) else ():
+                defs[f"{tag}.{kind.strip('$')}.{k}"] = v
+        defs[tag] = p
+        anyof.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{tag}"}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    return {"$defs": defs, "type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+            "items": {"anyOf": anyof}}
+
+
+def _rebase(schema, tag: str):
+    """A copy of schema whose local references ("#", "#/$defs/x/...",
+    "#/properties/...") point where forced_schema puts its parts."""
+    if isinstance(schema, list):
+        return [_rebase(v, tag) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            parts = v[2:].split("/") if v != "#" else []
+            if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+                v = "/".join([f"#/$defs/{tag}.{parts[0].strip('$')}.{parts[1]}", *parts[2:]])
+            else:
+                v = "/".join([f"#/$defs/{tag}", *parts])
+            out[k] = v
+        else:
+            out[k] = _rebase(v, tag)
+    return out
 
 
 def parse_forced(text: str, forced: str) -> Parsed:

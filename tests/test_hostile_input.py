@@ -159,3 +159,26 @@ def test_a_recursive_tool_schema_compiles_for_a_forced_call(engine_f32):
     engine_f32.prepare_structured(sp)  # raised ValueError before
     sp_alone = SamplingParams(structured=StructuredOutput(json_schema=params))
     engine_f32.prepare_structured(sp_alone)
+
+
+def test_a_fork_of_a_host_paused_session_hits_its_saved_blocks(engine_f32, tmp_path):
+    """The probe's fork of a session paused on the host recomputed 618 of 618
+    tokens: the saved blocks were the parent's alone. They are copied back as
+    cold cache at the fork, the parent stays paused with its saved copy."""
+    engine_f32.kv.clear_cache()
+    mgr = SessionManager(engine_f32, disk_dir=str(tmp_path / "store"))
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    try:
+        s = mgr.open("You are a coding agent. " * 12 + "List the files.")
+        s.generate(greedy)
+        s.pause(decision="host")
+        mgr.flush()
+        assert s.saved_blocks > 0 and engine_f32.kv.cached_prefix(s.history, None).num_tokens == 0
+        (child,) = s.fork(1)
+        out = child.generate(greedy)
+        assert out.num_cached_tokens >= (len(s.history) - 1) // 16 * 16 - 16
+        assert s.state.value == "paused" and s.saved_blocks > 0
+        s.resume(" ok")
+        s.generate(greedy)
+    finally:
+        mgr.shutdown()

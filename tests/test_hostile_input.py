@@ -63,57 +63,56 @@ def test_ordinary_session_ids_pass(sid):
     assert check_session_id(sid) == sid
 
 
-def test_a_session_saved_to_disk_writes_only_inside_its_store(engine_f32, tmp_path):
+@pytest.fixture
+def mgr(engine_f32, tmp_path):
+    """A session manager on the shared engine, its store in tmp_path/store."""
+    engine_f32.kv.clear_cache()
+    m = SessionManager(engine_f32, disk_dir=str(tmp_path / "store"))
+    yield m
+    m.shutdown()
+
+
+def test_a_session_saved_to_disk_writes_only_inside_its_store(mgr, tmp_path):
     """An id with dots (allowed) pauses to disk: every file is in the store's
     own directory, named by the manager's counter, and nothing names the id."""
-    engine_f32.kv.clear_cache()
-    mgr = SessionManager(engine_f32, disk_dir=str(tmp_path / "store"))
-    try:
-        with pytest.raises(ValueError, match="session_id"):
-            mgr.before_turn("../../escape", None)
-        s = mgr.open("You are a coding agent. " * 8 + "List the files.", session_id="a..b")
-        s.generate(SamplingParams(max_tokens=4, temperature=0))
-        s.pause(decision="disk")
-        mgr.flush()
-        files = [p for p in tmp_path.rglob("*") if p.is_file()]
-        assert s.saved_blocks > 0 and {p.parent.name for p in files} == {"store"}
-        assert all("a..b" not in p.name for p in files)
-        s.close()
-    finally:
-        mgr.shutdown()
+    with pytest.raises(ValueError, match="session_id"):
+        mgr.before_turn("../../escape", None)
+    s = mgr.open("You are a coding agent. " * 8 + "List the files.", session_id="a..b")
+    s.generate(SamplingParams(max_tokens=4, temperature=0))
+    s.pause(decision="disk")
+    mgr.flush()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert s.saved_blocks > 0 and {p.parent.name for p in files} == {"store"}
+    assert all("a..b" not in p.name for p in files)
+    s.close()
 
 
-def test_a_failed_session_write_leaves_a_working_session(engine_f32, tmp_path, caplog):
+def test_a_failed_session_write_leaves_a_working_session(mgr, engine_f32, caplog):
     """A disk write that fails (here: ENOSPC) was an exception on the writer
     thread that every later turn and DELETE re-raised (a 500 until the TTL).
     It is logged and counted, and the resumed turn recomputes what was lost."""
-    engine_f32.kv.clear_cache()
-    mgr = SessionManager(engine_f32, disk_dir=str(tmp_path / "store"))
     greedy = SamplingParams(max_tokens=6, temperature=0)
-    try:
-        ref = mgr.open("You are a coding agent. " * 8 + "List the files.")
-        want = [ref.generate(greedy).outputs[0].token_ids]
-        s = mgr.open("You are a coding agent. " * 8 + "List the files.")
-        engine_f32.kv.clear_cache()
+    ref = mgr.open("You are a coding agent. " * 8 + "List the files.")
+    want = ref.generate(greedy).outputs[0].token_ids
+    s = mgr.open("You are a coding agent. " * 8 + "List the files.")
+    engine_f32.kv.clear_cache()
 
-        def full(*args):
-            raise OSError(28, "No space left on device")
-        mgr.disk.write_file = full
-        first = s.generate(greedy)
-        assert first.outputs[0].token_ids == want[0]
-        s.pause(decision="disk")
-        mgr.flush()
-        assert mgr.metrics()["write_errors"] == 1 and "No space left" in caplog.text
-        s.resume(" Now run the tests.")
-        out = s.generate(greedy)
-        assert out.num_cached_tokens == 0  # nothing was saved: recomputed
-        ref.pause(decision="drop")
-        ref.resume(" Now run the tests.")
-        assert out.outputs[0].token_ids == ref.generate(greedy).outputs[0].token_ids
-        assert mgr.describe(s)["turns"] == 2
-        s.close()
-    finally:
-        mgr.shutdown()
+    def full(*args):
+        raise OSError(28, "No space left on device")
+    mgr.disk.write_file = full
+    first = s.generate(greedy)
+    assert first.outputs[0].token_ids == want
+    s.pause(decision="disk")
+    mgr.flush()
+    assert mgr.metrics()["write_errors"] == 1 and "No space left" in caplog.text
+    s.resume(" Now run the tests.")
+    out = s.generate(greedy)
+    assert out.num_cached_tokens == 0  # nothing was saved: recomputed
+    ref.pause(decision="drop")
+    ref.resume(" Now run the tests.")
+    assert out.outputs[0].token_ids == ref.generate(greedy).outputs[0].token_ids
+    assert mgr.describe(s)["turns"] == 2
+    s.close()
 
 
 def test_out_of_vocabulary_stop_token_ids_are_refused(engine_f32):
@@ -161,24 +160,19 @@ def test_a_recursive_tool_schema_compiles_for_a_forced_call(engine_f32):
     engine_f32.prepare_structured(sp_alone)
 
 
-def test_a_fork_of_a_host_paused_session_hits_its_saved_blocks(engine_f32, tmp_path):
+def test_a_fork_of_a_host_paused_session_hits_its_saved_blocks(mgr, engine_f32):
     """The probe's fork of a session paused on the host recomputed 618 of 618
     tokens: the saved blocks were the parent's alone. They are copied back as
     cold cache at the fork, the parent stays paused with its saved copy."""
-    engine_f32.kv.clear_cache()
-    mgr = SessionManager(engine_f32, disk_dir=str(tmp_path / "store"))
     greedy = SamplingParams(max_tokens=4, temperature=0)
-    try:
-        s = mgr.open("You are a coding agent. " * 12 + "List the files.")
-        s.generate(greedy)
-        s.pause(decision="host")
-        mgr.flush()
-        assert s.saved_blocks > 0 and engine_f32.kv.cached_prefix(s.history, None).num_tokens == 0
-        (child,) = s.fork(1)
-        out = child.generate(greedy)
-        assert out.num_cached_tokens >= (len(s.history) - 1) // 16 * 16 - 16
-        assert s.state.value == "paused" and s.saved_blocks > 0
-        s.resume(" ok")
-        s.generate(greedy)
-    finally:
-        mgr.shutdown()
+    s = mgr.open("You are a coding agent. " * 12 + "List the files.")
+    s.generate(greedy)
+    s.pause(decision="host")
+    mgr.flush()
+    assert s.saved_blocks > 0 and engine_f32.kv.cached_prefix(s.history, None).num_tokens == 0
+    (child,) = s.fork(1)
+    out = child.generate(greedy)
+    assert out.num_cached_tokens >= (len(s.history) - 1) // 16 * 16 - 16
+    assert s.state.value == "paused" and s.saved_blocks > 0
+    s.resume(" ok")
+    s.generate(greedy)

@@ -35,6 +35,7 @@ log = logging.getLogger("trajserve")
 
 COPY_BYTES = 64 << 20
 DISK_BYTES = 16 << 20
+CHUNK_BYTES = 16 << 20  # blocks borrowed from the pool for one copy (fewer if it holds fewer)
 REPEATS = 3
 PLAUSIBLE = 10.0
 
@@ -94,7 +95,8 @@ def _plausible(name: str, rate: float, ref: float, remeasure, notes: list[str]) 
         notes.append(f"{name} remeasured ({rate / 1e9:.2f} -> {again / 1e9:.2f} GB/s)")
         return again
     clamped = min(max(again if again is not None else rate, lo), hi)
-    notes.append(f"{name} {rate / 1e9:.2f} GB/s is over {PLAUSIBLE:g}x off memcpy: clamped to {clamped / 1e9:.2f}")
+    notes.append(f"{name} {rate / 1e9:.2f} GB/s is over {PLAUSIBLE:g}x off memcpy: "
+                 f"clamped to {clamped / 1e9:.2f}")
     return clamped
 
 
@@ -106,7 +108,7 @@ def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -
     kv = engine.kv
     block_bytes = engine.block_layout.payload_bytes
     notes: list[str] = []
-    n = min(kv.pool.num_free, max(1, -(-(16 << 20) // block_bytes)))
+    n = min(kv.pool.num_free, max(1, -(-CHUNK_BYTES // block_bytes)))
     found = {"block_bytes": block_bytes}
     if n:
         ids = kv.pool.allocate(n)

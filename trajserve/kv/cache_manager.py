@@ -26,7 +26,8 @@ from typing import Protocol
 
 from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.block_table import BlockTable, blocks_for
-from trajserve.kv.radix_cache import BlockKey, MatchResult, RadixCache, RadixNode, Spill, chain_hash, namespace_hash
+from trajserve.kv.radix_cache import (BlockKey, MatchResult, RadixCache, RadixNode, Spill, chain_hash,
+                                      namespace_hash)
 
 
 class LowerTierCache(Spill, Protocol):

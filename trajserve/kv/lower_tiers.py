@@ -83,10 +83,13 @@ class _DiskBookkeeping(HostKVStore):
     def file_bytes(block: torch.Tensor) -> int:
         return block.nbytes
 
-    num_rejected = 0
+    num_rejected = num_mislabelled = 0  # nothing is read back from a file
 
     def put(self, key: str, block: torch.Tensor, copy: bool = False) -> bool:
         return super().put(key, block, copy)
+
+    def get(self, key: str, expect: BlockIdentity | None = None) -> torch.Tensor | None:
+        return super().get(key)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -164,7 +167,7 @@ class LowerTiers:
         """Before a clean close of a persistent tier: the host tier's blocks,
         then these device blocks (namespace, hashes, block ids; oldest
         first), go down to disk, so the next engine on the directory finds
-        them. The cap holds: the oldest fall off first. Returns blocks written."""
+        them. The cap holds: the oldest fall off first. Returns the blocks sent down."""
         if not self.persistent:
             return 0
         written = 0
@@ -201,15 +204,13 @@ class LowerTiers:
             if b is not None:
                 self.stats.loaded_host_blocks += 1
             elif self.disk is not None:
-                before, mislabelled = self.disk.num_rejected, getattr(self.disk, "num_mislabelled", 0)
+                before, mislabelled = self.disk.num_rejected, self.disk.num_mislabelled
                 with self._lock:
                     queued = self._pending.get(key)
-                    b = queued[0] if queued is not None else (
-                        self.disk.get(key, BlockIdentity(ns, h)) if isinstance(self.disk, DiskKVStore)
-                        else self.disk.get(key))
+                    b = queued[0] if queued is not None else self.disk.get(key, BlockIdentity(ns, h))
                 if b is None:  # missing (a failed write) or rejected: recompute from here
                     self.stats.corrupt_blocks += self.disk.num_rejected - before
-                    self.stats.mislabelled_blocks += getattr(self.disk, "num_mislabelled", 0) - mislabelled
+                    self.stats.mislabelled_blocks += self.disk.num_mislabelled - mislabelled
                     self._forget(key)
                     break
                 self.stats.loaded_disk_blocks += 1
@@ -373,8 +374,9 @@ class LowerTiers:
         self.stats.restored_blocks = len(keep)
         self.stats.corrupt_blocks += self.disk.num_rejected
         self.stats.mislabelled_blocks += self.disk.num_mislabelled
+        over = len(found) - len(keep)
         log.info("prefix cache disk tier %s: %d blocks (%d bytes) kept from earlier runs%s", self.disk.dir,
-                 len(keep), used, f", {len(found) - len(keep)} over the cap removed" if len(found) > len(keep) else "")
+                 len(keep), used, f", {over} over the cap removed" if over else "")
 
     def _disk_discard(self, key: str) -> None:
         size = self._disk_lru.pop(key, None)

@@ -230,7 +230,8 @@ def forced_schema(tools: list[dict], forced: str, parallel: bool = True) -> dict
             for k, v in (p.pop(kind, None) or {}).items() if isinstance(p, dict) else ():
                 defs[f"{tag}.{kind.strip('$')}.{k}"] = v
         defs[tag] = p
-        anyof.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/{tag}"}},
+        args = {"$ref": f"#/$defs/{tag}"}
+        anyof.append({"type": "object", "properties": {"name": {"const": name}, "arguments": args},
                       "required": ["name", "arguments"], "additionalProperties": False})
     return {"$defs": defs, "type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
             "items": {"anyOf": anyof}}

@@ -13,9 +13,13 @@ read back with every check) for the disk, and checked:
 - a memcpy of the same bytes is measured beside them: a copy rate off by
   more than PLAUSIBLE (10x) either way is measured once more, then clamped
   into that range;
-- the disk is never faster than the host copy that feeds it (a write ends in
-  the page cache, which is memory): a disk rate above the host rate is
-  capped at it.
+- the disk is never faster than the host copy that feeds it: B_disk is the
+  rate of a block's whole trip (device -> host -> file -> host -> device,
+  every check included), which contains a host copy each way, and the host
+  and disk repeats alternate so both see the same moment of a shared machine
+  (a VM's first touch of fresh pages varied the host copy 0.4-5.3 GB/s over
+  five start-ups when the two were measured one after the other). A disk
+  rate still above the host rate is capped at it.
 
 What was found, and any correction, is logged in one line.
 """
@@ -41,14 +45,23 @@ PLAUSIBLE = 10.0
 
 
 def _median_rate(fn, nbytes: int, repeats: int = REPEATS) -> float:
-    fn()  # warm-up: first touch of the pages and the allocator
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+    return _median_rates([(fn, nbytes)], repeats)[0]
+
+
+def _median_rates(jobs, repeats: int = REPEATS) -> list[float]:
+    """Bytes per second of each (fn, nbytes): one warm-up each (first touch
+    of the pages and the allocator), then `repeats` rounds running them in
+    turn, the median of each."""
+    for fn, _ in jobs:
         fn()
-        times.append(time.perf_counter() - t)
-    dt = statistics.median(times)
-    return nbytes / dt if dt > 0 else float("inf")
+    times = [[] for _ in jobs]
+    for _ in range(repeats):
+        for (fn, _), ts in zip(jobs, times):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return [nbytes / dt if (dt := statistics.median(ts)) > 0 else float("inf")
+            for (_, nbytes), ts in zip(jobs, times)]
 
 
 def memcpy_rate(nbytes: int) -> float:
@@ -58,32 +71,41 @@ def memcpy_rate(nbytes: int) -> float:
     return _median_rate(lambda: dst.copy_(src), src.numel())
 
 
-def _host_rate(engine, ids: list[int], reps: int) -> float:
+def _host_job(engine, ids: list[int], reps: int):
     read = engine.runner.read_blocks
 
     def copy():
         for _ in range(reps):
             read(ids)
-    return _median_rate(copy, len(ids) * engine.block_layout.payload_bytes * reps)
+    return copy, len(ids) * engine.block_layout.payload_bytes * reps
 
 
-def _disk_rate(disk, block: torch.Tensor, k: int) -> float | None:
-    """Write k blocks and read them back with every check; None if the store
-    refused (no room) or a block did not come back."""
-    ns = digest("trajserve-calibrate")
-    idents = [BlockIdentity(ns, digest(f"block-{i}")) for i in range(k)]
-    ok = True
+class _DiskTrip:
+    """k of the borrowed blocks to disk and back into the pool, as a save
+    and a reload do it (read_blocks, put, get with every check,
+    write_blocks). ok: False if the store refused (no room) or a block did
+    not come back."""
 
-    def roundtrip():
-        nonlocal ok
+    def __init__(self, engine, disk, ids: list[int]) -> None:
+        self.runner, self.disk, self.ids = engine.runner, disk, ids
+        ns = digest("trajserve-calibrate")
+        self.idents = [BlockIdentity(ns, digest(f"block-{i}")) for i in range(len(ids))]
+        self.nbytes = 2 * len(ids) * engine.block_layout.payload_bytes
+        self.ok = True
+
+    def __call__(self) -> None:
+        keys = [f"calibrate-{i}" for i in range(len(self.ids))]
         try:
-            ok = ok and all(disk.put(f"calibrate-{i}", block, idents[i]) for i in range(k))
-            ok = ok and all(disk.get(f"calibrate-{i}", idents[i]) is not None for i in range(k))
+            for key, b, ident in zip(keys, self.ids, self.idents):
+                self.ok = self.ok and self.disk.put(key, self.runner.read_blocks([b])[0], ident)
+            for key, b, ident in zip(keys, self.ids, self.idents):
+                got = self.disk.get(key, ident) if self.ok else None
+                self.ok = got is not None
+                if self.ok:
+                    self.runner.write_blocks([b], got.unsqueeze(0))
         finally:
-            for i in range(k):
-                disk.discard(f"calibrate-{i}")
-    rate = _median_rate(roundtrip, 2 * k * block.nbytes)
-    return rate if ok else None
+            for key in keys:
+                self.disk.discard(key)
 
 
 def _plausible(name: str, rate: float, ref: float, remeasure, notes: list[str]) -> float:
@@ -117,21 +139,22 @@ def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -
             found["host_copy_bytes"] = n * block_bytes * reps
             ref = memcpy_rate(n * block_bytes)
             found["memcpy_bytes_per_s"] = ref
-            host = _host_rate(engine, ids, reps)
-            host = _plausible("host copy", host, ref, lambda: _host_rate(engine, ids, reps), notes)
+            host_job = _host_job(engine, ids, reps)
+            trip = _DiskTrip(engine, disk, ids[:max(1, min(n, -(-DISK_BYTES // block_bytes)))])
+            found["disk_bytes"] = trip.nbytes
+            host, d = _median_rates([host_job, (trip, trip.nbytes)])
+            found["host_measured_bytes_per_s"], found["disk_measured_bytes_per_s"] = host, d
+            host = _plausible("host copy", host, ref, lambda: _median_rate(*host_job), notes)
             rates.host_bytes_per_s = host
-            block = engine.runner.read_blocks(ids[:1])[0].clone()
-            k = max(1, min(n, -(-DISK_BYTES // block_bytes)))
-            found["disk_bytes"] = 2 * k * block_bytes
-            d = _disk_rate(disk, block, k)
-            if d is not None:
-                d = _plausible("disk", d, ref, lambda: _disk_rate(disk, block, k), notes)
+            if trip.ok:
+                d = _plausible("disk", d, ref, lambda: _median_rate(trip, trip.nbytes), notes)
+            if not trip.ok:
+                notes.append("disk round trip failed: default disk rate kept")
+            else:
                 if d > host:
                     notes.append(f"disk {d / 1e9:.2f} GB/s above the host copy: capped at it")
                     d = host
                 rates.disk_bytes_per_s = d
-            else:
-                notes.append("disk round trip failed: default disk rate kept")
         finally:
             kv.pool.free(ids)
     # Half the pool at most, so a small pool still runs it.

@@ -11,6 +11,7 @@ from trajserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from trajserve.engine.engine import StepStats
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler
+from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
@@ -76,6 +77,7 @@ class StandInEngine:
         self.reqs: dict[str, Request] = {}
         self.n = 0
         self.tokenizer = None  # the soak test passes token ids only
+        self.step_hooks = StepHooks()
 
     def validate_prompt(self, ids):
         if not ids or blocks_for(len(ids) + 1, self.kv.block_size) > self.kv.num_blocks:
@@ -93,6 +95,9 @@ class StandInEngine:
         return self.scheduler.has_unfinished()
 
     def step(self):
+        return self.step_hooks.around(self._step)
+
+    def _step(self):
         out = self.scheduler.schedule()
         self.last_step = StepStats(num_seqs=len(out.chunks))
         if out.is_empty:

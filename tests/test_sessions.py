@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from engine_util import run_requests
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.engine.session import SessionBusy, SessionManager, SessionState
@@ -103,6 +104,20 @@ def test_corrupted_disk_block_is_recomputed_not_served(mgr):
     # Blocks before the corrupt one came back from disk; it and every later one were recomputed.
     assert out.num_cached_tokens == bad * B
     assert out.outputs[0].token_ids == ref_second.outputs[0].token_ids
+
+
+def test_leases_advance_under_ordinary_traffic(mgr):
+    """The manager's housekeeping is an engine step hook: a lease runs out
+    while other requests step the engine directly (LLM.generate, a bench),
+    not only on the manager's own turns; a shut-down manager's hooks are gone."""
+    s = mgr.open(messages("Run the linter."))
+    s.generate(GREEDY)
+    s.pause(decision="keep")
+    s.lease_deadline = time.monotonic()
+    run_requests(mgr.engine, [("An unrelated prompt about the sea.", SamplingParams(max_tokens=2))])
+    assert mgr.stats.lease_demotions == 1 and s.tier is not Decision.KEEP
+    mgr.shutdown()
+    run_requests(mgr.engine, [("Another prompt.", SamplingParams(max_tokens=2))])  # no hook of a closed manager
 
 
 def test_expired_keep_lease_moves_state_down_a_tier(mgr):

@@ -6,56 +6,10 @@ import logging
 import os
 import sys
 
+from trajserve.bench.cli import add_bench_parser
+from trajserve.engine.options import add_engine_args
 from trajserve.sampling import SamplingParams
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or Hugging Face model directory "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEXT",
-                   help="a Jinja chat template (a file, or the template itself) in place of the model's, "
-                        "e.g. one that renders tools")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16/AMX, else float32")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)")
-    g.add_argument("--memory-fraction", type=float, default=0.25,
-                   help="share of the memory free at start-up the KV pool takes, without --kv-cache-memory")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the prefix cache shares "
-                   "whole blocks)")
-    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="disable the radix prefix cache")
-    g.add_argument("--kv-host-cache", default=None, metavar="BYTES",
-                   help="host-memory tier of the prefix cache, e.g. 4GiB: blocks evicted from the KV pool "
-                        "wait there and load back on a hit (default: none)")
-    g.add_argument("--kv-disk-cache", default=None, metavar="BYTES",
-                   help="disk tier below it (blocks the host tier pushes out; CRC-checked on read)")
-    g.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: a temporary one)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    g.add_argument("--max-prefill-chunk", type=int, default=None,
-                   help="per-request chunk cap (default: the token budget, --max-num-batched-tokens)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit, prompt + output (default: the model's)")
-    g.add_argument("--seed", type=int, default=0, help="the engine's seed for requests that give none")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    g.add_argument("--no-cpu-kernels", dest="cpu_kernels", action="store_false",
-                   help="float32 on the CPU: torch ops only, not the C kernels built on first use")
-
-
-def make_llm(args: argparse.Namespace):
-    from trajserve.llm import LLM
-
-    return LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-               memory_fraction=args.memory_fraction, num_blocks=args.num_blocks, block_size=args.block_size,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_prefill_chunk=args.max_prefill_chunk, max_model_len=args.max_model_len,
-               seed=args.seed, num_threads=args.threads, enable_prefix_caching=args.prefix_caching,
-               host_cache=args.kv_host_cache, disk_cache=args.kv_disk_cache, disk_cache_dir=args.kv_disk_dir,
-               cpu_kernels=args.cpu_kernels, chat_template=args.chat_template)
+from trajserve.server.cli import add_serve_parser
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,7 +34,9 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     sp = sampling_from(args)  # bad sampling values fail before the model loads
-    llm = make_llm(args)
+    from trajserve.llm import LLM
+
+    llm = LLM.from_args(args)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.encode(
@@ -100,7 +56,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     sp = sampling_from(args)
-    llm = make_llm(args)
+    from trajserve.llm import LLM
+
+    llm = LLM.from_args(args)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -125,37 +83,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from trajserve.bench.throughput import run
-
-    return run(args)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from trajserve.server.serve import serve
-
-    return serve(args)
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from trajserve.bench.serve import run
-
-    return run(args)
-
-
-def cmd_bench_agent(args: argparse.Namespace) -> int:
-    defaults = dict(trajectories=(8, 12), turns=(10, 4), preamble_tokens=(1500, 600), tool_min_tokens=(100, 50),
-                    tool_max_tokens=(600, 200), reply_tokens=(24, 16))
-    for k, (plain, waits) in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, waits if args.tool_waits else plain)
-    if args.tool_waits:
-        from trajserve.bench.agent_waits import run
-    else:
-        from trajserve.bench.agent import run
-    return run(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trajserve", description="A serving engine for AI agents")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -174,100 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
-    s.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
-                   help="browser origins allowed to call the API (CORS; default: any, as vLLM)")
-    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="model id clients send (default: the file's stem); more names are aliases, e.g. the "
-                        "model names an Anthropic client sends to /v1/messages; a reply names the one its "
-                        "request used")
-    s.add_argument("--max-waiting", type=int, default=256,
-                   help="admission queue limit; a request beyond it gets 429 with Retry-After")
-    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body cap (413 above it)")
-    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                   help="/v1 routes want one of these keys (Authorization: Bearer KEY, or x-api-key: KEY); "
-                        "default: $TRAJSERVE_API_KEY if set, else no key")
-    s.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS",
-                   help="close a session (and free its saved KV state) after this long without a turn, pause or "
-                        "resume; 0: never (default 3600)")
-    s.add_argument("--max-sessions", type=int, default=4096,
-                   help="open session records; one more closes the least recently active (0: no limit)")
-    s.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
-                   help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
-                        "for Qwen, Llama 3's JSON form)")
-    add_engine_args(s)
-    s.set_defaults(func=cmd_serve)
-
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench", required=True)
-    t = bsub.add_parser("throughput", help="decode/prefill throughput, bandwidth floor, step breakdown")
-    t.add_argument("--batch-sizes", default="1,4,16,32,64")
-    t.add_argument("--context", type=int, default=128, help="prompt tokens per sequence for decode runs")
-    t.add_argument("--decode-steps", type=int, default=32)
-    t.add_argument("--prefill-tokens", type=int, default=2048)
-    t.add_argument("--repeats", type=int, default=3)
-    t.add_argument("--json", action="store_true", help="print only JSON")
-    add_engine_args(t)
-    t.set_defaults(func=cmd_bench_throughput)
-
-    a = bsub.add_parser("agent", help="multi-turn agent replay: TTFT and prefix hit rate, cached vs uncached")
-    a.add_argument("--tool-waits", action="store_true",
-                   help="concurrent agents with tool pauses: keep / drop / host / break-even policy side by side")
-    a.add_argument("--trajectories", type=int, default=None, help="default 8 (--tool-waits: 12)")
-    a.add_argument("--turns", type=int, default=None, help="default 10 (--tool-waits: 4 after the first)")
-    a.add_argument("--preamble-tokens", type=int, default=None, help="shared system + tool definitions; "
-                   "default 1500 (--tool-waits: 600)")
-    a.add_argument("--tool-min-tokens", type=int, default=None, help="default 100 (--tool-waits: 50)")
-    a.add_argument("--tool-max-tokens", type=int, default=None, help="default 600 (--tool-waits: 200)")
-    a.add_argument("--reply-tokens", type=int, default=None, help="max tokens of each reply; default 24 "
-                   "(--tool-waits: 16)")
-    a.add_argument("--wait-scale", type=float, default=0.1, help="--tool-waits: multiply the wait mix by this")
-    a.add_argument("--pool-fraction", type=float, default=0.5,
-                   help="--tool-waits: pool as a fraction of all trajectories' final histories")
-    a.add_argument("--host-bytes", type=int, default=2 * 2**30, help="--tool-waits: host tier capacity")
-    a.add_argument("--wait-trace", default=None, metavar="DIR",
-                   help="--tool-waits: draw waits from the gaps between a Claude Code trace's main-agent calls "
-                   "(a directory of trace_*.json; 'claude-code' = the one in shared/data/traces) instead of "
-                   "the synthetic mix, times --wait-scale")
-    a.add_argument("--wait-cap", type=float, default=300.0,
-                   help="--wait-trace: longest trace gap kept, in trace seconds (longer ones are human breaks)")
-    a.add_argument("--policies", default="keep,drop,host,policy", help="--tool-waits: policies to compare")
-    a.add_argument("--uncached-trajectories", type=int, default=2,
-                   help="trajectories re-run in pairs: each request with the cache, then with it emptied, "
-                   "back to back (the TTFT ratio)")
-    a.add_argument("--pair-repeats", type=int, default=1,
-                   help="runs of each side of a pair; the fastest TTFT of each side counts (interference on a "
-                   "shared machine only slows a run down)")
-    a.add_argument("--pool-fractions", default="1.0,0.75,0.5,0.35,0.25",
-                   help="pool sizes for the hit-rate sweep, as fractions of the working set")
-    a.add_argument("--json", action="store_true", help="print only JSON")
-    add_engine_args(a)
-    a.set_defaults(func=cmd_bench_agent)
-
-    from trajserve.bench.resume import add_parser as add_resume_parser
-    add_resume_parser(bsub)
-    from trajserve.bench.structured import add_parser as add_structured_parser
-    add_structured_parser(bsub)
-
-    v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
-    v.add_argument("--base-url", default="http://127.0.0.1:8000")
-    v.add_argument("--model", default=None, help="default: the server's first model")
-    v.add_argument("--dataset", choices=["random", "shared-prefix", "agent"], default="random")
-    v.add_argument("--num-prompts", type=int, default=64, help="requests (agent: trajectories)")
-    v.add_argument("--input-len", type=int, default=256, help="prompt tokens (agent: tool-result words)")
-    v.add_argument("--output-len", type=int, default=64)
-    v.add_argument("--prefix-len", type=int, default=512, help="shared-prefix / agent preamble length")
-    v.add_argument("--turns", type=int, default=4, help="agent: turns per trajectory")
-    v.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
-    v.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
-    v.add_argument("--max-concurrency", type=int, default=None)
-    v.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:200")
-    v.add_argument("--timeout", type=float, default=600)
-    v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--json", action="store_true", help="print only JSON")
-    v.set_defaults(func=cmd_bench_serve)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
 
     from trajserve.plan.cli import add_plan_parser  # arithmetic only: imports no torch
     add_plan_parser(sub.add_parser("plan", help="closed-form capacity: how many trajectories fit a node"))

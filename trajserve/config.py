@@ -78,6 +78,8 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None = embedded SmolLM2-135M-Instruct
     device: str = "cpu"
+    # A Jinja chat template (its text or a file's path) in place of the model's own.
+    chat_template: str | None = None
     dtype: str = "auto"  # compute + KV dtype: auto | bfloat16 | float32 | float16
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0

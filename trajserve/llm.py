@@ -7,14 +7,14 @@
 """
 from __future__ import annotations
 
+import argparse
 from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
-from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from trajserve.config import EngineConfig
 from trajserve.engine.engine import LLMEngine
-from trajserve.engine.memory import parse_bytes
-from trajserve.model.tokenizer import read_chat_template
+from trajserve.engine.options import config_from_args, engine_config
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
 
@@ -23,33 +23,24 @@ Messages = list[dict]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, device: str = "cpu", dtype: str = "auto",
-                 kv_cache_memory: str | int | None = None, num_blocks: int | None = None,
-                 block_size: int = 16, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_prefill_chunk: int | None = None, max_model_len: int | None = None,
-                 memory_fraction: float = 0.25, seed: int = 0, num_threads: int | None = None,
-                 enable_prefix_caching: bool = True, host_cache: str | int | None = None,
-                 disk_cache: str | int | None = None, disk_cache_dir: str | None = None,
-                 cpu_kernels: bool = True, chat_template: str | None = None) -> None:
-        """chat_template: a Jinja chat template (its text or a file's path)
-        in place of the model's own, e.g. one that renders tools."""
-        template = read_chat_template(chat_template) if chat_template is not None else None  # before loading
-        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                            kv_cache_memory=parse_bytes(kv_cache_memory, "kv_cache_memory (--kv-cache-memory)"),
-                            memory_fraction=memory_fraction, enable_prefix_caching=enable_prefix_caching,
-                            host_cache_bytes=parse_bytes(host_cache, "host_cache (--kv-host-cache)") or 0,
-                            disk_cache_bytes=parse_bytes(disk_cache, "disk_cache (--kv-disk-cache)") or 0,
-                            disk_cache_dir=disk_cache_dir)
-        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_prefill_chunk=max_num_batched_tokens if max_prefill_chunk is None else max_prefill_chunk)
-        self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype,
-                                             max_model_len=max_model_len, seed=seed,
-                                             num_threads=num_threads, cpu_kernels=cpu_kernels,
-                                             cache=cache, scheduler=sched))
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options) -> None:
+        """LLM(model, **options) with the engine's options as keywords
+        (engine/options.py: dtype, num_blocks, block_size, host_cache='4GiB',
+        disk_cache, disk_cache_dir, max_model_len, chat_template -- a Jinja
+        template's text or a file's path in place of the model's own, ...),
+        or LLM(config=EngineConfig(...))."""
+        if config is None:
+            config = engine_config(model=model, **options)
+        elif model is not None or options:
+            raise TypeError("LLM takes a config or the engine's options as keywords, not both")
+        self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
-        if template is not None:
-            self.tokenizer.chat_template = template
         self._sessions = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LLM:
+        """The LLM of a command line parsed with engine/options.add_engine_args."""
+        return cls(config=config_from_args(args))
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

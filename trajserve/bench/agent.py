@@ -213,7 +213,7 @@ def check(value: float, rule: tuple[str, float]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trajserve.cli import make_llm
+    from trajserve.llm import LLM
 
     if args.pair_repeats < 1:
         raise ValueError(f"--pair-repeats must be at least 1, got {args.pair_repeats}")
@@ -221,9 +221,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"tool result range [{args.tool_min_tokens}, {args.tool_max_tokens}] is empty")
     if args.num_blocks is None and args.kv_cache_memory is None:
         args.num_blocks = default_pool_blocks(args)
-    if not args.prefix_caching:
+    if not args.enable_prefix_caching:
         raise ValueError("bench agent measures the prefix cache: drop --no-prefix-caching")
-    engine = make_llm(args).engine
+    engine = LLM.from_args(args).engine
     rng = random.Random(args.seed)
 
     t0 = time.perf_counter()

@@ -166,8 +166,8 @@ def run_policy(engine, workload, policy: str, args) -> dict:
             nxt = min((t.resume_at for t in trajs if t.resume_at is not None), default=now)
             time.sleep(max(0.0, min(nxt - now, 0.05)))
             continue
-        # Leases, pressure, prefetch; a stall drop if forced-kept state blocks everything.
-        outs = mgr.step()
+        # The manager's hooks: leases, pressure, prefetch; a stall drop if forced-kept state blocks everything.
+        outs = engine.step()
         if mgr.stalled:
             raise RuntimeError("nothing can run and no paused state to release: make the pool larger")
         for out in outs:
@@ -210,13 +210,13 @@ def run_policy(engine, workload, policy: str, args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trajserve.cli import make_llm
+    from trajserve.llm import LLM
 
     if args.num_blocks is None and args.kv_cache_memory is None:
         # Room for the active turns, not for every paused history as well.
         per_traj = args.preamble_tokens + 100 + args.turns * (args.tool_max_tokens + args.reply_tokens + 40)
         args.num_blocks = int(args.trajectories * blocks_for(per_traj, args.block_size) * args.pool_fraction)
-    engine = make_llm(args).engine
+    engine = LLM.from_args(args).engine
     rng = random.Random(args.seed)
     workload = build_workload(engine.tokenizer, args, rng)
     policies = [p for p in args.policies.split(",")]

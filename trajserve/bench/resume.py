@@ -38,10 +38,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from trajserve.bench.common import command_line, machine_info
-    from trajserve.cli import make_llm
+    from trajserve.llm import LLM
     from trajserve.engine.session import SessionManager
 
-    eng = make_llm(args).engine
+    eng = LLM.from_args(args).engine
     g = torch.Generator().manual_seed(args.seed)
     vocab = eng.model_config.vocab_size
     history = torch.randint(100, vocab - 100, (args.history_tokens,), generator=g).tolist()
@@ -105,7 +105,7 @@ def add_parser(bsub) -> None:
     r.add_argument("--modes", default=",".join(MODES))
     r.add_argument("--repeats", type=int, default=5)
     r.add_argument("--json", action="store_true", help="print only JSON")
-    from trajserve.cli import add_engine_args  # --seed is among them: the token draw uses it
+    from trajserve.engine.options import add_engine_args  # --seed is among them: the token draw uses it
 
     add_engine_args(r)
     r.set_defaults(func=run)

@@ -38,10 +38,10 @@ def _round(engine, batch: int, steps: int, structured) -> list[tuple[float, floa
 def run(args: argparse.Namespace) -> int:
     # Imported here: `trajserve` builds this parser for every command.
     from trajserve.bench.common import command_line, machine_info
-    from trajserve.cli import make_llm
+    from trajserve.llm import LLM
     from trajserve.structured import StructuredOutput
 
-    engine = make_llm(args).engine
+    engine = LLM.from_args(args).engine
     so = StructuredOutput(json_schema=SCHEMA)
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
@@ -76,7 +76,7 @@ def add_parser(bsub) -> None:
     p.add_argument("--steps", type=int, default=40, help="max tokens per request (a schema may end sooner)")
     p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--json", action="store_true", help="print only JSON")
-    from trajserve.cli import add_engine_args
+    from trajserve.engine.options import add_engine_args
 
     add_engine_args(p)
     p.set_defaults(func=run)

@@ -89,7 +89,7 @@ def check(value: float, rule: tuple[str, float]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    from trajserve.cli import make_llm
+    from trajserve.llm import LLM
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # The pool must hold the largest batch.
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     need_tokens = max(batches) * (longest + args.block_size) + args.prefill_tokens + 64
     if args.num_blocks is None and args.kv_cache_memory is None:
         args.num_blocks = need_tokens // args.block_size + 64
-    llm = make_llm(args)
+    llm = LLM.from_args(args)
     engine = llm.engine
     rng = random.Random(args.seed)
 

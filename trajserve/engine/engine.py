@@ -22,6 +22,7 @@ from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.request import Request, RequestStatus
 from trajserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
@@ -32,7 +33,7 @@ from trajserve.model.fingerprint import model_fingerprint
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
 from trajserve.model.sampler import RowContext, Sampler, token_logprobs
-from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
+from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from trajserve.sampling import SamplingParams
 from trajserve.structured import GrammarCompiler
@@ -82,9 +83,13 @@ class LLMEngine:
             raise ValueError(f"device must be cpu or cuda[:N], got {config.device!r}")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+        # Read and compiled before anything loads: a bad template stops start-up with its line.
+        template = read_chat_template(config.chat_template) if config.chat_template is not None else None
         self.dtype, dtype_reason = resolve_dtype(config.dtype, self.device, config.cpu_kernels)
         self.model_path = config.model or default_model_path()
         self.tokenizer = load_tokenizer(self.model_path)
+        if template is not None:
+            self.tokenizer.chat_template = template
         self.model_config, weights = load_weights(self.model_path, self.dtype, self.device)
         mc = self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
@@ -124,6 +129,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.groups: dict[str, _Group] = {}
         self.closed = False  # close(): its copy threads are gone, so no new work
+        self.step_hooks = StepHooks()  # a session manager's housekeeping around each step
         self._seq_to_group: dict[str, tuple[_Group, int]] = {}
         # n > 1: the prompt is prefilled once; when its first token is sampled
         # the other n - 1 sequences fork from it (no second prefill).
@@ -347,6 +353,11 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> execute -> sample -> update, inside
+        the registered step hooks (engine/step_hooks.py)."""
+        return self.step_hooks.around(self._step)
+
+    def _step(self) -> list[RequestOutput]:
         st = StepStats()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()

@@ -57,7 +57,7 @@ import torch
 from trajserve.engine.engine import LLMEngine
 from trajserve.engine.memory import bytes_per_block
 from trajserve.engine.calibration import calibrate_rates
-from trajserve.kv.block_format import BlockIdentity, digest, namespace_digest
+from trajserve.kv.block_format import BlockIdentity, namespace_digest
 from trajserve.kv.copy_engine import CopyJob
 from trajserve.kv.dir_lock import ScratchDir
 from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
@@ -237,7 +237,9 @@ class SessionManager:
         self._disk_lock = threading.Lock()
         self._disk_pending = 0  # bytes of writes queued, reserved on the disk cap
         self._host_reserved = 0  # bytes of host saves still copying
-        self.stalled = False  # the last step() ran nothing and could release nothing
+        self.stalled = False  # the last step ran nothing and could release nothing
+        # Every engine step runs the manager's housekeeping, whoever steps it.
+        engine.step_hooks.add(self, before=self.tick, after=self._after_step)
         engine.kv.reclaimer = self._reclaim
 
     # ------------------------------------------------------------- lifecycle
@@ -303,6 +305,7 @@ class SessionManager:
         for s in list(self.sessions.values()):
             self.close(s)
         self._io.shutdown(wait=True)  # the copy engine is the runner's: it stays
+        self.engine.step_hooks.remove(self)
         if self.engine.kv.reclaimer == self._reclaim:
             self.engine.kv.reclaimer = None
         self.disk.release()
@@ -429,13 +432,13 @@ class SessionManager:
         self._check_open(s, "generate")
         if s.state is SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is paused for a tool: resume it with the observation first")
-        eng = self.engine  # step() runs the manager's housekeeping (tick) before each engine step
+        eng = self.engine  # its step() runs the manager's housekeeping (tick) before each step
         rid = eng.add_request(list(s.history), params, cache_salt=s.cache_salt)
         out = None
         s.in_flight = True  # expiry passes over it while the turn runs
         try:
             while out is None:
-                for o in self.step():
+                for o in eng.step():
                     if o.request_id == rid and o.finished:
                         out = o
                 if self.stalled:
@@ -453,16 +456,12 @@ class SessionManager:
         self._observe_prefill(out)
         return out
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step with the manager's housekeeping around it: leases,
-        pressure and prefetch before; after, if nothing could run because
-        forced-kept state fills the pool, drop the oldest such state."""
-        self.tick()
-        outs = self.engine.step()
+    def _after_step(self) -> None:
+        """After each engine step (tick() ran before it): if nothing could run
+        because forced-kept state fills the pool, drop the oldest such state;
+        nothing ran and nothing was released: whoever loops on step() must stop."""
         eng = self.engine
-        # Nothing ran, nothing was released: whoever loops on step() must stop.
         self.stalled = eng.last_step.num_seqs == 0 and eng.has_unfinished_requests() and not self._relieve_stall()
-        return outs
 
     def _relieve_stall(self) -> bool:
         busy = [s for s in self._watched.values() if s.copy is not None]

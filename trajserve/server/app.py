@@ -117,7 +117,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
         if engine.kv.radix is not None else None
     if sessions is not None:
         aengine.extra_metrics = lambda: {"sessions": sessions.metrics()}
-        aengine.step_fn, aengine.on_idle = sessions.step, sessions.tick
+        aengine.on_idle = sessions.tick  # its step hooks run around every engine step; this, while idle
         # On the engine thread, before the first request (calibrate skips its
         # prefill if one got in first: it must not step other requests).
         aengine.submit(lambda _: _calibrate(sessions))

@@ -69,9 +69,8 @@ class AsyncEngine:
         self.num_failed_steps = 0  # steps that raised and were recovered from (_fail_in_flight)
         # More figures for the snapshot, computed on the engine thread.
         self.extra_metrics: Callable[[], dict] | None = None
-        # The step to run (the session manager wraps engine.step with its
-        # housekeeping) and what to run while idle (leases, prefetch).
-        self.step_fn: Callable[[], list[RequestOutput]] = engine.step
+        # What to run while idle (a session manager's leases, prefetch,
+        # expiry; its step hooks run them around every engine step).
         self.on_idle: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="trajserve-engine", daemon=True)
 
@@ -186,7 +185,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 try:
-                    outs = self.step_fn()
+                    outs = engine.step()
                 except Exception as e:  # noqa: BLE001 - recovered below, or fatal if that fails
                     self._fail_in_flight(e)
                     continue

@@ -23,7 +23,7 @@ def served_name(model_path: str) -> str:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from trajserve.cli import make_llm
+    from trajserve.llm import LLM
     from trajserve.server.app import build_app
     from trajserve.server.async_engine import AsyncEngine
 
@@ -42,7 +42,7 @@ def serve(args: argparse.Namespace) -> int:
         sock.bind((args.host, args.port))
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror}") from None
-    engine = make_llm(args).engine
+    engine = LLM.from_args(args).engine
     names = args.served_model_name or [served_name(engine.model_path)]
     name = names[0]
     aengine = AsyncEngine(engine, max_waiting=args.max_waiting)

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from trajserve.sim.build import SimSetup
-from trajserve.sim.cli import command_line, dump, sessions_factory, setup_from_args
+from trajserve.sim.from_args import command_line, dump, sessions_factory, setup_from_args
 from trajserve.sim.metrics import parse_slos, per_turn, summarize
 from trajserve.sim.sweep import cache_size_sweep
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from trajserve.config import SchedulerConfig
 from trajserve.sim.build import SimSetup
-from trajserve.sim.cli import BENCH_AGENT_DEFAULTS, agent_value, command_line, dump
+from trajserve.sim.from_args import BENCH_AGENT_DEFAULTS, agent_value, command_line, dump
 from trajserve.sim.hardware import Hardware, ModelCost, load_profile
 from trajserve.sim.tokens import TokenSource
 from trajserve.sim.workload import Call, Session, fixed
@@ -42,14 +42,15 @@ MEASUREMENT_KIND = "trajserve-agent-measurement"
 def measure(args: argparse.Namespace):
     """Run bench agent's cached phase on the real engine; returns (measurement, engine)."""
     from trajserve.bench import agent as bench
-    from trajserve.cli import build_parser, make_llm
+    from trajserve.bench.cli import parse_agent_args
+    from trajserve.llm import LLM
 
-    flags = ["bench", "agent", "--seed", str(args.seed)]
+    flags = ["--seed", str(args.seed)]
     for name in ("trajectories", "turns", "preamble_tokens", "tool_min_tokens", "tool_max_tokens", "reply_tokens"):
         flags += ["--" + name.replace("_", "-"), str(agent_value(args, name))]
-    bargs = build_parser().parse_args(flags)  # bench agent's own defaults for everything else
+    bargs = parse_agent_args(flags)  # bench agent's own defaults for everything else
     bargs.num_blocks = bench.default_pool_blocks(bargs)
-    engine = make_llm(bargs).engine
+    engine = LLM.from_args(bargs).engine
     busy = [0.0]
     step = engine.step
 

@@ -1,0 +1,97 @@
+"""The package's import graph has no cycle. Every import counts, the ones
+inside functions too: a lazy import only hides a cycle from the
+interpreter, not from the reader (cli.py imported bench/*, server/serve.py
+and sim/validate.py, which imported cli.py back: eleven files in one loop).
+Read with ast from the source, nothing is imported."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "trajserve"
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in the file)."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the module's package, up level - 1
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    pkg = pkg[:len(pkg) - (node.level - 1)]
+                    base = ".".join(pkg + ([base] if base else []))
+                # `from a import b`: the module a.b if there is one, else a itself
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for t in targets:
+                while t and t not in modules:  # `import a.b.c` of a name inside a module
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_finds_a_cycle(tmp_path):
+    pkg = tmp_path / "trajserve"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from trajserve.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from ..c import x\n")
+    (pkg / "c.py").write_text("import trajserve.a\nx = 1\n")
+    (pkg / "d.py").write_text("from trajserve import a, c\n")
+    g = import_graph(pkg)
+    assert g["trajserve.d"] == {"trajserve.a", "trajserve.c"}
+    assert cycles(g) == [["trajserve.a", "trajserve.c", "trajserve.sub.b"]]
+
+
+@pytest.mark.parametrize("root", [PACKAGE], ids=["trajserve"])
+def test_the_package_has_no_import_cycle(root):
+    found = cycles(import_graph(root))
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)

@@ -1,0 +1,125 @@
+"""The engine's options, declared once. Each row names an EngineConfig field
+a user sets, the keyword the Python API takes for it (`LLM(host_cache=...)`),
+its command-line flag and help; defaults are the config dataclasses' own.
+The CLI's engine argument group (add_engine_args), LLM's keywords
+(engine_config) and the bench / serve / simulate commands all read this
+table, so an option and its default cannot drift apart between them.
+Loads no torch: `trajserve plan --help` builds its parser from here."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from trajserve.units import parse_bytes
+
+_UNSET = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    name: str                     # the keyword and the argparse dest
+    field: str                    # "block_size" on EngineConfig, "cache.block_size" on a part of it
+    flag: str
+    help: str
+    type: Callable | None = None  # argparse's; None with a bool default: an on/off switch
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    size: bool = False            # bytes: '4GiB', '512MB' or a number
+    default: object = _UNSET      # the keyword's default where it is not the field's (None: "derived")
+
+    def field_default(self):
+        part, _, name = self.field.rpartition(".")
+        owner = {"": EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}[part]
+        f = next(f for f in dataclasses.fields(owner) if f.name == name)
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+    @property
+    def keyword_default(self):
+        if self.default is not _UNSET:
+            return self.default
+        d = self.field_default()
+        return None if self.size and not d else d  # a size of 0 (no tier) is "unset" to a user
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", "model", "--model", "GGUF file or Hugging Face model directory "
+           "(default: the embedded SmolLM2-135M-Instruct)"),
+    Option("device", "device", "--device", "cpu | cuda | cuda:N"),
+    Option("chat_template", "chat_template", "--chat-template",
+           "a Jinja chat template (a file, or the template itself) in place of the model's, e.g. one that "
+           "renders tools", metavar="FILE_OR_TEXT"),
+    Option("dtype", "dtype", "--dtype", "auto: float32 with the C kernels on a CPU that builds them (else "
+           "bfloat16 with AVX-512 BF16/AMX, else float32), bfloat16 on CUDA",
+           choices=("auto", "bfloat16", "float32", "float16")),
+    Option("kv_cache_memory", "cache.kv_cache_memory", "--kv-cache-memory",
+           "KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)", size=True),
+    Option("memory_fraction", "cache.memory_fraction", "--memory-fraction",
+           "share of the memory free at start-up the KV pool takes, without --kv-cache-memory", type=float),
+    Option("num_blocks", "cache.num_blocks", "--num-blocks", "KV pool size in blocks (overrides memory)",
+           type=int),
+    Option("block_size", "cache.block_size", "--block-size",
+           "tokens per KV block (the prefix cache shares whole blocks)", type=int),
+    Option("enable_prefix_caching", "cache.enable_prefix_caching", "--no-prefix-caching",
+           "disable the radix prefix cache"),
+    Option("host_cache", "cache.host_cache_bytes", "--kv-host-cache",
+           "host-memory tier of the prefix cache, e.g. 4GiB: blocks evicted from the KV pool wait there and "
+           "load back on a hit (default: none)", metavar="BYTES", size=True),
+    Option("disk_cache", "cache.disk_cache_bytes", "--kv-disk-cache",
+           "disk tier below it (blocks the host tier pushes out; each file carries its identity and a "
+           "checksum)", metavar="BYTES", size=True),
+    Option("disk_cache_dir", "cache.disk_cache_dir", "--kv-disk-dir",
+           "directory of the disk tier, kept across restarts and locked against a second engine "
+           "(default: a temporary one)"),
+    Option("max_num_seqs", "scheduler.max_num_seqs", "--max-num-seqs", "sequences running at once", type=int),
+    Option("max_num_batched_tokens", "scheduler.max_num_batched_tokens", "--max-num-batched-tokens",
+           "token budget per step", type=int),
+    Option("max_prefill_chunk", "scheduler.max_prefill_chunk", "--max-prefill-chunk",
+           "per-request chunk cap (default: the token budget, --max-num-batched-tokens)", type=int, default=None),
+    Option("max_model_len", "max_model_len", "--max-model-len",
+           "context limit, prompt + output (default: the model's)", type=int),
+    Option("seed", "seed", "--seed", "the engine's seed for requests that give none", type=int),
+    Option("num_threads", "num_threads", "--threads", "torch CPU threads (default: torch's)", type=int),
+    Option("cpu_kernels", "cpu_kernels", "--no-cpu-kernels",
+           "float32 on the CPU: torch ops only, not the C kernels built on first use"),
+)
+BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    for o in OPTIONS:
+        d = o.keyword_default
+        if isinstance(d, bool):  # switches turn a default on off (--no-prefix-caching)
+            g.add_argument(o.flag, dest=o.name, action="store_false" if d else "store_true", help=o.help)
+        else:
+            g.add_argument(o.flag, dest=o.name, default=d, type=o.type, choices=o.choices, metavar=o.metavar,
+                           help=o.help)
+
+
+def engine_config(**options) -> EngineConfig:
+    """An EngineConfig from the API's keywords (any subset of OPTIONS' names;
+    sizes as '4GiB' or bytes). TypeError for a name that is not an option."""
+    unknown = sorted(set(options) - BY_NAME.keys())
+    if unknown:
+        raise TypeError(f"unknown engine option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                        f"the options are {', '.join(BY_NAME)}")
+    parts: dict[str, dict] = {"": {}, "cache": {}, "scheduler": {}}
+    for o in OPTIONS:
+        value = options.get(o.name, o.keyword_default)
+        if o.size:
+            value = 0 if value is None and o.field_default() == 0 else (
+                None if value is None else parse_bytes(value, f"{o.name} ({o.flag})"))
+        part, _, name = o.field.rpartition(".")
+        parts[part][name] = value
+    sched = parts["scheduler"]
+    if sched["max_prefill_chunk"] is None:  # unset: a chunk may take the whole budget
+        sched["max_prefill_chunk"] = sched["max_num_batched_tokens"]
+    return EngineConfig(**parts[""], cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**sched))
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of a command line that add_engine_args parsed."""
+    return engine_config(**{o.name: getattr(args, o.name) for o in OPTIONS})

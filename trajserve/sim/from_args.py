@@ -105,8 +105,8 @@ def sessions_factory(args: argparse.Namespace):
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.workload == "chat":
         spec = synthetic.ChatSpec(num_requests=1000 if args.num_requests is None else args.num_requests,
-                                  input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len, rate=args.rate,
-                                  burstiness=args.burstiness, seed=args.seed)
+                                  input_len=args.input_len, output_len=args.output_len, prefix_len=args.prefix_len,
+                                  rate=args.rate, burstiness=args.burstiness, seed=args.seed)
         return (lambda tokens: synthetic.chat_sessions(spec, tokens),
                 f"chat: {spec.num_requests} requests at {spec.rate:g}/s (burstiness {spec.burstiness:g}), "
                 f"{spec.input_len} prompt tokens ({spec.prefix_len} shared), {spec.output_len} output")

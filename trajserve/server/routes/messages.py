@@ -1,0 +1,34 @@
+"""POST /v1/messages: Anthropic's Messages API, translated to a chat
+request (server/anthropic.py) and its reply and events back."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from trajserve.server import anthropic, streams
+from trajserve.server import openai_format as oai
+from trajserve.server.errors import APIError, translated
+from trajserve.server.state import ServerState, server_state
+from trajserve.server.tap import Tap, sse_event
+
+router = APIRouter()
+
+
+@router.post("/v1/messages")
+async def messages(body: anthropic.MessagesRequest, request: Request, st: ServerState = Depends(server_state)):
+    req = translated(body.to_chat)
+    try:
+        outs = Tap(await st.open_chat(req, request, room_checked=False))
+    except APIError as e:
+        if e.code == "context_length_exceeded":  # in Anthropic's words (error path: rendered again)
+            e.message = anthropic.too_long(len(st.render_chat(req)), st.engine.max_model_len, e.message)
+        raise
+    if req.stream:
+        chunks = oai.chat_chunks(outs, "", 0, body.model, req, st.tok, st.calls_format)
+        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens),
+                             lambda e: sse_event("error", anthropic.error_body(500, e)))
+    final = await streams.last(outs)
+    if final is None:
+        return Response(status_code=499)
+    return anthropic.message(final, oai.chat_message(final.outputs[0], req, st.calls_format), body.model,
+                             body.max_tokens)

@@ -1,0 +1,37 @@
+"""Agent sessions over HTTP: read one, close it, fork it (a turn is a
+completion or chat request with a session_id; server/state.py runs it)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends
+
+from trajserve.engine.session import SessionBusy
+from trajserve.server.errors import APIError
+from trajserve.server.protocol import ForkRequest
+from trajserve.server.state import ServerState, server_state
+
+router = APIRouter()
+
+
+@router.get("/v1/sessions/{session_id}")
+async def session_info(session_id: str, st: ServerState = Depends(server_state)):
+    return await st.aengine.call(lambda _: st.sessions.describe(st.get_session(session_id)))
+
+
+@router.delete("/v1/sessions/{session_id}")
+async def session_close(session_id: str, st: ServerState = Depends(server_state)):
+    await st.aengine.call(lambda _: st.sessions.close(st.get_session(session_id)))
+    return {"id": session_id, "object": "session", "deleted": True}
+
+
+@router.post("/v1/sessions/{session_id}/fork")
+async def session_fork(session_id: str, body: ForkRequest | None = None, st: ServerState = Depends(server_state)):
+    n = body.n if body is not None else 1
+
+    def fork(_):
+        try:
+            return [c.session_id for c in st.sessions.fork(st.get_session(session_id), n)]
+        except SessionBusy as e:
+            raise APIError(409, str(e), param="session_id") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+    return {"id": session_id, "forks": await st.aengine.call(fork)}

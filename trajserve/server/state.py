@@ -1,0 +1,223 @@
+"""What every route of the server shares, injected into each (the routers
+in server/routes/ take it with Depends(server_state)): the engine and its
+async loop, the tokenizer, the served names, the session manager, the
+stored responses; and the checks and steps the APIs have in common --
+model names, sampling parameters, room in the context, queueing a request,
+a session's turn around it, and rendering a chat (the one place a chat
+becomes prompt ids)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from trajserve.engine.session import SessionBusy, SessionManager, check_session_id
+from trajserve.outputs import RequestOutput
+from trajserve.server import responses, streams
+from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
+from trajserve.server.metrics import ServerMetrics
+from trajserve.server.protocol import ChatCompletionRequest
+from trajserve.server.tool_calls import FORMATS, forced_schema, format_for_template
+from trajserve.structured import StructuredOutput
+
+
+def calls_format_for(tok, tool_call_parser: str) -> str:
+    """The model's tool-call format (server/tool_calls.py): from its chat
+    template for "auto", else the one named."""
+    if tool_call_parser not in ("auto", *FORMATS):
+        raise ValueError(f"tool call parser must be auto or one of {', '.join(FORMATS)}, got {tool_call_parser!r}")
+    return format_for_template(tok.chat_template) if tool_call_parser == "auto" else tool_call_parser
+
+
+class ServerState:
+    def __init__(self, aengine: AsyncEngine, names: list[str], metrics: ServerMetrics,
+                 sessions: SessionManager | None, calls_format: str) -> None:
+        self.aengine, self.engine = aengine, aengine.engine
+        self.tok = self.engine.tokenizer
+        self.names, self.served_model_name = names, names[0]
+        self.metrics, self.sessions = metrics, sessions
+        self.calls_format = calls_format
+        self.store = responses.ResponseStore()  # /v1/responses with store: true
+
+    def model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
+                "max_model_len": self.engine.max_model_len}
+
+    def reply_model(self, req) -> str:
+        """The name a reply carries: the one the request used (an alias
+        included), else the first served name."""
+        return req.model or self.served_model_name
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                                f"{', '.join(f'`{n}`' for n in self.names)}", param="model", code="model_not_found")
+
+    def sampling(self, req, max_tokens, default_max, logprobs, structured=None):
+        try:
+            structured = structured or req.structured()
+            return req.sampling_params(max_tokens, default_max, logprobs, structured)
+        except ValueError as e:
+            raise APIError(400, str(e), param=field_named(e, type(req).model_fields)) from None
+
+    async def compile_constraint(self, sp) -> None:
+        """A structured output compiles here, on a worker thread (llguidance
+        releases the GIL), so the engine thread only copies the compiled
+        matcher: a large schema does not hold up everyone else's steps."""
+        if sp.structured is not None:
+            try:
+                await asyncio.to_thread(self.engine.prepare_structured, sp)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+
+    def check_room(self, n_prompt: int, sp, explicit: bool) -> None:
+        """A max_tokens the client gave that the context cannot hold after the
+        prompt is a 400 (as OpenAI and vLLM answer; agent frameworks compact
+        their history on it), not a reply cut short without notice. A prompt
+        over the context is the engine's error, below."""
+        limit = self.engine.max_model_len
+        if explicit and n_prompt < limit and n_prompt + sp.max_tokens > limit:
+            raise APIError(400, f"max_tokens is too large: {sp.max_tokens:,}. The context holds {limit:,} tokens "
+                                f"and the prompt has {n_prompt:,} ({sp.max_tokens:,} > {limit:,} - {n_prompt:,})",
+                           param="max_tokens", code="context_length_exceeded")
+
+    async def start(self, prompt, sp, salt, request: Request, stream: bool, param: str = "messages"
+                    ) -> streams.Outputs:
+        """Queue the request now (so bad input fails before a stream starts)
+        and return its output iterator. param: the request's prompt field
+        (named by a context error)."""
+        try:
+            gen = self.aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected)
+            first = await anext(gen)
+        except StopAsyncIteration:  # the client left before the first output: nothing to send
+            first = None
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_error",
+                           headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from None
+        except EngineDead as e:
+            raise APIError(503, str(e), "server_error") from None
+        except ValueError as e:
+            code = "context_length_exceeded" if "tokens" in str(e) else None
+            name = field_named(e, SAMPLING_FIELDS | {"prompt"})
+            raise APIError(400, str(e), param=param if name == "prompt" else name, code=code) from None
+
+        return streams.Outputs(first, gen)
+
+    async def begin_session(self, req, request: Request, n_prompts: int = 1):
+        sid = req.session_id or request.headers.get("x-session-id")
+        if sid is None:
+            if req.tool_wait_s is not None:
+                raise APIError(400, "tool_wait_s needs a session_id (field or X-Session-Id header)",
+                               param="tool_wait_s")
+            return None
+        if self.sessions is None:
+            raise APIError(400, "sessions keep their state in the prefix cache, which this server runs without",
+                           param="session_id")
+        if req.n != 1 or n_prompts != 1:
+            raise APIError(400, "a session turn takes one prompt and n=1", param="session_id")
+        try:
+            check_session_id(sid)
+        except ValueError as e:
+            raise APIError(400, str(e), param="session_id") from None
+        try:
+            return await self.aengine.call(lambda _: self.sessions.before_turn(sid, req.cache_salt))
+        except SessionBusy as e:
+            raise APIError(409, str(e), param="session_id") from None
+
+    def end_session(self, sess, final: RequestOutput | None, req) -> None:
+        if sess is not None:
+            self.aengine.submit(lambda _: self.sessions.after_turn(
+                sess, final.prompt_token_ids if final else [], final, req.tool_wait_s, req.tool))
+
+    async def session_stream(self, outs, sess, req):
+        final = None
+        try:
+            async for out in outs:
+                final = out
+                yield out
+        finally:
+            self.end_session(sess, final, req)
+
+    def get_session(self, session_id: str):
+        s = self.sessions.sessions.get(session_id) if self.sessions is not None else None
+        if s is None:
+            raise APIError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
+        return s
+
+    def render_chat(self, req: ChatCompletionRequest) -> list[int]:
+        """The prompt ids for a chat request through the model's template."""
+        # A template that does not render tool_calls (SmolLM2's) gets them as text.
+        calls_as_text = "tool_calls" not in (self.tok.chat_template or "")
+        try:
+            for i, m in enumerate(req.messages):
+                m.check_parts(f"messages.{i}")
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        try:
+            text = self.tok.apply_chat_template([m.as_template_dict(calls_as_text) for m in req.messages],
+                                                add_generation_prompt=req.add_generation_prompt,
+                                                continue_final_message=req.continue_final_message,
+                                                **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+                                                   if req.tools else {}))
+        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
+            raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
+        return self.tok.encode(text, add_special_tokens=False)
+
+    async def open_chat(self, req: ChatCompletionRequest, request: Request, room_checked: bool = True
+                        ) -> AsyncIterator[RequestOutput]:
+        """Check, render and queue a chat request; its outputs, the session
+        (if any) updated when they end. Shared by /v1/chat/completions and
+        /v1/messages (room_checked=False: a max_tokens over what the context
+        leaves is not an error; the reply stops at the context's end)."""
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+        forced = None  # tool_choice "required" or a named function: the reply is held to the call's JSON
+        if req.forced_tool is not None:
+            tool_names = [t.function.name for t in req.tools or []]
+            if not tool_names:
+                raise APIError(400, f"tool_choice {req.forced_tool!r} needs tools", param="tool_choice")
+            if req.forced_tool != "required" and req.forced_tool not in tool_names:
+                raise APIError(400, f"tool_choice names the function {req.forced_tool!r}, which is not among "
+                                    f"the tools ({', '.join(tool_names)})", param="tool_choice")
+            if req.structured_given:
+                raise APIError(400, "a forced tool_choice and an output constraint (response_format, "
+                                    "structured_outputs, guided_*) cannot both hold", param="tool_choice")
+            forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
+                                                                req.forced_tool, req.parallel_tool_calls is not False))
+        ids = self.render_chat(req)
+        # Without max_tokens a reply may fill the context, as OpenAI's API allows.
+        # n > 1: no more than the pool holds for all n at once (the engine refuses more).
+        default_max = max(1, self.engine.max_model_len - len(ids))
+        if req.n > 1:
+            default_max = max(1, min(default_max, self.engine.max_tokens_within_pool(len(ids), req.n)))
+        sp = self.sampling(req, req.requested_max_tokens, default_max,
+                           (req.top_logprobs or 0) if req.logprobs else None, forced)
+        self.check_room(len(ids), sp, room_checked and req.requested_max_tokens is not None)
+        await self.compile_constraint(sp)
+        sess = await self.begin_session(req, request)
+        try:
+            outs = await self.start(ids, sp, req.cache_salt, request, req.stream)
+        except APIError:
+            self.end_session(sess, None, req)
+            raise
+        return self.session_stream(outs, sess, req)
+
+    def stored(self, response_id: str, param: str):
+        got = self.store.get(response_id)
+        if got is None:
+            raise APIError(404, f"no stored response {response_id!r} (responses are kept in memory while "
+                                f"store is true, the latest {self.store.limit:,})", param=param,
+                           code="previous_response_not_found" if param == "previous_response_id" else None)
+        return got
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+

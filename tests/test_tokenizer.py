@@ -303,7 +303,9 @@ def _byte_alphabet() -> list[str]:
     return list(bytes_to_unicode().values())
 
 
-def _write_tokenizer_gguf(path: Path, pre: str, add_bos: bool | None) -> list[str]:
+def _write_tokenizer_gguf(path: Path, pre: str, add_bos: bool | None,
+                          template: str = "{{ bos_token }}{% for m in messages %}{{ m.content }}<|eot_id|>{% endfor %}"
+                          ) -> list[str]:
     tokens = _byte_alphabet() + ["Ġt", "he", "Ġthe", "<|begin_of_text|>", "<|eot_id|>", "<think>"]
     types = [1] * (len(tokens) - 3) + [3, 3, 4]
     w = gguf.GGUFWriter(str(path), "llama")
@@ -316,7 +318,7 @@ def _write_tokenizer_gguf(path: Path, pre: str, add_bos: bool | None) -> list[st
     w.add_eos_token_id(tokens.index("<|eot_id|>"))
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
-    w.add_chat_template("{{ bos_token }}{% for m in messages %}{{ m.content }}<|eot_id|>{% endfor %}")
+    w.add_chat_template(template)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -342,6 +344,30 @@ def test_gguf_llama3_style_vocabulary(tmp_path: Path, add_bos: bool | None) -> N
     # The template writes BOS itself: no second one.
     chat = tok.encode_chat([{"role": "user", "content": "the"}])
     assert chat.count(bos) == 1 and chat[0] == bos
+
+
+def test_a_chat_gets_only_the_bos_its_template_writes(tmp_path: Path) -> None:
+    """A tokenizer that adds BOS to plain text, under a template that writes
+    none: the chat's ids have none, as transformers' apply_chat_template
+    (tokenize=True) and vLLM's chat API give them (encode_chat added one here
+    while the server's renderer did not)."""
+    path = tmp_path / "tok.gguf"
+    template = "{% for m in messages %}{{ m.content }}<|eot_id|>{% endfor %}"
+    tokens = _write_tokenizer_gguf(path, "llama-bpe", True, template)
+    tok = load_tokenizer(path)
+    bos = tokens.index("<|begin_of_text|>")
+    assert tok.encode(" the")[0] == bos  # plain text: the tokenizer's BOS
+    assert bos not in tok.encode_chat([{"role": "user", "content": " the"}])
+
+
+def test_every_chat_is_rendered_by_encode_chat() -> None:
+    """One rendering path: nothing in the package calls the template except
+    Tokenizer.encode_chat (the server, sessions, LLM.chat, the CLI and the
+    benches disagreed on BOS when each rendered and encoded on its own)."""
+    root = Path(__file__).resolve().parents[1] / "trajserve"
+    callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if p.name != "tokenizer.py" and "apply_chat_template(" in p.read_text())
+    assert callers == []
 
 
 def test_pre_tokenizer_families() -> None:

@@ -39,9 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM.from_args(args)
     prompt = args.prompt
     if args.chat:
-        prompt = llm.tokenizer.encode(
-            llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]),
-            add_special_tokens=False)
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     out = None
     for out in llm.stream(prompt, sp):
         sys.stdout.write(out.outputs[0].delta_text)
@@ -72,7 +70,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
-        ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        ids = llm.tokenizer.encode_chat(messages)
         reply = ""
         for out in llm.stream(ids, sp):
             sys.stdout.write(out.outputs[0].delta_text)

@@ -66,8 +66,7 @@ class LLM:
              use_tqdm: bool = False) -> list[RequestOutput]:
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        prompts = [self.tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in messages]
-        return self.generate([self._encode_chat(p) for p in prompts], sampling_params, use_tqdm)
+        return self.generate([self.tokenizer.encode_chat(m) for m in messages], sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput per step with this step's delta_text; other
@@ -113,10 +112,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def _encode_chat(self, text: str) -> list[int]:
-        # The template already holds any BOS/special tokens as text.
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -73,7 +73,7 @@ def cached_phase(engine, args, rng: random.Random) -> tuple[list[dict], PrefixOr
             if turn > 1:
                 n = rng.randint(args.tool_min_tokens, args.tool_max_tokens)
                 conv.append({"role": "user", "content": "Tool output:\n" + tool_result(tok, rng, n)})
-            ids = tok.encode(tok.apply_chat_template(conv), add_special_tokens=False)
+            ids = tok.encode_chat(conv)
             out = run_one(engine, ids, sp)
             comp = out.outputs[0]
             records.append({"turn": turn, "trajectory": i, "prompt_tokens": len(ids),

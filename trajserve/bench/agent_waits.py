@@ -98,8 +98,7 @@ def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[
             text = tool_result(tok, rng, rng.randint(args.tool_min_tokens, args.tool_max_tokens))
             obs = f"<|im_end|>\n<|im_start|>user\nTool {tool} output:\n{text}<|im_end|>\n<|im_start|>assistant\n"
             turns.append((tok.encode(obs, add_special_tokens=False), tool, wait * args.wait_scale))
-        first = tok.encode(tok.apply_chat_template([{"role": "system", "content": pre},
-                                                   {"role": "user", "content": task(i)}]), add_special_tokens=False)
+        first = tok.encode_chat([{"role": "system", "content": pre}, {"role": "user", "content": task(i)}])
         trajs.append((first, turns))
     return trajs
 

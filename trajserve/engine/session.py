@@ -249,7 +249,7 @@ class SessionManager:
         ready for the assistant), a text or token ids."""
         tok = self.engine.tokenizer
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            ids = tok.encode(tok.apply_chat_template(prompt, add_generation_prompt=True), add_special_tokens=False)
+            ids = tok.encode_chat(prompt)
         elif isinstance(prompt, str):
             ids = tok.encode(prompt)
         else:

@@ -191,13 +191,17 @@ class Tokenizer:
                          "verbatim, so there is no place to continue it from")
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+        **template_kwargs: Any
     ) -> list[int]:
-        """Prompt ids for `messages`. Templates that write the BOS themselves
-        (Llama 3) must not get a second one from the post-processor."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
-        writes_bos = bool(self.bos_token) and text.startswith(self.bos_token)
-        return self.encode(text, add_special_tokens=not writes_bos)
+        """Prompt ids for `messages`: the template's text encoded without the
+        tokenizer's own BOS/EOS, since the template writes any it needs
+        (Llama 3's `{{ bos_token }}`), as transformers'
+        apply_chat_template(tokenize=True) and vLLM's chat API encode it.
+        Every chat path calls this one: LLM.chat, sessions, the server's
+        render_chat, the CLI, the benches."""
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     # ------------------------------------------------------------ construction
 

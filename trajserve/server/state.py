@@ -157,14 +157,13 @@ class ServerState:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         try:
-            text = self.tok.apply_chat_template([m.as_template_dict(calls_as_text) for m in req.messages],
-                                                add_generation_prompt=req.add_generation_prompt,
-                                                continue_final_message=req.continue_final_message,
-                                                **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
-                                                   if req.tools else {}))
+            return self.tok.encode_chat([m.as_template_dict(calls_as_text) for m in req.messages],
+                                        add_generation_prompt=req.add_generation_prompt,
+                                        continue_final_message=req.continue_final_message,
+                                        **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+                                           if req.tools else {}))
         except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
             raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
-        return self.tok.encode(text, add_special_tokens=False)
 
     async def open_chat(self, req: ChatCompletionRequest, request: Request, room_checked: bool = True
                         ) -> AsyncIterator[RequestOutput]:

@@ -317,6 +317,7 @@ class SessionManager:
             return
         self._settle(s)
         self._release_saved(s)
+        self.engine.kv.holds.cancel(s)
         if s.pin is not None:
             self.engine.kv.unpin(s.pin)
             s.pin = None
@@ -390,6 +391,7 @@ class SessionManager:
         decision, pause the session (the hint may be None: the wait is then
         estimated from the tool's history)."""
         s.in_flight = False
+        self.engine.kv.holds.cancel(s)  # the turn ended (admitted, or not at all)
         if out is None or not out.finished or s.state is SessionState.CLOSED:
             return
         self._touch(s)
@@ -447,6 +449,7 @@ class SessionManager:
                                        f"(pool of {eng.kv.num_blocks} blocks)")
         finally:
             s.in_flight = False
+            eng.kv.holds.cancel(s)
         s.history.extend(out.outputs[0].token_ids)
         self._touch(s)
         s.turns += 1
@@ -471,7 +474,7 @@ class SessionManager:
             return True
         victims = [s for s in self._watched.values() if s.state is SessionState.PAUSED and s.pin is not None]
         if not victims:
-            return False
+            return self.engine.kv.holds.release_all() > 0
         v = min(victims, key=lambda s: s.paused_at)
         self.engine.kv.unpin(v.pin)
         v.pin = None
@@ -495,6 +498,7 @@ class SessionManager:
         if expected_wait_s is not None and not 0 <= expected_wait_s < math.inf:
             raise ValueError(f"expected_wait_s must be a finite number of seconds >= 0, got {expected_wait_s!r}")
         self._touch(s)  # before tick(), whose expiry must not take s
+        self.engine.kv.holds.cancel(s)  # the turn ran: its resume's hold is over
         self.tick()
         if s.copy is not None:
             self._land(s)  # paused again before its reload landed: that copy ends first
@@ -544,8 +548,8 @@ class SessionManager:
         elif s.copy is not None:  # a prefetch still loading: it must land first
             self._land_load(s)
             self.stats.resume_stall_s += time.perf_counter() - t
-        if s.pin is not None:
-            kv.unpin(s.pin)
+        if s.pin is not None:  # held until the turn is admitted (kv/admission_hold.py)
+            kv.holds.hold(s, s.pin)
             s.pin = None
         if s.prefetched:
             self.stats.prefetch_hits += 1

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.block_table import BlockTable, blocks_for
+from trajserve.kv.admission_hold import AdmissionHolds
 from trajserve.kv.radix_cache import (BlockKey, MatchResult, RadixCache, RadixNode, Spill, chain_hash,
                                       namespace_hash)
 
@@ -63,6 +64,8 @@ class KVCacheManager:
         self.tables: dict[str, BlockTable] = {}
         self.watermark_blocks = int(watermark * num_blocks)
         self.radix = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+        # Resumed sessions' pins, held until their turns are admitted (kv/admission_hold.py).
+        self.holds = AdmissionHolds(self.radix) if self.radix is not None else None
         self.model_id = model_id
         self._prefix: dict[str, _PrefixState] = {}
         # (src, dst) block copies the executor must run before the next forward.

@@ -245,6 +245,16 @@ class RadixCache:
 
     # --------------------------------------------------------------- pinning
 
+    def num_cold_blocks(self, node: RadixNode) -> int:
+        """Blocks on node's path that nobody holds (ref_count 0): what locking
+        it would turn from reclaimable into active. A lock pins the whole
+        path, so the first held node up the path ends the count."""
+        n = 0
+        while node.parent is not None and node.ref_count == 0:
+            n += len(node.block_ids)
+            node = node.parent
+        return n
+
     def lock(self, node: RadixNode) -> None:
         """Pin `node` and its ancestors (the request reads their blocks)."""
         if node.detached and node.ref_count == 0:

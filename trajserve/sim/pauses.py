@@ -155,6 +155,7 @@ class PauseController:
         """s's call ended at `now`; its next call arrives wait_s later."""
         self._now = now
         kv = self.kv
+        kv.holds.cancel(s)  # the call ran: its resume's hold is over
         keys = kv.radix.block_keys(history)
         hit = kv.cached_prefix(history, cache_salt, keys)
         nblocks = len(hit.block_ids)
@@ -190,8 +191,8 @@ class PauseController:
         if self.waits is not None:
             self.waits.observe(None, max(0.0, arrival - p.paused_at))
         kv = self.kv
-        if p.pin is not None:
-            kv.unpin(p.pin)
+        if p.pin is not None:  # held until the turn is admitted (kv/admission_hold.py)
+            kv.holds.hold(s, p.pin)
             p.pin = None
         if p.prefetched:
             self.stats.prefetch_hits += 1
@@ -227,7 +228,7 @@ class PauseController:
         paused state (SessionManager._relieve_stall)."""
         victims = [p for p in self.paused.values() if p.pin is not None]
         if not victims:
-            return False
+            return self.kv.holds.release_all() > 0
         v = min(victims, key=lambda p: p.paused_at)
         self.kv.unpin(v.pin)
         v.pin = None

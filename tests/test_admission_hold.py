@@ -4,16 +4,12 @@ session's state is held for its turn until the turn is admitted
 stand-in model (standin_engine.py checks every slot a step reads)."""
 import time
 
-import pytest
-
-from standin_engine import StandInEngine, reference_reply
-from test_pressure import B, greedy, slow_rates, unique
+from standin_engine import reference_reply
+from test_pressure import B, greedy, standin, unique  # noqa: F401 - standin is a fixture
 from trajserve.config import SchedulerConfig
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler
-from trajserve.engine.session import SessionManager
 from trajserve.kv.cache_manager import KVCacheManager
-from trajserve.kv.keep_policy import KeepPolicy
 
 
 def run(sched, until=None):
@@ -49,24 +45,18 @@ def test_a_match_of_cold_blocks_counts_against_the_ceiling():
     assert kv.pool.num_free == kv.num_blocks
 
 
-@pytest.fixture()
-def standin(tmp_path):
-    eng = StandInEngine(num_blocks=40, block_size=B)
-    mgr = SessionManager(eng, policy=KeepPolicy(slow_rates()), disk_dir=str(tmp_path))
-    yield eng, mgr
-    mgr.shutdown()
-    assert not eng.kv.holds and not eng.kv.tables
-    eng.kv.clear_cache()
-    assert eng.kv.pool.num_free == eng.kv.num_blocks
-    eng.kv.pool.check()
+def kept_and_resumed(mgr, n):
+    """A session of an n-token prompt, paused with its state kept, resumed: its turn not yet sent."""
+    a = mgr.open(unique(1, n))
+    a.generate(greedy(4))
+    a.pause(decision="keep")
+    a.resume(unique(9, 4))
+    return a
 
 
 def test_a_resumed_state_is_held_until_its_turn_is_admitted(standin):
     eng, mgr = standin
-    a = mgr.open(unique(1, 60))
-    a.generate(greedy(4))
-    a.pause(decision="keep")
-    a.resume(unique(9, 4))
+    a = kept_and_resumed(mgr, 60)
     assert len(eng.kv.holds) == 1
     held = eng.kv.num_active_blocks
     assert held >= 15  # the kept path is still active (pinned), not cold cache
@@ -84,10 +74,7 @@ def test_a_resumed_state_is_held_until_its_turn_is_admitted(standin):
 
 def test_a_resume_then_close_lets_the_hold_go(standin):
     eng, mgr = standin
-    a = mgr.open(unique(1, 40))
-    a.generate(greedy(2))
-    a.pause(decision="keep")
-    a.resume(unique(9, 4))
+    a = kept_and_resumed(mgr, 40)
     assert len(eng.kv.holds) == 1
     a.close()
     assert not eng.kv.holds and eng.kv.num_active_blocks == 0

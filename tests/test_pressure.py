@@ -77,7 +77,7 @@ def standin(tmp_path):
     mgr = SessionManager(eng, policy=KeepPolicy(slow_rates()), disk_dir=str(tmp_path))
     yield eng, mgr
     mgr.shutdown()
-    assert eng.kv.reclaimer is None and not eng.kv.tables
+    assert eng.kv.reclaimer is None and not eng.kv.tables and not eng.kv.holds
     eng.kv.clear_cache()
     assert eng.kv.pool.num_free == eng.kv.num_blocks
     eng.kv.pool.check()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from server_util import ServerProcess
 
@@ -35,13 +36,20 @@ def _cached(reply: dict) -> int:
     return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.fixture()
+def dirs(tmp_path) -> tuple[Path, Path]:
+    """The disk tier's directory and the servers' TMPDIR (scratch directories)."""
+    disk, tmp = tmp_path / "kv", tmp_path / "tmp"
+    disk.mkdir(), tmp.mkdir()
+    return disk, tmp
+
+
 def _dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
 
 
-def test_a_clean_restart_hits_from_disk_with_the_same_output(tmp_path):
-    disk, tmp = tmp_path / "kv", tmp_path / "tmp"
-    disk.mkdir(), tmp.mkdir()
+def test_a_clean_restart_hits_from_disk_with_the_same_output(dirs):
+    disk, tmp = dirs
     s = _serve(disk, tmp, "--num-blocks", "64")
     try:
         first = _complete(s, AGENT)
@@ -77,9 +85,8 @@ def _wait_written(s: ServerProcess, disk: Path, timeout: float = 60) -> int:
         time.sleep(0.2)
 
 
-def test_after_kill_9_the_next_server_hits_and_serves_nothing_half_written(tmp_path):
-    disk, tmp = tmp_path / "kv", tmp_path / "tmp"
-    disk.mkdir(), tmp.mkdir()
+def test_after_kill_9_the_next_server_hits_and_serves_nothing_half_written(dirs):
+    disk, tmp = dirs
     # A 24-block pool: the agent's prefix (about 14 blocks) leaves the device
     # for disk while other traffic runs, so its blocks are files before the kill.
     s = _serve(disk, tmp, "--num-blocks", "24")
@@ -113,12 +120,11 @@ def test_after_kill_9_the_next_server_hits_and_serves_nothing_half_written(tmp_p
         assert _dir_bytes(disk) <= CAP
 
 
-def test_the_directory_stays_within_its_cap_across_restarts(tmp_path):
+def test_the_directory_stays_within_its_cap_across_restarts(dirs):
     """Three servers in turn, each filling a 2 MiB disk tier with new
     prompts: at every point the directory holds at most the cap, and each
     start-up keeps only what fits."""
-    disk, tmp = tmp_path / "kv", tmp_path / "tmp"
-    disk.mkdir(), tmp.mkdir()
+    disk, tmp = dirs
     cap = 2 * 2**20
     for run in range(3):
         with ServerProcess("--dtype", "float32", "--num-blocks", "16", "--kv-disk-cache", str(cap),

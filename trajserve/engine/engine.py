@@ -1,4 +1,5 @@
-"""LLMEngine.step(): schedule -> execute -> sample -> update -> outputs.
+"""LLMEngine.step(): schedule -> execute -> sample -> update -> outputs
+(engine/output_processor.py turns the sampled tokens into RequestOutputs).
 
 The engine is single-threaded and synchronous; callers (LLM, the server)
 add requests and call step() until nothing is left. Only copies of paused
@@ -11,7 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +21,7 @@ from trajserve.config import EngineConfig
 from trajserve.engine.dtype import resolve_dtype
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
+from trajserve.engine.output_processor import OutputProcessor, RequestGroup
 from trajserve.engine.request import Request, RequestStatus
 from trajserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from trajserve.engine.step_hooks import StepHooks
@@ -34,7 +36,7 @@ from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
 from trajserve.model.sampler import RowContext, Sampler, token_logprobs
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
-from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.sampling import SamplingParams
 from trajserve.structured import GrammarCompiler
 
@@ -54,19 +56,6 @@ class StepStats:
     @property
     def total(self) -> float:
         return self.schedule + self.prepare + self.forward + self.sample + self.update
-
-
-@dataclass(slots=True)
-class _Group:
-    """One user request: n sequences over the same prompt."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Request]
-    completions: list[CompletionOutput]
-    arrival_time: float
-    stop_scan: list[int] = field(default_factory=list)  # text length already scanned for stops
-    detoks: list[IncrementalDetokenizer] = field(default_factory=list)  # one per completion
 
 
 class LLMEngine:
@@ -127,19 +116,16 @@ class LLMEngine:
                                                      lambda n: n * block_bytes <= host.byte_cap)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
-        self.groups: dict[str, _Group] = {}
         self.closed = False  # close(): its copy threads are gone, so no new work
         self.step_hooks = StepHooks()  # a session manager's housekeeping around each step
-        self._seq_to_group: dict[str, tuple[_Group, int]] = {}
+        # Groups, detokenizers, stop strings, latency samples (output_processor.py).
+        self.outputs = OutputProcessor(lambda seq: self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED),
+                                       self.sampler.release)
         # n > 1: the prompt is prefilled once; when its first token is sampled
         # the other n - 1 sequences fork from it (no second prefill).
         self._pending_fork: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self.last_step = StepStats()
-        # Latency of finished requests, a bounded window for the percentiles
-        # in metrics(): TTFT per request, inter-token latency per token.
-        self._ttfts: deque[float] = deque(maxlen=10_000)
-        self._itls: deque[float] = deque(maxlen=100_000)
         m_token = mc.kv_bytes_per_token(self.dtype.itemsize)
         self.startup_summary = (
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
@@ -172,7 +158,7 @@ class LLMEngine:
             raise ValueError(f"request_id {rid!r} is already in flight")
         seq_ids = [rid] if params.n == 1 else [f"{rid}#{i}" for i in range(params.n)]
         # Sequence ids key block tables: "a#0" of an n>1 request must not meet a request named "a#0".
-        clash = next((s for s in seq_ids if s in self._seq_to_group), None)
+        clash = next((s for s in seq_ids if s in self.outputs.seq_to_group), None)
         if clash is not None:
             raise ValueError(f"request_id {rid!r}: sequence id {clash!r} is already in flight")
         cap = min(self.max_model_len, self.kv.token_capacity)
@@ -185,11 +171,9 @@ class LLMEngine:
         if params.prompt_logprobs is not None:  # the request's, so its first sequence's only
             seqs[0].prompt_logprobs = [None] * len(ids)
             seqs[0].prompt_logprobs_done = len(ids) == 1
-        group = _Group(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
-                       [0] * params.n, [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)])
-        self.groups[rid] = group
-        for i, s in enumerate(seqs):
-            self._seq_to_group[s.request_id] = (group, i)
+        self.outputs.add(RequestGroup(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
+                                      [0] * params.n,
+                                      [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)]))
         self.scheduler.add(seqs[0])
         if len(seqs) > 1:
             self._pending_fork[seqs[0].request_id] = seqs[1:]
@@ -234,10 +218,8 @@ class LLMEngine:
             detok.extend(pcomp.token_ids)
             comp = CompletionOutput(0, pcomp.text, list(pcomp.token_ids), logprobs=(
                 list(pcomp.logprobs) if pcomp.logprobs is not None else None))
-            g = _Group(cid, group.prompt, group.prompt_token_ids, [child], [comp], now,
-                       list(group.stop_scan), [detok])
-            self.groups[cid] = g
-            self._seq_to_group[cid] = (g, 0)
+            self.outputs.add(RequestGroup(cid, group.prompt, group.prompt_token_ids, [child], [comp], now,
+                                          list(group.stop_scan), [detok]))
             children.append(child)
             ids.append(cid)
         self.scheduler.fork(parent, children)
@@ -315,8 +297,9 @@ class LLMEngine:
         if want > fit:
             raise ValueError(
                 f"n is {params.n}: that many sequences of up to {want:,} new tokens each (max_tokens) over a "
-                f"{prompt_len:,}-token prompt need more than the KV pool's {self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens "
-                f"at once; with this n, max_tokens can be at most {fit:,}" + (" (lower n)" if fit == 0 else ""))
+                f"{prompt_len:,}-token prompt need more than the KV pool's {self.kv.num_blocks:,} blocks x "
+                f"{self.kv.block_size} tokens at once; with this n, max_tokens can be at most {fit:,}"
+                + (" (lower n)" if fit == 0 else ""))
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request and free its blocks. Returns its final output
@@ -332,8 +315,8 @@ class LLMEngine:
                 self.scheduler.finish(s, RequestStatus.FINISHED_ABORTED)
                 comp.finish_reason = reason
                 stopped = True
-            self._release(s)
-        return self._group_output(group, True, time.monotonic()) if stopped else None
+            self.outputs.release(s)
+        return self.outputs.output(group, True, time.monotonic()) if stopped else None
 
     def abort_in_flight(self) -> dict[str, RequestOutput | None]:
         """Abort every request that has left the waiting queue (it may have
@@ -387,7 +370,7 @@ class LLMEngine:
         t4 = time.perf_counter()
         now = time.monotonic()
         self.scheduler.update(sched, dict(zip(ids, tokens)), now)
-        outputs = self._make_outputs(ids, logprobs, now)
+        outputs = self.outputs.process(ids, logprobs, now)
         t5 = time.perf_counter()
         st.prepare, st.forward, st.sample, st.update = t2 - t1, t3 - t2, t4 - t3, t5 - t4
         self.last_step = st
@@ -427,100 +410,10 @@ class LLMEngine:
                 out_ids.append(child.request_id)
         return logits[rows], out_ids
 
-    def _make_outputs(self, seq_ids: list[str], logprobs: list, now: float) -> list[RequestOutput]:
-        touched: dict[str, _Group] = {}
-        for rid in seq_ids:
-            group = self._seq_to_group[rid][0]
-            if group.request_id not in touched:
-                touched[group.request_id] = group
-                # A completion this step did not advance (finished, or
-                # preempted) must not repeat its last delta to a stream.
-                for c in group.completions:
-                    c.delta_text, c.delta_token_ids = "", []
-        for rid, lp in zip(seq_ids, logprobs):
-            group, i = self._seq_to_group[rid]
-            seq = group.seqs[i]
-            comp = group.completions[i]
-            new_ids = seq.output_token_ids[len(comp.token_ids):]
-            comp.delta_token_ids = new_ids
-            comp.token_ids = comp.token_ids + new_ids
-            if lp is not None:
-                comp.logprobs = (comp.logprobs or []) + [lp]
-            self._detokenize(group, i)
-            if seq.status.finished and comp.finish_reason is None:
-                comp.finish_reason = seq.status.value
-                comp.stop_reason = seq.stop_reason
-        outs = []
-        for group in touched.values():
-            finished = all(c.finish_reason is not None for c in group.completions)
-            outs.append(self._group_output(group, finished, now))
-            if finished:
-                self._record_latency(group)
-                self.groups.pop(group.request_id, None)
-                for s in group.seqs:
-                    self._release(s)
-        return outs
-
-    def _detokenize(self, group: _Group, i: int) -> None:
-        """Update text and delta; finish on a stop string."""
-        comp, seq = group.completions[i], group.seqs[i]
-        sp = seq.sampling_params
-        # Decodes only the new ids (plus a small window); a split multi-byte
-        # character is held back until it completes or the sequence ends.
-        detok = group.detoks[i]
-        detok.extend(comp.delta_token_ids)
-        if seq.status.finished:
-            detok.flush()
-        text = detok.text
-        if sp.stop:
-            # Only text added since the last scan (plus an overlap) can hold a new stop.
-            start = max(0, group.stop_scan[i] - max(map(len, sp.stop)) + 1)
-            hits = [(text.find(s, start), s) for s in sp.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
-            if hits:
-                pos, s = min(hits)
-                text = text[: pos + len(s)] if sp.include_stop_str_in_output else text[:pos]
-                if not seq.status.finished:
-                    self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED)
-                seq.status = RequestStatus.FINISHED_STOPPED
-                seq.stop_reason = s
-            group.stop_scan[i] = len(text)
-            if not seq.status.finished:
-                # Streamed text cannot be taken back: hold a tail that may be
-                # the start of a stop string completed by a later token.
-                hold = max(map(len, sp.stop)) - 1
-                text = text[: max(len(comp.text), len(text) - hold)]
-        comp.delta_text = text[len(comp.text):] if text.startswith(comp.text) else text
-        comp.text = text
-
-    def _group_output(self, group: _Group, finished: bool, now: float) -> RequestOutput:
-        first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time, first_token_time=first,
-            finished_time=now if finished else None,
-            ttft=None if first is None else first - group.arrival_time,
-            inter_token_times=[t for s in group.seqs for t in s.inter_token_times],
-            num_preemptions=sum(s.num_preemptions for s in group.seqs))
-        comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
-                                  c.logprobs, c.delta_text, list(c.delta_token_ids))
-                 for c in group.completions]
-        # Not copied each step: the list is complete by the first output (the
-        # first sampled token), and nothing writes it after that -- nor after
-        # an abort's output, which is the request's last.
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps, finished, metrics,
-                             num_cached_tokens=max(s.num_cached_tokens for s in group.seqs),
-                             prompt_logprobs=group.seqs[0].prompt_logprobs)
-
-    def _record_latency(self, group: _Group) -> None:
-        first = min((s.first_token_time for s in group.seqs if s.first_token_time is not None), default=None)
-        if first is not None:
-            self._ttfts.append(first - group.arrival_time)
-        for s in group.seqs:
-            self._itls.extend(s.inter_token_times)
-
-    def _release(self, seq: Request) -> None:
-        self._seq_to_group.pop(seq.request_id, None)
-        self.sampler.release(seq.request_id)
+    @property
+    def groups(self) -> dict[str, RequestGroup]:
+        """The requests in flight, by id (output_processor.py)."""
+        return self.outputs.groups
 
     def close(self) -> None:
         """Stop the background copy threads: queued disk writes of the prefix
@@ -592,8 +485,8 @@ class LLMEngine:
             "spilled_blocks": radix.num_spilled_blocks if radix else 0,
             "promoted_blocks": self.kv.num_promoted_blocks,
             "lower_tiers": self.lower.metrics() if self.lower is not None else None,
-            **_percentiles("ttft", self._ttfts),
-            **_percentiles("itl", self._itls),
+            **_percentiles("ttft", self.outputs.ttfts),
+            **_percentiles("itl", self.outputs.itls),
         }
 
 

@@ -8,7 +8,7 @@ after must succeed; when it is over the pool is idle and the server has
 logged no traceback.
 
 TRAJSERVE_FUZZ_EXAMPLES sets the cases per endpoint (default 25; the closing
-note of issue 23 records a run of 400)."""
+note of issue 23 records a run of 150)."""
 from __future__ import annotations
 
 import json

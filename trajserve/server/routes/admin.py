@@ -47,7 +47,7 @@ async def prom(st: ServerState = Depends(server_state)):
 
 
 @router.get("/version")
-async def version(st: ServerState = Depends(server_state)):
+async def version():
     return {"version": _version()}
 
 

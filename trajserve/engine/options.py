@@ -109,9 +109,8 @@ def engine_config(**options) -> EngineConfig:
     parts: dict[str, dict] = {"": {}, "cache": {}, "scheduler": {}}
     for o in OPTIONS:
         value = options.get(o.name, o.keyword_default)
-        if o.size:
-            value = 0 if value is None and o.field_default() == 0 else (
-                None if value is None else parse_bytes(value, f"{o.name} ({o.flag})"))
+        if o.size:  # unset is the field's own default (None: no budget, 0: no tier)
+            value = o.field_default() if value is None else parse_bytes(value, f"{o.name} ({o.flag})")
         part, _, name = o.field.rpartition(".")
         parts[part][name] = value
     sched = parts["scheduler"]

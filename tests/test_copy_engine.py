@@ -157,7 +157,7 @@ def test_resume_before_the_save_lands_keeps_the_state_on_the_device(mgr):
         assert s.copy is None and s.hold is None and s.table is None
     out = turns(mgr, task, quick)
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-    assert mgr.stats.swap_in_bytes == 0 and mgr.host.nbytes == 0 and mgr._host_reserved == 0
+    assert mgr.stats.swap_in_bytes == 0 and mgr.host.nbytes == 0 and mgr.offload._host_reserved == 0
     assert out.num_cached_tokens >= ref.num_cached_tokens
 
 
@@ -170,7 +170,7 @@ def test_prefetch_loads_in_the_background_and_the_resume_hits(mgr):
         s.pause(decision="disk", expected_wait_s=60)
         mgr.flush()
         assert s.table.counts()["disk"] > 0
-        s.prefetch_at = time.monotonic()  # the return is near
+        mgr.machine.set_prefetch(s, time.monotonic())  # the return is near
         mgr.tick()
         assert s.copy is not None and s.copy.kind == "load" and s.importing is not None
         mgr.flush()  # lands: the blocks join the tree and are held there
@@ -199,7 +199,7 @@ def test_a_failed_prefetch_falls_back_to_recompute(mgr, monkeypatch):
         s.pause(decision="host", expected_wait_s=60)
         mgr.flush()
         monkeypatch.setattr(copy, "load", broken_load)
-        s.prefetch_at = time.monotonic()
+        mgr.machine.set_prefetch(s, time.monotonic())
         mgr.tick()
         monkeypatch.setattr(copy, "load", real_load)
         mgr.flush()

@@ -687,11 +687,13 @@ def test_session_pause_and_resume_through_the_extensions(server, client):
                                                        "tool": "run_tests"})
     info = httpx.get(server.url + "/v1/sessions/agent-1").json()
     assert info["state"] == "paused" and info["turns"] == 1
+    assert info["residency"] in ("kept", "saving", "offloaded", "loading", "dropped")
     assert info["decision"]["decision"] in ("keep", "host", "disk", "drop") and info["decision"]["reason"]
     assert info["num_tokens"] == first.usage.prompt_tokens + first.usage.completion_tokens
     m = server.metrics()
     assert m[f'trajserve_keep_decisions_total{{decision="{info["decision"]["decision"]}"}}'] >= 1
     assert m["trajserve_sessions_paused"] >= 1 and 'trajserve_kv_tier_bytes{tier="host"}' in m
+    assert 'trajserve_keep_demotions_total{to="disk"}' in m
     msgs += [{"role": "assistant", "content": first.choices[0].message.content},
              {"role": "user", "content": "Tool output: 3 passed."}]
     second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,

@@ -113,7 +113,7 @@ def test_leases_advance_under_ordinary_traffic(mgr):
     s = mgr.open(messages("Run the linter."))
     s.generate(GREEDY)
     s.pause(decision="keep")
-    s.lease_deadline = time.monotonic()
+    mgr.machine.set_lease(s, time.monotonic())
     run_requests(mgr.engine, [("An unrelated prompt about the sea.", SamplingParams(max_tokens=2))])
     assert mgr.stats.lease_demotions == 1 and s.tier is not Decision.KEEP
     mgr.shutdown()
@@ -125,7 +125,7 @@ def test_expired_keep_lease_moves_state_down_a_tier(mgr):
     s.generate(GREEDY)
     s.pause(decision="keep")
     assert s.tier is Decision.KEEP and s.pin is not None
-    s.lease_deadline = time.monotonic()  # the lease has run out
+    mgr.machine.set_lease(s, time.monotonic())  # the lease has run out
     mgr.tick()
     assert s.tier is not Decision.KEEP and s.pin is None
     assert mgr.stats.lease_demotions == 1

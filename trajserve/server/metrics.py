@@ -89,6 +89,11 @@ class _SnapshotCollector(Collector):
         for kind in ("keep", "host", "disk", "drop"):
             keep.add_metric([kind], float(sess["keep_decisions"].get(kind, 0)))
         yield keep
+        moved = CounterMetricFamily("trajserve_keep_demotions", "kept paused states moved down a tier (a lease ran "
+                                    "out, or pressure), by where they went", labels=["to"])
+        for kind in ("host", "disk", "drop"):
+            moved.add_metric([kind], float(sess["demoted_to"].get(kind, 0)))
+        yield moved
         for key, name, doc in (("swap_out_bytes", "trajserve_kv_swap_out_bytes", "bytes copied to host / disk"),
                                ("swap_in_bytes", "trajserve_kv_swap_in_bytes", "bytes reloaded to the device"),
                                ("corrupt_blocks", "trajserve_kv_corrupt_blocks",

@@ -50,7 +50,7 @@ def test_cache_manager_allocate_is_all_or_nothing():
     assert kv.allocate_slots("a", 48)  # still 3 blocks
     assert kv.allocate_slots("a", 49)  # 4th block
     assert kv.usage() == 1.0  # eq. 8
-    kv.free("a")
+    kv.release("a")
     assert kv.pool.num_free == 4 and kv.usage() == 0.0
     kv.pool.check()
 

@@ -12,7 +12,6 @@ that is a prefix of some earlier request's hash ids.
 """
 from __future__ import annotations
 
-from fractions import Fraction
 from itertools import chain
 from pathlib import Path
 
@@ -78,8 +77,10 @@ def oracle_hits(trace: ClaudeCodeTrace) -> tuple[int, int, int]:
     return matched, prompt, distinct
 
 
-def replay(trace: ClaudeCodeTrace) -> tuple[RadixCache, BlockPool]:
+def replay(trace: ClaudeCodeTrace) -> tuple[RadixCache, BlockPool, list[int]]:
+    """Every request through the tree; returns it, its pool and [matched, prompt] tokens (eq. 2's sums)."""
     B = trace.block_size
+    hits = [0, 0]
     ns = ("claude-code", trace.id)  # hash ids are local to a trace
     pool = BlockPool(sum(len(r.hash_ids) + 1 for r in trace.requests))  # never short
     cache = RadixCache(pool, B)
@@ -101,7 +102,8 @@ def replay(trace: ClaudeCodeTrace) -> tuple[RadixCache, BlockPool]:
         assert m.num_tokens % B == 0 and m.num_tokens <= len(tokens)
         if i % 16 == 0:  # the token entry point agrees (and re-touches the same path)
             assert cache.match_prefix(ns, tokens).block_ids == m.block_ids
-        cache.record(m.num_tokens, len(tokens))
+        hits[0] += m.num_tokens
+        hits[1] += len(tokens)
         pool.incref(m.block_ids)
         cache.lock(m.last_node)
         table = m.block_ids + pool.allocate(-(-len(tokens) // B) - len(m.block_ids))
@@ -111,7 +113,7 @@ def replay(trace: ClaudeCodeTrace) -> tuple[RadixCache, BlockPool]:
         assert res.num_new_blocks == full - len(m.block_ids)
         cache.unlock(m.last_node)
         pool.free(table)
-    return cache, pool
+    return cache, pool, hits
 
 
 @pytest.mark.parametrize("path", _trace_params())
@@ -120,17 +122,15 @@ def test_claude_code_replay_hit_rate_equals_hash_count(path: Path | None):
     assert trace.block_size == 64 and trace.requests
     want_matched, want_prompt, want_distinct = oracle_hits(trace)
 
-    cache, pool = replay(trace)
+    cache, pool, (matched, prompt) = replay(trace)
 
-    assert cache.hits.prompt_tokens == want_prompt
-    assert cache.hits.matched_tokens == want_matched
-    assert Fraction(cache.hits.matched_tokens, cache.hits.prompt_tokens) == Fraction(want_matched, want_prompt)
+    assert prompt == want_prompt and matched == want_matched
     # The tree stores each distinct block-prefix exactly once, and nothing else
     # holds a block after every request let go.
     assert cache.num_cached_blocks == want_distinct == pool.num_used
     assert cache.num_evictable_blocks == want_distinct
     if len(trace.requests) > 1:
-        assert cache.hit_rate > 0.5  # agent turns re-send their history
+        assert matched / prompt > 0.5  # agent turns re-send their history
     # Teardown through eviction: everything goes back, parents after children.
     assert cache.evict(pool.num_blocks) == want_distinct
     assert pool.num_free == pool.num_blocks and cache.num_nodes == 0

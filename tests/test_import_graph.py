@@ -95,3 +95,17 @@ def test_the_checker_finds_a_cycle(tmp_path):
 def test_the_package_has_no_import_cycle(root):
     found = cycles(import_graph(root))
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_every_module_is_small_and_says_what_it_owns():
+    """No module over 500 lines (split by concern instead), and each non-empty
+    one opens with a docstring saying what it owns."""
+    long, silent = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 500:
+            long.append(f"{path.relative_to(PACKAGE)}: {len(text.splitlines())} lines")
+        if text.strip() and not ast.get_docstring(ast.parse(text)):
+            silent.append(str(path.relative_to(PACKAGE)))
+    assert not long, long
+    assert not silent, silent

@@ -15,7 +15,7 @@ import torch
 
 from tiny_models import tiny_hf_model
 from trajserve.config import ModelConfig
-from trajserve.model import loader
+from trajserve.model import gguf_reader, loader
 from trajserve.model.loader import (
     default_model_path,
     expected_weight_names,
@@ -199,7 +199,7 @@ def test_embedded_load_takes_seconds(embedded_path: str) -> None:
     dequantizer takes tens of seconds)."""
     import time
 
-    loader._open_gguf_cached.cache_clear()
+    gguf_reader._open_gguf_cached.cache_clear()
     start = time.perf_counter()
     load_weights(embedded_path, torch.bfloat16, "cpu")
     assert time.perf_counter() - start < 20.0
@@ -228,7 +228,7 @@ def test_unpermute_inverts_converter() -> None:
         w = rng.standard_normal((n_head * head_dim, cols) if cols else (n_head * head_dim,))
         permuted = converter_permute(w, n_head)
         assert not np.array_equal(permuted, w)
-        assert np.array_equal(loader._unpermute_rope_rows(permuted, n_head), w)
+        assert np.array_equal(gguf_reader._unpermute_rope_rows(permuted, n_head), w)
 
 
 @pytest.mark.parametrize(
@@ -271,7 +271,7 @@ def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
     params = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
     inv_freq = 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)
-    factors = loader._llama3_divisors(inv_freq, params).astype(np.float32)
+    factors = gguf_reader._llama3_divisors(inv_freq, params).astype(np.float32)
     assert factors.min() == 1.0 and factors.max() == 32.0  # both ends of the band occur
     write_gguf(tmp_path / "l3.gguf", tiny_hf_model("llama"), "llama", extra_tensors={"rope_freqs.weight": factors})
     cfg, w = load_weights(tmp_path / "l3.gguf")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from trajserve.kv.block_pool import BlockPool
-from trajserve.kv.radix_cache import PrefixHitStats, RadixCache, RadixNode
+from trajserve.kv.radix_cache import RadixCache, RadixNode
 
 B = 4
 NS = ("model", None, "salt-a")
@@ -317,21 +317,6 @@ def test_heap_is_not_rebuilt_per_call_and_stays_bounded():
     assert cache.num_nodes == 1 and cache.match_prefix(NS, seq(0, 100)).num_tokens == 2 * B
 
 
-def test_hit_rate_eq2():
-    stats = PrefixHitStats()
-    assert stats.hit_rate == 0.0
-    stats.record(96, 100)
-    stats.record(0, 50)
-    assert stats.hit_rate == 96 / 150 and stats.num_requests == 2
-    with pytest.raises(ValueError):
-        stats.record(10, 5)
-    _, cache = cache_with()
-    cache.record(64, 128)
-    assert cache.hit_rate == 0.5
-
-
-# --------------------------------------------- the spec's fork example (CoW)
-
 def test_fork_example_4_branches_share_a_95_block_prefix():
     """Spec "通过写时复制分支实现零复制审慎推理": forking copies block ids, not
     KV. 4 branches over a 95-block prefix, 9 private blocks each: 95 + 4*9 =
@@ -459,7 +444,6 @@ class RadixMachine(RuleBasedStateMachine):
             self.cache.unlock(m.last_node)
             self.pool.free(m.block_ids)
             return
-        self.cache.record(m.num_tokens, len(tokens))
         r = Req(ns, tokens, m.block_ids + rest, None if m.last_node.is_root else m.last_node)
         if r.node is None:
             self.cache.unlock(m.last_node)

@@ -55,7 +55,7 @@ def test_every_prefill_row_matches_transformers(engine_f32, hf_gguf_model):
             batch.sample_meta = None  # every row through the whole last layer
             rows.append(eng.runner.run(batch))
     finally:
-        eng.kv.free("rows")
+        eng.kv.release("rows")
     with torch.inference_mode():
         ref = hf_gguf_model(torch.tensor([ids])).logits[0].float()
     diff = (torch.cat(rows) - ref).abs().max().item()

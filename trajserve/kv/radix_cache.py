@@ -51,141 +51,15 @@ loads what the tiers hold back into the tree (KVCacheManager.match).
 """
 from __future__ import annotations
 
-import hashlib
 import heapq
-import struct
 from collections.abc import Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 from trajserve.kv.block_pool import BlockPool
+from trajserve.kv.radix_invalidate import Invalidation
+from trajserve.kv.radix_node import (BlockKey, InsertResult, MatchResult, RadixNode, Spill, chain_hash,  # noqa: F401
+                                     namespace_hash)
 
-BlockKey = tuple[int, ...]
-
-
-def chain_hash(prev: bytes, key: BlockKey) -> bytes:
-    """Hash of a block given the hash of everything before it (128-bit BLAKE2b:
-    equal hashes mean equal prefixes for any practical purpose). The tokens go
-    in as little-endian int64s (a cached struct per block length: ~25 % faster
-    than an array, and a simulated run hashes millions of blocks)."""
-    packer = _PACKERS.get(len(key))
-    if packer is None:
-        packer = _PACKERS[len(key)] = struct.Struct(f"<{len(key)}q")
-    return hashlib.blake2b(prev + packer.pack(*key), digest_size=16).digest()
-
-
-_PACKERS: dict[int, struct.Struct] = {}
-
-
-def namespace_hash(namespace: Hashable) -> bytes:
-    return hashlib.blake2b(repr(namespace).encode(), digest_size=16).digest()
-
-
-class Spill(Protocol):
-    """Where LRU-evicted blocks go instead of nowhere (kv/lower_tiers.py)."""
-
-    def save(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> None: ...
-
-
-@dataclass(slots=True, eq=False)
-class RadixNode:
-    """One edge of the tree: a run of full blocks without a branch point
-    (spec table 2: prefix_tokens, block_ids, children, parent, ref_count,
-    last_access)."""
-
-    key: list[BlockKey]  # one B-token tuple per block
-    block_ids: list[int]  # block_ids[i] holds the KV of key[i]
-    parent: RadixNode | None
-    namespace: Hashable
-    children: dict[BlockKey, RadixNode] = field(default_factory=dict)
-    ref_count: int = 0
-    last_access: int = 0
-    # Stamp of this node's only valid heap entry (-1: none). Older entries
-    # for the node are stale and skipped when popped.
-    heap_stamp: int = -1
-    # Set by invalidate(): the node is out of the tree, never matched again;
-    # its blocks go back to the pool when its last user unlocks it.
-    detached: bool = False
-    # Chained hash at the end of this node's path (lazily computed; a split
-    # gives the new upper node none, the lower part keeps its end and hash).
-    hash_end: bytes | None = None
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.block_ids)
-
-    def depth_tokens(self, block_size: int) -> int:
-        """Tokens on the path from the root to the end of this node."""
-        n, node = 0, self
-        while node is not None:
-            n += len(node.key)
-            node = node.parent
-        return n * block_size
-
-    def __repr__(self) -> str:  # the default one recurses through parent/children
-        return (f"RadixNode(blocks={self.block_ids}, ref_count={self.ref_count}, "
-                f"last_access={self.last_access}, children={len(self.children)}"
-                f"{', detached' if self.detached else ''})")
-
-
-@dataclass(slots=True)
-class MatchResult:
-    """Longest cached block-aligned prefix of a prompt.
-
-    `num_tokens == len(block_ids) * block_size`; `last_node` is the node that
-    ends exactly at the match (the root when nothing matched) -- lock it to
-    pin the matched blocks while the request uses them."""
-
-    block_ids: list[int]
-    num_tokens: int
-    last_node: RadixNode
-
-
-@dataclass(slots=True)
-class InsertResult:
-    """Outcome of `RadixCache.insert`.
-
-    node: the node that ends exactly at the inserted prefix (lock it).
-    num_new_blocks: caller blocks the tree adopted (took a pool reference on).
-    duplicates: (block index, cached block id) where the tree already held a
-        different block for the same tokens; the tree kept its own and took no
-        reference on the caller's. The caller may switch its table to the
-        cached block (incref it) and free its own.
-    """
-
-    node: RadixNode
-    num_new_blocks: int
-    duplicates: list[tuple[int, int]]
-
-
-@dataclass(slots=True)
-class PrefixHitStats:
-    """H_prefix = sum_i S_match^(i) / sum_i S_prompt^(i)   (eq. 2,
-    kv-cache-management). Keep one per trajectory as well as the global one
-    the cache holds: a drop after a harness change points at volatile tokens
-    moved to the front of the context."""
-
-    matched_tokens: int = 0
-    prompt_tokens: int = 0
-    num_requests: int = 0
-
-    def record(self, matched: int, prompt: int) -> None:
-        if not 0 <= matched <= prompt:
-            raise ValueError(f"matched {matched} tokens of a {prompt}-token prompt")
-        self.matched_tokens += matched
-        self.prompt_tokens += prompt
-        self.num_requests += 1
-
-    @property
-    def hit_rate(self) -> float:
-        return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-class RadixCache:
+class RadixCache(Invalidation):
     def __init__(self, pool: BlockPool, block_size: int) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -203,7 +77,6 @@ class RadixCache:
         self.num_evicted_blocks = 0  # tree references dropped by evict()
         self.num_freed_blocks = 0  # ... of which went back to the free list
         self.num_invalidated_blocks = 0
-        self.hits = PrefixHitStats()
         self.spill: Spill | None = None  # lower tiers for LRU-evicted blocks
         self.num_spilled_blocks = 0
         self._ns_hashes: dict[Hashable, bytes] = {}
@@ -443,72 +316,6 @@ class RadixCache:
             h = self._ns_hashes[namespace] = namespace_hash(namespace)
         return h
 
-    # ------------------------------------------------------------ invalidation
-
-    def invalidate(self, namespace: Hashable, prefix_tokens: Sequence[int] | None = None) -> int:
-        """Drop cached state that depends on stale tokens (the stale-context
-        fallacy: after a file changes, KV derived from its old text must never
-        be served again).
-
-        `prefix_tokens` ends with the first stale token: every block that holds
-        that token or any later one, on a path that starts with
-        `prefix_tokens`, is dropped; blocks wholly before it are kept. None
-        (or empty) drops the whole namespace.
-
-            prefix    s0 s1 s2 s3 | s4 s5 f0        (f0: first stale token)
-            kept      [s0 s1 s2 s3]
-            dropped   [s4 s5 f0 *] and everything below it
-
-        Nodes in use are detached (never matched again) and keep their blocks
-        until their last user unlocks them; the rest free their blocks now.
-        Returns the number of tree block references dropped or scheduled for
-        release.
-        """
-        root = self._roots.get(namespace)
-        if root is None:
-            return 0
-        if not prefix_tokens:
-            victims = list(root.children.values())
-        else:
-            victims = self._invalidation_roots(root, prefix_tokens)
-        dropped = 0
-        for v in victims:
-            del v.parent.children[v.key[0]]
-            dropped += self._detach_subtree(v)
-        if not root.children:
-            del self._roots[namespace]
-        # The parent of a dropped subtree may now be a dormant leaf.
-        for v in victims:
-            p = v.parent
-            if p.parent is not None and self._evictable(p):
-                self._push(p)
-        self.num_invalidated_blocks += dropped
-        return dropped
-
-    def clear(self) -> int:
-        """Drop every cached node not in use (in any namespace); nodes in use
-        and their ancestors stay. Returns blocks freed to the pool."""
-        freed = 0
-        for ns, root in list(self._roots.items()):
-            freed += self._clear_under(root)
-            if not root.children:
-                del self._roots[ns]
-        self.num_freed_blocks += freed
-        # Everything left is pinned, so no heap entry can be valid.
-        self._heap.clear()
-        return freed
-
-    # --------------------------------------------------------------- H_prefix
-
-    def record(self, matched_tokens: int, prompt_tokens: int) -> None:
-        """Account one prompt for H_prefix (eq. 2)."""
-        self.hits.record(matched_tokens, prompt_tokens)
-
-    @property
-    def hit_rate(self) -> float:
-        """H_prefix over all recorded prompts (eq. 2)."""
-        return self.hits.hit_rate
-
     # ------------------------------------------------------------- inspection
 
     @property
@@ -623,66 +430,3 @@ class RadixCache:
         before = self.pool.num_free
         self.pool.free(block_ids)
         return self.pool.num_free - before
-
-    def _invalidation_roots(self, root: RadixNode, prefix: Sequence[int]) -> list[RadixNode]:
-        B = self.block_size
-        k = (len(prefix) - 1) // B  # block holding the first stale token
-        head = self.block_keys(prefix[:k * B])
-        tail = tuple(prefix[k * B:])
-        node, n, _ = self._walk(root, head)
-        if n < len(head):
-            return []  # nothing cached under this prefix
-        # `node` ends exactly after block k-1; block k starts a child.
-        if len(tail) == B:
-            child = node.children.get(tail)
-            return [child] if child is not None else []
-        return [c for first, c in node.children.items() if first[:len(tail)] == tail]
-
-    def _detach_subtree(self, top: RadixNode) -> int:
-        """Take `top` (already unlinked from its parent) and its descendants out
-        of the tree. Keeps parent links so unlock still walks up."""
-        dropped = 0
-        stack = [top]
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            node.detached = True
-            node.heap_stamp = -1
-            nb = len(node.block_ids)
-            dropped += nb
-            self._num_nodes -= 1
-            self.num_cached_blocks -= nb
-            if node.ref_count == 0:
-                self.num_evictable_blocks -= nb
-                self.num_freed_blocks += self._drop_tree_refs(node.block_ids)
-                node.block_ids = []
-            else:
-                self.num_detached_blocks += nb
-        return dropped
-
-    def _release_detached(self, node: RadixNode) -> None:
-        self.num_detached_blocks -= len(node.block_ids)
-        self.num_freed_blocks += self._drop_tree_refs(node.block_ids)
-        node.block_ids = []
-
-    def _clear_under(self, root: RadixNode) -> int:
-        """Post-order: free every node with ref_count 0 (its descendants are
-        then unpinned too, since pins cover whole paths)."""
-        freed = 0
-        order: list[RadixNode] = []
-        stack = list(root.children.values())
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            stack.extend(node.children.values())
-        for node in reversed(order):  # children before parents
-            if node.ref_count == 0:
-                freed += self._drop_tree_refs(node.block_ids)
-                nb = len(node.block_ids)
-                self.num_cached_blocks -= nb
-                self.num_evictable_blocks -= nb
-                self._num_nodes -= 1
-                del node.parent.children[node.key[0]]
-                node.detached = True
-                node.heap_stamp = -1
-        return freed

@@ -22,7 +22,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from trajserve.model.loader import PathLike, gguf_value, is_gguf, open_gguf, resolve_model_path
+from trajserve.model.gguf_reader import PathLike, gguf_value, open_gguf
+from trajserve.model.loader import is_gguf, resolve_model_path
 
 # Token strings that end a turn; a model emits one of them instead of (or as)
 # its eos, so generation must stop on any of them (llama.cpp's "EOG" set).

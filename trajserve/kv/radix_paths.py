@@ -1,0 +1,97 @@
+"""A radix path as a unit: what paused agent sessions do with their state.
+
+A paused session's KV state is the radix path of its history. These keep it
+(pin), drop it from the device (evict_prefix), and bring blocks saved on a
+lower tier back into the tree (begin_import / finish_import); the prefix
+cache's own tiers end their promotions through _adopt too. `keys`: the
+path's block keys (radix.block_keys(token_ids)) when the caller keeps them,
+so a long history is not re-chunked on every call.
+
+A mixin of KVCacheManager (kv/cache_manager.py): it works on the manager's
+radix cache and pool.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from trajserve.kv.radix_node import BlockKey, MatchResult, RadixNode
+
+
+class PathOps:
+    def cached_prefix(self, token_ids: list[int], cache_salt: str | None,
+                      keys: list[BlockKey] | None = None) -> MatchResult | None:
+        """The device-resident full blocks of token_ids (all of them: no token
+        is left out for logits here)."""
+        if self.radix is None:
+            return None
+        return self.radix.match_blocks(self.namespace(cache_salt),
+                                       keys if keys is not None else self.radix.block_keys(token_ids))
+
+    def pin(self, token_ids: list[int], cache_salt: str | None, keys: list[BlockKey] | None = None
+            ) -> RadixNode | None:
+        hit = self.cached_prefix(token_ids, cache_salt, keys)
+        if hit is None or not hit.block_ids:
+            return None
+        self.radix.lock(hit.last_node)
+        return hit.last_node
+
+    def unpin(self, node: RadixNode) -> None:
+        self.radix.unlock(node)
+
+    def evict_prefix(self, token_ids: list[int], cache_salt: str | None, keys: list[BlockKey] | None = None
+                     ) -> int:
+        """Free the device blocks of this path no one else uses or branches from."""
+        hit = self.cached_prefix(token_ids, cache_salt, keys)
+        return self.radix.evict_path(hit.last_node) if hit and hit.block_ids else 0
+
+    def begin_import(self, token_ids: list[int], cache_salt: str | None, num_blocks: int,
+                     keys: list[BlockKey] | None = None) -> tuple[MatchResult, list[int]] | None:
+        """Fresh blocks for full blocks [hit, num_blocks) of token_ids, to be
+        filled from a lower tier; the device-resident hit is pinned meanwhile.
+        None when the pool has no room even after eviction."""
+        hit = self.cached_prefix(token_ids, cache_salt, keys)
+        need = num_blocks - len(hit.block_ids)
+        if need <= 0:
+            return hit, []
+        self.radix.lock(hit.last_node)
+        short = need + self.watermark_blocks - self.pool.num_free
+        if short > 0:
+            self.radix.evict(short)
+        if need > self.pool.num_free:
+            self.radix.unlock(hit.last_node)
+            return None
+        return hit, self.pool.allocate(need)
+
+    def finish_import(self, token_ids: list[int], cache_salt: str | None, hit: MatchResult,
+                      new_ids: list[int], filled: int, keys: list[BlockKey] | None = None) -> None:
+        """The first `filled` imported blocks hold their KV now: the tree takes
+        them over; the rest (a block failed its checks) go back to the pool."""
+        if not new_ids:
+            return
+        start, B = len(hit.block_ids), self.block_size
+        new_keys = (keys[start:start + filled] if keys is not None
+                    else self.radix.block_keys(token_ids[start * B:(start + filled) * B]))
+        self._adopt(self.namespace(cache_salt), hit, new_keys, new_ids, filled)
+
+    def _adopt(self, ns: Hashable, hit: MatchResult, new_keys: list[BlockKey], new_ids: list[int],
+               filled: int) -> None:
+        """The end of an import (from a session's saved state or the prefix
+        cache's tiers): the first `filled` new blocks hold their KV and join
+        the tree right below the hit, which the import locked and which is
+        unlocked now; the rest go back to the pool."""
+        self.pool.free(new_ids[filled:])
+        node = hit.last_node
+        if filled and node.detached:
+            # Invalidated while a background import ran (locking stops eviction,
+            # not invalidation): what it loaded must not be served.
+            self.pool.free(new_ids[:filled])
+            filled = 0
+        if filled:
+            below = node if node.parent is not None else None  # an empty hit: from the namespace's root
+            # A background import (a prefetch) may find some of its blocks
+            # computed meanwhile by a request with the same prefix: the tree
+            # keeps its own (insert reports them as duplicates) and ours go
+            # back to the pool with the next line.
+            self.radix.insert_blocks(ns, new_keys[:filled], new_ids[:filled], below=below)
+            self.pool.free(new_ids[:filled])  # the tree holds the ones it took
+        self.radix.unlock(node)

@@ -1,0 +1,114 @@
+"""Hugging Face model directories: config.json and safetensors weights
+(one file, or shards named by model.safetensors.index.json). model/loader.py
+is the entry point."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from trajserve.config import ModelConfig
+
+# HF model_type -> our architecture. Mistral is Llama with other defaults.
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _read_hf_config(d: Path) -> dict:
+    if not d.is_dir():
+        raise FileNotFoundError(f"{str(d)!r} is neither a .gguf file nor a directory")
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{str(d)!r} has no config.json; a Hugging Face model directory needs one")
+    with cfg_file.open() as f:
+        return json.load(f)
+
+
+def _hf_rope(raw: dict) -> tuple[float, dict | None]:
+    """rope_theta and Llama 3 scaling, from transformers 4 (`rope_theta`,
+    `rope_scaling`) or 5 (`rope_parameters`) style configs."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or params
+    theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default (none), llama3")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}")
+    return theta, {k: scaling[k] for k in keys}
+
+
+def _hf_config(raw: dict, name: str = "") -> ModelConfig:
+    model_type = raw.get("model_type")
+    arch = HF_MODEL_TYPES.get(model_type)
+    if arch is None:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; supported: silu")
+    if raw.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias=True; supported: MLP projections without bias")
+    if raw.get("use_sliding_window"):
+        raise ValueError("unsupported use_sliding_window=True; supported: full attention in every layer")
+    hidden = int(raw["hidden_size"])
+    heads = int(raw["num_attention_heads"])
+    theta, rope_scaling = _hf_rope(raw)
+    # Qwen2 hard-codes q/k/v bias; Llama and Qwen3 take it from the config.
+    bias = True if arch == "qwen2" else bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        qk_norm=arch == "qwen3",
+        name=str(raw.get("_name_or_path") or name),
+    )
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        with index.open() as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not (d / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{str(d)!r}: shards named in {index.name} are missing: {', '.join(missing)}")
+        return [d / s for s in shards]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{str(d)!r} has no *.safetensors weights; supported: model.safetensors or shards with "
+            "model.safetensors.index.json (.bin/.pt checkpoints are not loaded)"
+        )
+    return files
+
+
+def _hf_tensors(d: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(d):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                # Old checkpoints saved the RoPE table; we compute it.
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return out

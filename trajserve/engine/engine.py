@@ -1,5 +1,11 @@
-"""LLMEngine.step(): schedule -> execute -> sample -> update -> outputs
-(engine/output_processor.py turns the sampled tokens into RequestOutputs).
+"""LLMEngine: requests in, RequestOutputs out, over one EngineCore.
+
+step(): the step hooks (engine/step_hooks.py: a session manager's
+housekeeping) around EngineCore.step (engine/core.py: schedule -> the model
+executor, engine/model_executor.py -> update), then engine/output_processor.py
+turns the sampled tokens into RequestOutputs. This module builds the pieces
+(model, KV pool, tiers, scheduler, sampler) from an EngineConfig and owns the
+request API: add, fork, abort, validation.
 
 The engine is single-threaded and synchronous; callers (LLM, the server)
 add requests and call step() until nothing is left. Only copies of paused
@@ -12,18 +18,19 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from trajserve.config import EngineConfig
+from trajserve.engine.core import EngineCore, StepStats
 from trajserve.engine.dtype import resolve_dtype
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
+from trajserve.engine.model_executor import ModelExecutor
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.output_processor import OutputProcessor, RequestGroup
 from trajserve.engine.request import Request, RequestStatus
-from trajserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
@@ -34,29 +41,13 @@ from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.model.fingerprint import model_fingerprint
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
-from trajserve.model.sampler import RowContext, Sampler, token_logprobs
+from trajserve.model.sampler import Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.sampling import SamplingParams
 from trajserve.structured import GrammarCompiler
 
 log = logging.getLogger("trajserve")
-
-@dataclass(slots=True)
-class StepStats:
-    """Where one step's wall time went (seconds)."""
-    num_tokens: int = 0
-    num_seqs: int = 0
-    schedule: float = 0.0
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    update: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.schedule + self.prepare + self.forward + self.sample + self.update
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
@@ -121,9 +112,7 @@ class LLMEngine:
         # Groups, detokenizers, stop strings, latency samples (output_processor.py).
         self.outputs = OutputProcessor(lambda seq: self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED),
                                        self.sampler.release)
-        # n > 1: the prompt is prefilled once; when its first token is sampled
-        # the other n - 1 sequences fork from it (no second prefill).
-        self._pending_fork: dict[str, list[Request]] = {}
+        self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler))
         self._ids = itertools.count()
         self.last_step = StepStats()
         m_token = mc.kv_bytes_per_token(self.dtype.itemsize)
@@ -174,9 +163,8 @@ class LLMEngine:
         self.outputs.add(RequestGroup(rid, text, ids, seqs, [CompletionOutput(i) for i in range(params.n)], now,
                                       [0] * params.n,
                                       [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)]))
-        self.scheduler.add(seqs[0])
-        if len(seqs) > 1:
-            self._pending_fork[seqs[0].request_id] = seqs[1:]
+        # n > 1: the prompt is prefilled once; its other sequences fork off it then.
+        self.scheduler.add(seqs[0], samples=seqs[1:])
         return rid
 
     def fork(self, request_id: str, n: int = 1, params: SamplingParams | None = None) -> list[str]:
@@ -308,7 +296,6 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
-        self._pending_fork.pop(group.seqs[0].request_id, None)
         stopped = False
         for comp, s in zip(group.completions, group.seqs):
             if not s.status.finished:
@@ -341,74 +328,16 @@ class LLMEngine:
         return self.step_hooks.around(self._step)
 
     def _step(self) -> list[RequestOutput]:
-        st = StepStats()
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        st.schedule = t1 - t0
-        if sched.is_empty:
-            self.last_step = st
+        rec = self.core.step()
+        if rec is None:
+            self.last_step = StepStats(schedule=time.perf_counter() - t0)
             return []
-        st.num_tokens, st.num_seqs = sched.num_batched_tokens, len(sched.chunks)
-        batch = self.runner.prepare(sched)
-        t2 = time.perf_counter()
-        logits = self.runner.run(batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t3 = time.perf_counter()
-        if batch.prompt_spans:
-            self._prompt_logprobs(batch.prompt_spans, logits)
-            logits = logits[batch.sample_pick]
-        ids = batch.sample_ids
-        if self._pending_fork:
-            logits, ids = self._fork_samples(sched, logits, ids)
-        by_id = {c.request.request_id: c.request for c in sched.chunks}
-        params = [by_id[r].sampling_params for r in ids]
-        contexts = [RowContext(by_id[r].all_token_ids, by_id[r].num_prompt_tokens, by_id[r].matcher)
-                    if p.adjusts_logits or by_id[r].matcher is not None else None for r, p in zip(ids, params)]
-        tokens, logprobs = self.sampler.sample(logits, ids, params, contexts)
-        t4 = time.perf_counter()
-        now = time.monotonic()
-        self.scheduler.update(sched, dict(zip(ids, tokens)), now)
-        outputs = self.outputs.process(ids, logprobs, now)
-        t5 = time.perf_counter()
-        st.prepare, st.forward, st.sample, st.update = t2 - t1, t3 - t2, t4 - t3, t5 - t4
-        self.last_step = st
+        t = time.perf_counter()
+        outputs = self.outputs.process(rec.result.ids, rec.result.logprobs, rec.end)
+        rec.stats.update += time.perf_counter() - t
+        self.last_step = rec.stats
         return outputs
-
-    @staticmethod
-    def _prompt_logprobs(spans: list[tuple], logits: torch.Tensor) -> None:
-        """Each prompt row's logits score the prompt token after it (its
-        logprob, top-k and rank), filed at that token's position."""
-        for req, first, start, n in spans:
-            end = start + 1 + n
-            req.prompt_logprobs[start + 1:end] = token_logprobs(
-                logits[first:first + n].cpu(), req.all_token_ids[start + 1:end],
-                req.sampling_params.prompt_logprobs, with_rank=True)
-            if end == req.num_prompt_tokens:
-                req.prompt_logprobs_done = True
-
-    def _fork_samples(self, sched: SchedulerOutput, logits: torch.Tensor, ids: list[str]
-                      ) -> tuple[torch.Tensor, list[str]]:
-        """n > 1: a prompt whose prefill just ended forks into its other
-        sequences; each samples its first token from the same logits row and
-        joins this step's chunks so update() advances it like the parent."""
-        rows, out_ids = list(range(len(ids))), list(ids)
-        chunks = {c.request.request_id: c for c in sched.chunks}
-        for i, rid in enumerate(ids):
-            children = self._pending_fork.pop(rid, None)
-            if children is None:
-                continue
-            pc = chunks[rid]
-            # One request's n samples, its prefill done: they branch now
-            # (their first token comes from this row), never queued.
-            self.scheduler.fork(pc.request, children, throttle=False)
-            for child in children:
-                sched.chunks.append(ScheduledChunk(child, pc.start, pc.num_tokens,
-                                                   self.kv.table(child.request_id).block_ids))
-                rows.append(i)
-                out_ids.append(child.request_id)
-        return logits[rows], out_ids
 
     @property
     def groups(self) -> dict[str, RequestGroup]:

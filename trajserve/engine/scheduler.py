@@ -18,12 +18,18 @@ kv-cache-management "分块预填充调度". Each step:
      nothing runs; forks above it queue as new requests (they hit the
      parent's cached blocks when admitted).
 
+n > 1 samples of one prompt: the prompt is prefilled once; in the update of
+the step that ends its prefill, the other sequences fork off it (blocks
+shared copy-on-write), each with its own first token, which the executor
+sampled from the parent's logits row (samples_of tells it which).
+
 Works on token ids and block ids only: it hands an executor a
 SchedulerOutput, so the same code drives the real model or a cost model.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from trajserve.config import SchedulerConfig
@@ -82,9 +88,21 @@ class Scheduler:
         # H_prefix (eq. 2, kv-cache-management) = cached / prompt tokens at admission.
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
+        # n > 1: a request's other sequences, forked off it when its prefill ends.
+        self.pending_samples: dict[str, list[Request]] = {}
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, samples: Sequence[Request] = ()) -> None:
+        """Queue a request; `samples`: the other n - 1 sequences of its prompt."""
         self.waiting.append(request)
+        if samples:
+            self.pending_samples[request.request_id] = list(samples)
+
+    def samples_of(self, chunk: ScheduledChunk) -> Sequence[Request]:
+        """The sequences that fork off this chunk's request when this step
+        ends its prefill: each samples its first token from the chunk's row."""
+        if not self.pending_samples or not chunk.sample:
+            return ()
+        return self.pending_samples.get(chunk.request.request_id, ())
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -244,6 +262,8 @@ class Scheduler:
         Returns the requests that finished this step."""
         finished = []
         running = RequestStatus.RUNNING
+        if self.pending_samples:
+            self._fork_samples(out)
         cache_computed = self.kv.cache_computed
         B = self.kv.block_size
         for chunk in out.chunks:
@@ -269,7 +289,24 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def _fork_samples(self, out: SchedulerOutput) -> None:
+        """Prefills that end this step fork into their other samples, before
+        the parent advances: each child takes the parent's state so far and
+        joins this step's chunks, so the loop below advances it like the
+        parent, with its own sampled token. Never queued (they branch now)."""
+        for chunk in list(out.chunks):
+            if not chunk.sample or chunk.request.status is not RequestStatus.RUNNING:
+                continue
+            children = self.pending_samples.pop(chunk.request.request_id, None)
+            if children is None:
+                continue
+            self.fork(chunk.request, children, throttle=False)
+            for child in children:
+                out.chunks.append(ScheduledChunk(child, chunk.start, chunk.num_tokens,
+                                                 self.kv.table(child.request_id).block_ids))
+
     def finish(self, req: Request, status: RequestStatus) -> None:
+        self.pending_samples.pop(req.request_id, None)  # its other samples never start
         req.status = status
         if not _remove_identical(self.running, req):
             _remove_identical(self.waiting, req)

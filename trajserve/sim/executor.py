@@ -1,11 +1,15 @@
-"""CostModelRunner: the executor the simulator puts where the engine has its
-ModelRunner. It receives the same SchedulerOutput and, instead of running
-the model, returns how long the step would take (sim/cost_model.py)."""
+"""The simulator's executor: what it puts where the engine has its model.
+
+CostModelRunner receives the same SchedulerOutput as the engine's
+ModelRunner and, instead of running the model, returns how long the step
+would take (sim/cost_model.py); CostModelExecutor is the Executor of
+engine/core.py around it, which the simulator's EngineCore steps."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from trajserve.engine.core import ExecutorOutput
 from trajserve.engine.scheduler import SchedulerOutput
 from trajserve.sim.cost_model import CostModel, StepCost, causal_pairs
 
@@ -62,3 +66,38 @@ class CostModelRunner:
         st.busy_s += total
         self.last = step
         return total
+
+
+class CostModelExecutor:
+    """The simulator's Executor (engine/core.py): the step's duration from the
+    cost model, after any KV copy the engine thread is still running (a keep
+    policy's saves and reloads, sim/pauses.py), and a token for each sampled
+    row: the replayed output where the call has one, else a fresh id (so the
+    next turn's prompt, which repeats it, hits the cache as a real one would)."""
+
+    def __init__(self, runner: CostModelRunner, tokens, pauses=None, prefix_tiers=None) -> None:
+        self.runner, self.tokens, self.pauses, self.prefix_tiers = runner, tokens, pauses, prefix_tiers
+        self.forced: dict[str, list[int]] = {}  # request id -> the output to replay
+        self.now = 0.0      # the clock when the step is scheduled (set by the simulator)
+        self.started = 0.0  # when the forward began (after the copies it waited for)
+
+    def execute(self, out: SchedulerOutput) -> ExecutorOutput:
+        start, pauses = self.now, self.pauses
+        if pauses is not None and pauses.copy_free_at > start:
+            # The engine thread is still copying KV between tiers.
+            pauses.stats.copy_wait_s += pauses.copy_free_at - start
+            start = pauses.copy_free_at
+        self.started = start
+        tiers = self.prefix_tiers
+        end = start + self.runner.execute(out, tiers.transfers() if tiers is not None else ())
+        rows, forced = self.runner.sampled, self.forced
+        if forced:
+            fresh, tokens = self.tokens.fresh_one, []
+            for req in rows:
+                outs = forced.get(req.request_id)
+                n = req.num_output_tokens
+                tokens.append(outs[n] if outs is not None and n < len(outs) else fresh())
+        else:
+            tok = self.tokens.reserve(len(rows))
+            tokens = list(range(tok, tok - len(rows), -1))
+        return ExecutorOutput([r.request_id for r in rows], tokens, end=end)

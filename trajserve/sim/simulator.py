@@ -5,9 +5,10 @@ Loop (one iteration = one engine step):
 
     arrivals with time <= clock enter the scheduler's queue
     idle (nothing queued or running): jump the clock to the next arrival
-    out = scheduler.schedule()           same code as LLMEngine.step()
-    clock += runner.execute(out)          cost model instead of the forward
-    scheduler.update(out, sampled, clock) placeholder tokens, fixed lengths
+    EngineCore.step()                     the engine's own step (engine/core.py):
+      scheduler.schedule()                  same code as LLMEngine.step()
+      CostModelExecutor.execute(out)        cost model instead of the forward: clock += its time
+      scheduler.update(out, sampled, clock) placeholder tokens, fixed lengths
     finished calls: record metrics; the session's next call arrives after its wait,
                     and meanwhile the keep policy places its state (sim/pauses.py)
 
@@ -40,7 +41,8 @@ from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler, SchedulerOutput
 from trajserve.kv.block_table import blocks_for
 from trajserve.sampling import SamplingParams
-from trajserve.sim.executor import CostModelRunner
+from trajserve.engine.core import EngineCore
+from trajserve.sim.executor import CostModelExecutor, CostModelRunner
 from trajserve.sim.pauses import PauseController
 from trajserve.sim.prefix_tiers import SimPrefixTiers
 from trajserve.sim.tokens import TokenSource
@@ -152,7 +154,6 @@ class Simulator:
         sched, kv, runner = self.sched, self.kv, self.runner
         pool = kv.pool
         B, nb = kv.block_size, kv.num_blocks
-        fresh, reserve = self.tokens.fresh_one, self.tokens.reserve
         feed_limit = sched.config.max_num_seqs
         gate = self.max_concurrency
         on_step = self.on_step
@@ -167,7 +168,9 @@ class Simulator:
         seq = len(sessions)
         arrived: deque[tuple[float, Session]] = deque()
         live: dict[str, tuple[Session, Call, bool]] = {}
-        forced: dict[str, list[int]] = {}
+        executor = CostModelExecutor(runner, self.tokens, pauses, tiers)
+        core = EngineCore(sched, executor)
+        forced = executor.forced  # request id -> the output to replay
         fork_on_first: dict[str, int] = {}
         rec, tl = Records(), Timeline()
         rejected: list[str] = []
@@ -218,8 +221,9 @@ class Simulator:
                 tl.waiting.append(len(sched.waiting) + len(arrived))
             if pauses is not None:
                 pauses.tick(clock)
-            out = sched.schedule()
-            if out.is_empty:
+            executor.now = clock
+            step = core.step()
+            if step is None:
                 if pauses is not None and pauses.relieve_stall():
                     continue
                 if idle_rounds < 100:
@@ -235,27 +239,9 @@ class Simulator:
                 raise RuntimeError("simulation stalled: requests queued but none can be scheduled "
                                    f"({len(sched.waiting)} waiting, {len(sched.running)} running)")
             idle_rounds = 0
-            if pauses is not None and pauses.copy_free_at > clock:
-                # The engine thread is still copying KV between tiers.
-                pauses.stats.copy_wait_s += pauses.copy_free_at - clock
-                clock = pauses.copy_free_at
-            start = clock
-            clock += runner.execute(out, tiers.transfers() if tiers is not None else ())
+            out, finished, clock = step.sched, step.finished, step.end
             if on_step is not None:
-                on_step(start, clock, out)
-
-            sampled: dict[str, int] = {}
-            if forced:
-                for req in runner.sampled:
-                    outs = forced.get(req.request_id)
-                    n = req.num_output_tokens
-                    sampled[req.request_id] = outs[n] if outs is not None and n < len(outs) else fresh()
-            else:
-                tok = reserve(len(runner.sampled))
-                for req in runner.sampled:
-                    sampled[req.request_id] = tok
-                    tok -= 1
-            finished = sched.update(out, sampled, clock)
+                on_step(executor.started, clock, out)
 
             if fork_on_first:
                 for c in out.chunks:

@@ -51,3 +51,29 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on():
     assert [[c.finish_reason for c in o.outputs] for o in ended] == [["error"], ["length"]]
     assert not engine.groups and engine.kv.pool.num_free + engine.kv.num_reclaimable == engine.kv.num_blocks
     engine.kv.pool.check()
+
+
+def test_an_idle_loop_runs_the_idle_hooks_so_a_lease_runs_out_with_no_request():
+    """No request in flight: the loop runs the step hooks' idle hooks, which a
+    session manager registered itself (nobody wires it onto the loop)."""
+    import time
+
+    from trajserve.engine.session import SessionManager
+    from trajserve.kv.keep_policy import Decision
+
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64)))
+    mgr = SessionManager(engine)
+    s = mgr.open(list(range(10, 60)))
+    s.generate(SamplingParams(max_tokens=2, temperature=0))
+    s.pause(decision="keep")
+    ae = AsyncEngine(engine)
+    ae.start()
+    try:
+        ae.submit(lambda _: mgr.machine.set_lease(s, time.monotonic()))
+        deadline = time.monotonic() + 10
+        while mgr.stats.lease_demotions == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        ae.shutdown()
+        mgr.shutdown()
+    assert mgr.stats.lease_demotions == 1 and s.tier is not Decision.KEEP

@@ -36,10 +36,9 @@ def test_victim_is_the_newest_or_the_cheapest_to_bring_back(pricer):
     victim is C (the newest, 6 computed blocks) by default, B (1 computed
     block, cheapest to recompute) with the break-even pricer."""
     kv = KVCacheManager(12, B, 0.0, enable_prefix_caching=True)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_prefill_chunk=256, admission_ceiling=1.0), kv)
-    if pricer:
-        rates = CostRates(prefill_tokens_per_s=1000.0, host_bytes_per_s=1e9, disk_bytes_per_s=1e9)
-        sched.pricer = PreemptionPricer(rates, 1000, B, can_swap=lambda n: False)
+    rates = CostRates(prefill_tokens_per_s=1000.0, host_bytes_per_s=1e9, disk_bytes_per_s=1e9)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_prefill_chunk=256, admission_ceiling=1.0), kv,
+                      PreemptionPricer(rates, 1000, B, can_swap=lambda n: False) if pricer else None)
     reqs = {name: Request(name, unique(i * 50, n), greedy(6), 10**6)
             for i, (name, n) in enumerate((("A", 16), ("B", 5), ("C", 24)))}
     for r in reqs.values():

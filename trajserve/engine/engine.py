@@ -96,15 +96,16 @@ class LLMEngine:
             self.lower = LowerTiers(self.runner.read_blocks, self.runner.write_blocks, cc.host_cache_bytes,
                                     cc.disk_cache_bytes, cc.disk_cache_dir, layout=self.block_layout)
             self.kv.attach_lower_tiers(self.lower)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
         # What the keep policy and preemption price with; a session manager
         # calibrates it and feeds real prefills and copies in.
         self.rates = CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9, disk_bytes_per_s=1e9)
-        if self.lower is not None:
+        pricer = None
+        if self.lower is not None:  # a host tier to swap preempted blocks to
             block_bytes = bytes_per_block(mc, cc.block_size, self.dtype)
             host = self.lower.host
-            self.scheduler.pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
-                                                     lambda n: n * block_bytes <= host.byte_cap)
+            pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
+                                      lambda n: n * block_bytes <= host.byte_cap)
+        self.scheduler = Scheduler(config.scheduler, self.kv, pricer)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.closed = False  # close(): its copy threads are gone, so no new work

@@ -72,14 +72,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pricer: PreemptionPricer | None = None) -> None:
+        """pricer: prices swap against recompute for preemption (an engine with a
+        host tier); without one a preempted request is recomputed."""
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # preemptions that swapped their blocks out (the rest recompute)
-        self.pricer: PreemptionPricer | None = None  # set by an engine with a host tier
+        self.pricer = pricer
         if not 0 < config.admission_ceiling <= 1:
             raise ValueError(f"admission ceiling must be in (0, 1], got {config.admission_ceiling}")
         self.ceiling_blocks = int(config.admission_ceiling * kv.num_blocks)

@@ -199,7 +199,7 @@ class SessionManager:
         self._ids = itertools.count()
         self.stalled = False  # the last step ran nothing and could release nothing
         # Every engine step runs the manager's housekeeping, whoever steps it.
-        engine.step_hooks.add(self, before=self.tick, after=self._after_step)
+        engine.step_hooks.add(self, before=self.tick, after=self._after_step, idle=self.tick)
 
     @property
     def host(self):

@@ -68,7 +68,6 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     state = ServerState(aengine, names, metrics, manager, calls_format)
     if manager is not None:
         aengine.extra_metrics = lambda: {"sessions": manager.metrics()}
-        aengine.on_idle = manager.tick  # its step hooks run around every engine step; this, while idle
         # On the engine thread, before the first request (calibrate skips its
         # prefill if one got in first: it must not step other requests).
         aengine.submit(lambda _: _calibrate(manager))

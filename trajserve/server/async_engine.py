@@ -69,9 +69,6 @@ class AsyncEngine:
         self.num_failed_steps = 0  # steps that raised and were recovered from (_fail_in_flight)
         # More figures for the snapshot, computed on the engine thread.
         self.extra_metrics: Callable[[], dict] | None = None
-        # What to run while idle (a session manager's leases, prefetch,
-        # expiry; its step hooks run them around every engine step).
-        self.on_idle: Callable[[], None] | None = None
         self._thread = threading.Thread(target=self._run, name="trajserve-engine", daemon=True)
 
     # ------------------------------------------------------------ lifecycle
@@ -178,8 +175,7 @@ class AsyncEngine:
             while not self._stop:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
-                    if self.on_idle is not None:
-                        self.on_idle()
+                    engine.step_hooks.idle()  # a session manager's leases, prefetches, expiry
                     self._refresh_snapshot()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()

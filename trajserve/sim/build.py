@@ -50,22 +50,22 @@ class SimSetup:
         n = num_blocks if num_blocks is not None else self.num_blocks
         kv = KVCacheManager(n, self.block_size, self.watermark, enable_prefix_caching=self.prefix_caching,
                             model_id=self.model.name)
-        sched = Scheduler(self.scheduler, kv)
         tokens = TokenSource(self.block_size)
         cost = self.cost
         runner = CostModelRunner(cost, self.block_size)
-        pauses = None
-        if self.keep_policy != "cache" and self.prefix_caching:
-            pauses = PauseController(sched, cost, mode=self.keep_policy, wait_hint=self.wait_hint,
-                                     host_bytes=self.host_kv_bytes, disk_bytes=self.disk_kv_bytes)
-        tiers = None
+        tiers = pricer = None
         if (self.prefix_host_blocks or self.prefix_disk_blocks) and self.prefix_caching:
             tiers = SimPrefixTiers(kv, self.prefix_host_blocks, self.prefix_disk_blocks)
             # Preemption swaps or recomputes by the break-even rule, as in the engine.
             host_cap = self.prefix_host_blocks
-            sched.pricer = PreemptionPricer(rates_from_cost(cost, self.scheduler.max_prefill_chunk),
-                                            int(cost.model.m_token * self.block_size), self.block_size,
-                                            lambda n: n <= host_cap)
+            pricer = PreemptionPricer(rates_from_cost(cost, self.scheduler.max_prefill_chunk),
+                                      int(cost.model.m_token * self.block_size), self.block_size,
+                                      lambda n: n <= host_cap)
+        sched = Scheduler(self.scheduler, kv, pricer)
+        pauses = None
+        if self.keep_policy != "cache" and self.prefix_caching:
+            pauses = PauseController(sched, cost, mode=self.keep_policy, wait_hint=self.wait_hint,
+                                     host_bytes=self.host_kv_bytes, disk_bytes=self.disk_kv_bytes)
         return Simulator(sched, runner, tokens, max_concurrency=max_concurrency, progress=progress,
                          desc=desc, pauses=pauses, prefix_tiers=tiers), tokens
 

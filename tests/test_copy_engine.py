@@ -228,3 +228,29 @@ def test_paused_again_before_the_reload_landed_leaks_nothing(mgr, monkeypatch):
     assert s.copy is None and s.hold is None and not copy.loading
     s.resume(OBS)
     s.close()
+
+
+def test_a_prefetch_without_room_leaves_the_state_on_its_tier_for_the_resume(mgr, monkeypatch):
+    """The pool has no room when the prefetch is due: the saved blocks stay on
+    the host tier (nothing released), and the resume loads them and hits."""
+    task = "List the changed files."
+    ref = turns(mgr, task, lambda s: s.history.extend(mgr.engine.tokenizer.encode(OBS, add_special_tokens=False)))
+    mgr.engine.kv.clear_cache()
+    kv = mgr.engine.kv
+
+    def no_room_then_resume(s):
+        s.pause(decision="host", expected_wait_s=60)
+        mgr.flush()
+        saved = s.saved_blocks
+        assert saved > 0
+        monkeypatch.setattr(kv, "begin_import", lambda *a, **k: None)
+        mgr.machine.set_prefetch(s, time.monotonic())
+        mgr.tick()
+        monkeypatch.undo()
+        assert not s.prefetched and s.copy is None and s.saved_blocks == saved and mgr.host.nbytes > 0
+        assert s.residency.value == "offloaded" and mgr.stats.reload_no_room == 1
+        s.resume(OBS)
+    out = turns(mgr, task, no_room_then_resume)
+    assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    # Every full block came back: only the history's partial last block is recomputed.
+    assert mgr.stats.resume_stalls == 1 and mgr.stats.recomputed_tokens < kv.block_size and mgr.host.nbytes == 0

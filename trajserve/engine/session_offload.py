@@ -228,8 +228,9 @@ class SessionOffload:
             got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None:
             self.stats.reload_no_room += 1
-            self.release_saved(s)
-            return False
+            if landed is None:  # a resume: the turn recomputes what it cannot load
+                self.release_saved(s)
+            return False  # a prefetch: the state stays on its tier for the resume to try again
         hit, new_ids = got
         have = len(hit.block_ids)
         copy = self.engine.runner.copy

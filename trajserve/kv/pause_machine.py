@@ -84,7 +84,9 @@ class Transfers(Protocol):
     def load(self, p: PausedRecord, now: float, landed: Callable[[PausedRecord, bool], None] | None) -> bool:
         """Bring saved blocks back into the tree: for a resume (landed None) at
         once, for a prefetch in the background, calling landed(p, ok) when the
-        blocks join the tree (or nothing came back). False when the device has no room."""
+        blocks join the tree (or nothing came back). False when the device has
+        no room: a prefetch leaves the state on its tier, a resume gives it up
+        (its turn recomputes it)."""
 
     def reload_s(self, p: PausedRecord, tier: Decision) -> float: ...
 
@@ -341,7 +343,7 @@ class PauseMachine:
             return
         p.residency = Residency.LOADING
         if not self.transfers.load(p, now, self.prefetch_landed):
-            p.residency = Residency.OFFLOADED  # no room: the resume tries again
+            p.residency = Residency.OFFLOADED  # no room now: the state stays on its tier, the resume tries again
 
     def _timer(self, t: float, kind: str, p: PausedRecord) -> None:
         heapq.heappush(self._timers, (t, next(self._seq), kind, p))

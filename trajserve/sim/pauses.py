@@ -150,20 +150,23 @@ class CostModelLink:
         self.kv.evict_prefix(p.history, p.cache_salt, p.keys)
 
     def load(self, p: Paused, now: float, landed) -> bool:
-        ok = self._reload(p, now)
+        ok = self._reload(p, now, keep_if_no_room=landed is not None)
         if landed is None:  # a resume: its call (and the whole next step) waits for the copy queue to drain
             self.stats.resume_stall_s += max(0.0, self.copy_free_at - now)
         elif ok:
             landed(p, True)
         return ok
 
-    def _reload(self, p: Paused, now: float) -> bool:
+    def _reload(self, p: Paused, now: float, keep_if_no_room: bool) -> bool:
         """Saved blocks back into fresh device blocks and into the tree (a
-        disk reload streams NVMe -> host -> device: the slower link sets the pace)."""
+        disk reload streams NVMe -> host -> device: the slower link sets the
+        pace). No room: a prefetch leaves the state on its tier (the resume
+        tries again), a resume gives it up (the call recomputes it)."""
         kv = self.kv
         got = kv.begin_import(p.history, p.cache_salt, p.saved_blocks, p.keys)
         if got is None:
-            self._release(p)
+            if not keep_if_no_room:
+                self._release(p)
             return False
         hit, new_ids = got
         k = len(new_ids)

@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from trajserve.engine.core import EngineCore
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler, SchedulerOutput
 from trajserve.kv.block_table import blocks_for
 from trajserve.sampling import SamplingParams
-from trajserve.engine.core import EngineCore
 from trajserve.sim.executor import CostModelExecutor, CostModelRunner
 from trajserve.sim.pauses import PauseController
 from trajserve.sim.prefix_tiers import SimPrefixTiers

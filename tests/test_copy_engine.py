@@ -157,7 +157,8 @@ def test_resume_before_the_save_lands_keeps_the_state_on_the_device(mgr):
         assert s.copy is None and s.hold is None and s.table is None
     out = turns(mgr, task, quick)
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-    assert mgr.stats.swap_in_bytes == 0 and mgr.host.nbytes == 0 and mgr.offload._host_reserved == 0
+    assert mgr.stats.swap_in_bytes == 0 and mgr.host.nbytes == 0 and mgr.offload.tiers.held_bytes()["host"] == 0
+    assert mgr.offload.tiers.hold_free_bytes("host") == mgr.host.byte_cap  # nothing reserved
     assert out.num_cached_tokens >= ref.num_cached_tokens
 
 

@@ -104,7 +104,7 @@ def test_a_failed_session_write_leaves_a_working_session(mgr, engine_f32, caplog
     assert first.outputs[0].token_ids == want
     s.pause(decision="disk")
     mgr.flush()
-    assert mgr.metrics()["write_errors"] == 1 and "No space left" in caplog.text
+    assert mgr.metrics()["write_errors"] >= 1 and "No space left" in caplog.text
     s.resume(" Now run the tests.")
     out = s.generate(greedy)
     assert out.num_cached_tokens == 0  # nothing was saved: recomputed

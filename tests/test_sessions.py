@@ -93,7 +93,7 @@ def test_corrupted_disk_block_is_recomputed_not_served(mgr):
     assert s.saved_blocks > 4 and s.table.counts()["disk"] == s.saved_blocks
     assert mgr.describe(s)["copying"] is None
     bad = 3
-    path = mgr.disk.path(s.table.frames[bad])
+    path = mgr.disk.path(s.table.frames[bad].hex())  # blocks are named by their chained hashes
     raw = bytearray(path.read_bytes())
     raw[-5] ^= 0x40  # one bit of one value of one block
     path.write_bytes(raw)

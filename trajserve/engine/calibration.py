@@ -122,10 +122,30 @@ def _plausible(name: str, rate: float, ref: float, remeasure, notes: list[str]) 
     return clamped
 
 
+def _host_and_disk(engine, disk, ids, n, block_bytes, host_job, ref, rates: CostRates, found: dict,
+                   notes: list[str]) -> None:
+    """B_host and B_disk timed in turns (so neither sees a quieter machine)."""
+    trip = _DiskTrip(engine, disk, ids[:max(1, min(n, -(-DISK_BYTES // block_bytes)))])
+    found["disk_bytes"] = trip.nbytes
+    host, d = _median_rates([host_job, (trip, trip.nbytes)])
+    found["host_measured_bytes_per_s"], found["disk_measured_bytes_per_s"] = host, d
+    host = _plausible("host copy", host, ref, lambda: _median_rate(*host_job), notes)
+    rates.host_bytes_per_s = host
+    if trip.ok:
+        d = _plausible("disk", d, ref, lambda: _median_rate(trip, trip.nbytes), notes)
+    if not trip.ok:
+        notes.append("disk round trip failed: default disk rate kept")
+    else:
+        if d > host:
+            notes.append(f"disk {d / 1e9:.2f} GB/s above the host copy: capped at it")
+            d = host
+        rates.disk_bytes_per_s = d
+
+
 def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -> dict:
     """Measure B_host (device -> host block copy), B_disk (write + read back)
     and R_prefill on this engine, now, into `rates`. disk: a DiskKVStore whose
-    owner holds its lock. The engine must be idle; the blocks it borrows go
+    owner holds its lock (None: no disk tier, the host copy only). The engine must be idle; the blocks it borrows go
     back to the pool, the prefill's cache entries are dropped."""
     kv = engine.kv
     block_bytes = engine.block_layout.payload_bytes
@@ -140,21 +160,13 @@ def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -
             ref = memcpy_rate(n * block_bytes)
             found["memcpy_bytes_per_s"] = ref
             host_job = _host_job(engine, ids, reps)
-            trip = _DiskTrip(engine, disk, ids[:max(1, min(n, -(-DISK_BYTES // block_bytes)))])
-            found["disk_bytes"] = trip.nbytes
-            host, d = _median_rates([host_job, (trip, trip.nbytes)])
-            found["host_measured_bytes_per_s"], found["disk_measured_bytes_per_s"] = host, d
-            host = _plausible("host copy", host, ref, lambda: _median_rate(*host_job), notes)
-            rates.host_bytes_per_s = host
-            if trip.ok:
-                d = _plausible("disk", d, ref, lambda: _median_rate(trip, trip.nbytes), notes)
-            if not trip.ok:
-                notes.append("disk round trip failed: default disk rate kept")
+            if disk is None:  # no disk tier: the host copy alone
+                host = _median_rates([host_job])[0]
+                found["host_measured_bytes_per_s"] = host
+                rates.host_bytes_per_s = _plausible("host copy", host, ref, lambda: _median_rate(*host_job), notes)
+                notes.append("no disk tier: default disk rate kept")
             else:
-                if d > host:
-                    notes.append(f"disk {d / 1e9:.2f} GB/s above the host copy: capped at it")
-                    d = host
-                rates.disk_bytes_per_s = d
+                _host_and_disk(engine, disk, ids, n, block_bytes, host_job, ref, rates, found, notes)
         finally:
             kv.pool.free(ids)
     # Half the pool at most, so a small pool still runs it.

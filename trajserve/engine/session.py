@@ -151,7 +151,6 @@ class SessionStats(PauseCounts):
     swap_out_s: float = 0.0
     swap_in_s: float = 0.0
     corrupt_blocks: int = 0  # saved blocks rejected on the way back: damaged or not the block saved
-    write_errors: int = 0  # disk writes that failed: those blocks are recomputed on resume
     resume_stall_s: float = 0.0  # time resumed turns waited for their state (loads not hidden)
     reload_hidden_s: float = 0.0  # copy time of resume reloads hidden behind the turn's prefill
     reload_no_room: int = 0  # reloads given up because the pool had no room (the turn recomputes)
@@ -168,7 +167,10 @@ class SessionManager:
         closed (its saved state freed); max_sessions: opening one more closes
         the least recently active. Both off by default, for callers that hold
         their Session objects; the server sets them (--session-ttl,
-        --max-sessions), since its clients need not say when they are done."""
+        --max-sessions), since its clients need not say when they are done.
+        host_bytes / disk_dir / disk_bytes: the tiers saved state goes to when
+        the engine has none of its own (--kv-host-cache, --kv-disk-cache);
+        with the engine's, those are the one store for both."""
         if engine.kv.radix is None:
             raise ValueError("sessions keep their state in the prefix cache: enable prefix caching")
         if engine.kv.reclaimer is not None:
@@ -469,16 +471,18 @@ class SessionManager:
             raise ValueError(f"{what}: session {s.session_id!r} is closed{why}")
 
     def metrics(self) -> dict:
-        st = self.stats
+        st, tiers = self.stats, self.offload.tiers
         return {"sessions": len(self.sessions), "paused": len(self.machine.paused),
                 "keep_decisions": dict(st.decisions), "placed": dict(st.placed),
                 "demoted_to": dict(st.demoted_to),
-                "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes,
+                # The tiers' contents (the prefix cache's too when they are the engine's); what sessions hold:
+                "host_bytes": self.host.nbytes, "disk_bytes": self.disk.nbytes if self.disk is not None else 0,
+                "held_blocks": tiers.num_held(), "held_bytes": tiers.held_bytes(),
                 "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
                 "swap_out_s": st.swap_out_s, "swap_in_s": st.swap_in_s, "corrupt_blocks": st.corrupt_blocks,
-                "write_errors": st.write_errors, "lease_demotions": st.lease_demotions,
+                "write_errors": tiers.stats.write_errors, "lease_demotions": st.lease_demotions,
                 "recomputed_tokens": st.recomputed_tokens,
-                "host_blocks": len(self.host), "disk_blocks": self.disk.num_blocks,
+                "host_blocks": len(self.host), "disk_blocks": tiers.num_disk_blocks,
                 "pressure_demotions": st.pressure_demotions, "stall_drops": st.stall_drops,
                 "prefetches": st.prefetches, "prefetch_hits": st.prefetch_hits,
                 "resume_stalls": st.resume_stalls, "resume_stall_s": st.resume_stall_s,

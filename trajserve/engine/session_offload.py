@@ -13,92 +13,81 @@ decisions out on the engine's hardware (spec "异步分页换入换出", "分层
           streams in under the turn's prefill (the forward waits per layer);
           prefetch: read and copied in the background, adopted when it lands
 
-Room on each tier is reserved when a save starts (the host copy and the
-queued disk write count against the caps), so a full tier falls through
-before anything is copied. A block that fails its checks on the way back
-ends the run there: everything from it on is recomputed, never served
-corrupt. Saved blocks are keyed by this store's own counter, never by a
-client's session id.
+The tiers are the prefix cache's lower tiers (kv/lower_tiers.py): the
+engine's when it has them (--kv-host-cache / --kv-disk-cache), else a pair
+this offload makes and attaches for matching only (LRU does not spill into
+it). Saved blocks are ordinary tier blocks named by their chained hashes
+(never by a client's session id), held while their session waits
+(kv/tier_holds.py): a preamble two sessions share, or one LRU spilled, is
+stored once. Room is reserved when a save starts, so a full tier falls
+through before anything is copied; one writer thread writes the disk tier.
+A block that fails its checks on the way back (identity or CRC) ends the
+run there: everything from it on is recomputed, never served corrupt. A
+resume without room on the device lets go of its holds and leaves the
+blocks on their tier, where the turn's own match promotes what it can.
 """
 from __future__ import annotations
 
-import itertools
-import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from trajserve.engine.calibration import calibrate_rates
 from trajserve.engine.memory import bytes_per_block
-from trajserve.kv.block_format import BlockIdentity, namespace_digest
-from trajserve.kv.dir_lock import ScratchDir
+from trajserve.kv.block_format import namespace_digest
 from trajserve.kv.keep_policy import CostRates, Decision
+from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.kv.pause_machine import Residency
 from trajserve.kv.tiered_table import Tier, TieredBlockTable
-from trajserve.kv.tiers import DISK_HEADER_BYTES, DiskKVStore, HostKVStore
+from trajserve.kv.tiers import DISK_HEADER_BYTES
 
-log = logging.getLogger("trajserve")
+TIER_NAME = {Decision.HOST: "host", Decision.DISK: "disk"}
 
 
 class SessionOffload:
-    """Transfers (kv/pause_machine.py) over the runner's copy engine and a host
-    and a disk store. Works on the engine's Session records (engine/session.py):
+    """Transfers (kv/pause_machine.py) over the runner's copy engine and the
+    lower tiers. Works on the engine's Session records (engine/session.py):
     their copy, hold, table, saving, importing and io fields are its own."""
 
     def __init__(self, engine, rates: CostRates, stats, host_bytes: int, disk_dir: str | None,
                  disk_bytes: int, overlap_reload: bool = True) -> None:
         self.engine, self.rates, self.stats = engine, rates, stats
         self.block_bytes = bytes_per_block(engine.model_config, engine.kv.block_size, engine.dtype)
-        self.host = HostKVStore(host_bytes)
-        # Saved state does not outlive the manager: a scratch directory of its
-        # own (locked while it runs, swept by the next one if it is killed).
-        self._tmp = None if disk_dir else ScratchDir("session")
-        self.disk = DiskKVStore(disk_dir or self._tmp.name, disk_bytes, engine.block_layout,
-                                lock=disk_dir is not None)
-        self._saves = itertools.count()  # names saved blocks: never the client's session id
-        self._idents: dict[str, BlockIdentity] = {}  # saved block key -> what its file must hold
+        if engine.lower is not None:  # one store: the prefix cache's tiers
+            self.tiers, self._own = engine.lower, False
+        else:
+            # Saved state does not outlive the manager: its directory (or a
+            # scratch one) is locked while it runs and emptied at shutdown.
+            self.tiers = LowerTiers(engine.runner.read_blocks, engine.runner.write_blocks, host_bytes, disk_bytes,
+                                    disk_dir, layout=engine.block_layout, keep_files=False)
+            engine.kv.attach_lower_tiers(self.tiers, spill=False)
+            self._own = True
         # False: a resume waits for its whole reload before the turn runs (the
         # serial baseline the overlap is measured against).
         self.overlap_reload = overlap_reload
-        # One writer thread: disk writes leave the engine thread; the disk
-        # store is touched under the lock (the thread writes, resume reads).
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-io")
-        self._disk_lock = threading.Lock()
-        self._disk_pending = 0  # bytes of writes queued, reserved on the disk cap
-        self._host_reserved = 0  # bytes of host saves still copying
         self.copying: dict[str, object] = {}  # session id -> session with a copy in flight (pruned by poll)
 
+    @property
+    def host(self):
+        return self.tiers.host
+
+    @property
+    def disk(self):
+        return self.tiers.disk
+
     # ------------------------------------------------------------- capacity
+    def _nbytes(self, tier: Decision, nblocks: int) -> int:
+        return nblocks * (self.block_bytes if tier is Decision.HOST else DISK_HEADER_BYTES + self.block_bytes)
+
     def free_bytes(self, tier: Decision) -> int:
-        if tier is Decision.HOST:
-            return self.host.free_bytes - self._host_reserved
-        # Both under the lock: the I/O thread moves bytes from pending to written.
-        with self._disk_lock:
-            return max(0, self.disk.free_bytes - self._disk_pending)
+        return self.tiers.hold_free_bytes(TIER_NAME[tier])
 
     def reserve(self, tier: Decision, nblocks: int) -> bool:
-        if tier is Decision.HOST:
-            nbytes = nblocks * self.block_bytes
-            if nbytes > self.free_bytes(Decision.HOST):
-                return False
-            self._host_reserved += nbytes
-            return True
-        nbytes = nblocks * (DISK_HEADER_BYTES + self.block_bytes)
-        with self._disk_lock:  # check and reserve in one step
-            if nbytes > self.disk.free_bytes - self._disk_pending:
-                return False
-            self._disk_pending += nbytes
-        return True
+        return self.tiers.reserve(TIER_NAME[tier], self._nbytes(tier, nblocks))
 
     def _unreserve(self, tier: Decision, nblocks: int) -> None:
-        if tier is Decision.HOST:
-            self._host_reserved -= nblocks * self.block_bytes
-        else:
-            with self._disk_lock:
-                self._disk_pending -= nblocks * (DISK_HEADER_BYTES + self.block_bytes)
+        self.tiers.unreserve(TIER_NAME[tier], self._nbytes(tier, nblocks))
 
     def reload_s(self, s, tier: Decision) -> float:
         """The policy's estimate of the reload (what the decision priced)."""
@@ -125,20 +114,12 @@ class SessionOffload:
         self.engine.runner.copy.finish(job)
         s.copy, s.saving = None, None
         data, job.data = job.data, None
-        save = next(self._saves)
-        keys = [f"save{save}-{i}" for i in range(data.shape[0])]
         ns = namespace_digest(self.engine.kv.namespace(s.cache_salt))
-        for k, h in zip(keys, hashes):
-            self._idents[k] = BlockIdentity(ns, h)
+        held = self.tiers.hold(ns, hashes, data, TIER_NAME[tier], self._nbytes(tier, nblocks))
+        # The table names the blocks by their chained hashes (the disk writer thread may still be writing them).
+        s.table = TieredBlockTable(Tier.HOST if tier is Decision.HOST else Tier.DISK, hashes[:held])
         if tier is Decision.HOST:
-            self._unreserve(tier, nblocks)
-            for k, block in zip(keys, data):
-                ok = self.host.put(k, block, copy=False)  # a fresh host tensor, reserved room
-                assert ok, "host tier reservation did not hold"
             self.rates.observe_host_copy(job.nbytes, job.seconds)
-        else:
-            s.io = self._io.submit(self._write_disk, keys, data, nblocks)
-        s.table.remap(0, Tier.HOST if tier is Decision.HOST else Tier.DISK, keys)
         s.residency = Residency.OFFLOADED
         self.stats.swap_out_bytes += job.nbytes
         self.stats.swap_out_s += job.seconds
@@ -169,42 +150,6 @@ class SessionOffload:
         self.engine.kv.unpin(s.hold)
         s.hold = None
 
-    def _write_disk(self, keys: list[str], data: torch.Tensor, nblocks: int) -> tuple[int, int, float]:
-        """On the I/O thread: write the blocks. Returns (blocks written, bytes,
-        seconds); the engine thread accounts them when it collects the result.
-        A write that fails (disk full, an I/O error) ends the run there: it is
-        logged and counted, and the blocks from it on are recomputed on resume."""
-        t = time.perf_counter()
-        written = 0
-        with self._disk_lock:
-            self._disk_pending -= nblocks * (DISK_HEADER_BYTES + self.block_bytes)
-            for i, k in enumerate(keys):
-                try:
-                    if not self.disk.put(k, data[i], self._idents[k]):
-                        break
-                except Exception as e:  # noqa: BLE001 - on the writer thread: the turn must not fail for ever
-                    log.warning("session disk tier: writing a saved block failed (%s); the state from "
-                                "block %d on will be recomputed", e, i)
-                    self.disk.path(k).with_suffix(".tmp").unlink(missing_ok=True)
-                    self.stats.write_errors += 1
-                    break
-                written += 1
-        return written, written * data[0].numel() * data.element_size(), time.perf_counter() - t
-
-    def _collect_write(self, s) -> None:
-        """Wait for the session's disk write (if any); entries it could not
-        write are dropped from the table (recomputed on resume)."""
-        if s.io is None:
-            return
-        written, nbytes, dt = s.io.result()
-        s.io = None
-        self.rates.observe_disk_copy(nbytes, dt)
-        self.stats.swap_out_s += dt
-        if s.table is not None:
-            for _, key in s.table.frames_in(Tier.DISK)[written:]:
-                self._idents.pop(key, None)
-            s.table.truncate(written)
-
     # ----------------------------------------------------------------- load
     def load(self, s, now: float, landed: Callable | None) -> bool:
         """Bring saved blocks back into fresh device blocks. False when the
@@ -219,8 +164,7 @@ class SessionOffload:
 
     def _start_load(self, s, landed: Callable | None) -> bool:
         kv = self.engine.kv
-        self._collect_write(s)
-        if s.table is None:  # nothing saved (released when an earlier load found no room)
+        if s.table is None:  # nothing saved
             return False
         got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None and self.land_saves():
@@ -228,9 +172,9 @@ class SessionOffload:
             got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None:
             self.stats.reload_no_room += 1
-            if landed is None:  # a resume: the turn recomputes what it cannot load
-                self.release_saved(s)
-            return False  # a prefetch: the state stays on its tier for the resume to try again
+            if landed is None:  # a resume: the blocks stay on their tier, unheld, for the turn's match to promote
+                self.release_saved(s, forget=False)
+            return False  # a prefetch: the state stays held on its tier for the resume to try again
         hit, new_ids = got
         have = len(hit.block_ids)
         copy = self.engine.runner.copy
@@ -255,16 +199,8 @@ class SessionOffload:
         """Saved blocks [start, end) from their tiers, up to the first one
         missing or failing its checks (may run on the copy thread). Host
         blocks are not copied here: the copy engine gathers them per layer."""
-        blocks = []
-        with self._disk_lock:
-            for i in range(start, min(end, len(s.table))):
-                tier, key = s.table.tiers[i], s.table.frames[i]
-                b = (self.host.get(key) if tier is Tier.HOST else
-                     self.disk.get(key, self._idents[key]) if tier is Tier.DISK else None)
-                if b is None:  # missing or corrupt: recompute from here on
-                    break
-                blocks.append(b)
-        return blocks
+        ns = namespace_digest(self.engine.kv.namespace(s.cache_salt))
+        return self.tiers.fetch(ns, s.table.frames[start:min(end, len(s.table))])
 
     def _land_load(self, s) -> None:
         """A load finished (waits for it if not): a prefetch's blocks join the
@@ -293,7 +229,7 @@ class SessionOffload:
             self.stats.reload_hidden_s += max(0.0, job.seconds - job.waited_s - waited)
         self.stats.swap_in_bytes += job.nbytes
         self.stats.swap_in_s += job.seconds
-        self.stats.corrupt_blocks = self.disk.num_rejected
+        self.stats.corrupt_blocks = self.tiers.stats.corrupt_blocks
         if job.nbytes:
             self.rates.observe_host_copy(job.nbytes, job.seconds)
 
@@ -336,18 +272,13 @@ class SessionOffload:
             if s.copy is None:
                 self.copying.pop(sid, None)
 
-    def release_saved(self, s) -> None:
-        """Let go of the session's blocks on the host and disk tiers."""
-        self._collect_write(s)  # a write in flight must land before its files go
+    def release_saved(self, s, forget: bool = True) -> None:
+        """Let go of the session's blocks on the tiers; forget: also drop those
+        nobody else holds (they are on the device again, or the session closed)."""
         if s.table is None:
             return
-        with self._disk_lock:
-            for _, key in s.table.frames_in(Tier.HOST):
-                self.host.discard(key)
-                self._idents.pop(key, None)
-            for _, key in s.table.frames_in(Tier.DISK):
-                self.disk.discard(key)
-                self._idents.pop(key, None)
+        for tier in (Tier.HOST, Tier.DISK):  # device frames (a reload streaming in) hold nothing on a tier
+            self.tiers.release([h for _, h in s.table.frames_in(tier)], forget)
         s.table = None
 
     def share_saved(self, s) -> None:
@@ -359,7 +290,6 @@ class SessionOffload:
         if s.table is None or s.tier not in (Decision.HOST, Decision.DISK):
             return  # on the device already (kept, prefetched) or dropped
         kv = self.engine.kv
-        self._collect_write(s)
         got = kv.begin_import(s.history, s.cache_salt, len(s.table))
         if got is None:
             return  # no room: the children recompute
@@ -369,22 +299,26 @@ class SessionOffload:
         if data:
             self.engine.runner.write_blocks(new_ids[:len(data)], torch.stack(data))
         kv.finish_import(s.history, s.cache_salt, hit, new_ids, len(data))
-        self.stats.corrupt_blocks = self.disk.num_rejected
+        self.stats.corrupt_blocks = self.tiers.stats.corrupt_blocks
 
     def flush(self, sessions) -> None:
         """Land every copy in flight and wait until every queued disk write has landed."""
         for s in sessions:
             self.land(s)
-            self._collect_write(s)
+        self.tiers.flush()
 
     def calibrate(self, prefill_tokens: int) -> dict:
-        """Measure the policy's rates on this machine (engine/calibration.py), over this disk tier."""
-        with self._disk_lock:
-            return calibrate_rates(self.engine, self.rates, self.disk, prefill_tokens)
+        """Measure the policy's rates on this machine (engine/calibration.py), over the disk tier."""
+        if self.tiers.disk is None:
+            return calibrate_rates(self.engine, self.rates, None, prefill_tokens)
+        with self.tiers._lock:
+            return calibrate_rates(self.engine, self.rates, self.tiers.disk, prefill_tokens)
 
     def close(self) -> None:
-        """Queued writes land; the copy engine is the runner's: it stays."""
-        self._io.shutdown(wait=True)
-        self.disk.release()
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        """Queued writes land; tiers of its own are emptied and detached (the
+        engine's stay); the copy engine is the runner's: it stays."""
+        if self._own:
+            self.engine.kv.attach_lower_tiers(None)
+            self.tiers.close()
+        else:
+            self.tiers.flush()

@@ -138,13 +138,14 @@ class KVCacheManager(PathOps):
             hit = self._promote(ns, keys, hit, len(token_ids))
         return hit if hit.num_tokens else None
 
-    def attach_lower_tiers(self, lower: LowerTierCache | None) -> None:
-        """LRU eviction now moves blocks down to `lower` instead of dropping
-        them, and a match continues into what it holds."""
+    def attach_lower_tiers(self, lower: LowerTierCache | None, spill: bool = True) -> None:
+        """A match continues into what `lower` holds; with spill, LRU eviction
+        also moves blocks down to it instead of dropping them (without: only
+        paused sessions store there)."""
         if self.radix is None:
             raise ValueError("lower KV tiers extend the prefix cache: enable prefix caching")
         self.lower = lower
-        self.radix.spill = lower
+        self.radix.spill = lower if spill else None
 
     def _promote(self, ns: Hashable, keys: list[BlockKey], hit: MatchResult, num_tokens: int) -> MatchResult:
         """The device match stopped short: load the blocks that follow it from

@@ -17,6 +17,13 @@ is exactly the KV the tree would have computed for that position. Each tier
 is exclusive: a block loaded back leaves the tier (it is on the device, and
 will come down again if evicted again).
 
+Paused agent sessions store their state here too (engine/session_offload.py),
+under the same chained hashes: a block already on a tier (a shared preamble
+another session saved, or LRU spilled) is held, not stored again. A held
+block is never evicted by LRU (its room was reserved before its copy began);
+when the last hold goes it is an ordinary tier block, which a match can
+promote, or is forgotten when the session has it back on the device.
+
 Disk blocks carry their identity and a checksum (kv/block_format.py): a
 block that is damaged or is not the one asked for (another namespace,
 hash, model or layout) is reported missing, so the match stops there and
@@ -51,7 +58,8 @@ from dataclasses import dataclass
 import torch
 
 from trajserve.kv.block_format import BlockIdentity, BlockLayout, namespace_digest
-from trajserve.kv.dir_lock import ScratchDir
+from trajserve.kv.dir_lock import ScratchDir, sweep_orphans
+from trajserve.kv.tier_holds import SessionHolds
 from trajserve.kv.tiers import DiskKVStore, HostKVStore
 
 log = logging.getLogger("trajserve")
@@ -97,13 +105,15 @@ def _ns_digest(namespace: Hashable) -> bytes:
     return namespace_digest(namespace)
 
 
-class LowerTiers:
+class LowerTiers(SessionHolds):
     def __init__(self, read_blocks: ReadBlocks, write_blocks: WriteBlocks, host_bytes: int,
                  disk_bytes: int = 0, disk_dir: str | None = None, *, layout: BlockLayout | None = None,
-                 files: bool = True, copy: bool = True) -> None:
+                 files: bool = True, copy: bool = True, keep_files: bool = True) -> None:
         """layout: the engine's KV block layout (model fingerprint, dtype,
         shape), which every disk file carries. disk_dir: a directory kept
-        across restarts; without one, a scratch directory removed at close."""
+        across restarts (keep_files False: locked while in use, emptied at
+        close: paused sessions' state does not outlive its manager); without
+        one, a scratch directory removed at close."""
         if host_bytes < 0 or disk_bytes < 0:
             raise ValueError("lower tier sizes must be >= 0 bytes")
         self._read, self._write = read_blocks, write_blocks
@@ -117,12 +127,13 @@ class LowerTiers:
         elif disk_bytes:
             if layout is None:
                 raise ValueError("a disk tier needs the KV block layout its files carry")
+            sweep_orphans()  # scratch directories of engines that were killed (a scratch tier sweeps too)
             if disk_dir is None:
                 self._tmp = ScratchDir("cache")
                 self.disk = DiskKVStore(self._tmp.name, disk_bytes, layout, lock=False)
             else:
                 self.disk = DiskKVStore(disk_dir, disk_bytes, layout)
-                self.persistent = True
+                self.persistent = keep_files
         self._ns: dict[str, bytes] = {}            # key -> namespace digest
         self._by_ns: dict[bytes, set[str]] = {}    # namespace digest -> keys in either tier
         self.stats = LowerTierStats()
@@ -131,6 +142,11 @@ class LowerTiers:
         self._disk_used = 0
         # Real files: one writer thread; the disk store is touched under the lock.
         self._pending: dict[str, tuple[torch.Tensor, BlockIdentity]] = {}
+        # Paused sessions' holds: key -> number of holders, and the bytes per
+        # tier held or reserved for saves still copying (LRU never takes them).
+        self._holds: dict[str, int] = {}
+        self._held_bytes = {"host": 0, "disk": 0}
+        self._reserved = {"host": 0, "disk": 0}
         self._lock = threading.Lock()
         self._io = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-cache-io")
                     if isinstance(self.disk, DiskKVStore) else None)
@@ -156,6 +172,8 @@ class LowerTiers:
         data = self._read(block_ids)
         for h, block in zip(hashes, data):
             key = h.hex()
+            if key in self._holds:
+                continue  # a paused session holds this very prefix here already
             self._forget(key)  # an older copy of the same prefix (evicted, recomputed, evicted again)
             self.stats.saved_blocks += 1
             self._index(key, ns)
@@ -171,8 +189,7 @@ class LowerTiers:
         if not self.persistent:
             return 0
         written = 0
-        while len(self.host):
-            self._demote_oldest_host()
+        while self._demote_oldest_host():  # all but blocks a session holds (closed sessions hold none)
             written += 1
         for namespace, hashes, block_ids in paths:
             ns = _ns_digest(namespace)
@@ -220,7 +237,8 @@ class LowerTiers:
         if blocks:
             self._write(block_ids[:len(blocks)], torch.stack(blocks))
             for h in hashes[:len(blocks)]:
-                self._forget(h.hex())  # exclusive tiers: it lives on the device now
+                if h.hex() not in self._holds:  # a paused session keeps its copy until it lets go
+                    self._forget(h.hex())  # exclusive tiers: it lives on the device now
         return len(blocks)
 
     def discard_namespace(self, namespace: Hashable) -> None:
@@ -229,8 +247,13 @@ class LowerTiers:
             self.stats.discarded_blocks += 1
 
     def clear(self) -> None:
-        """Drop every block in both tiers (in bulk: a simulated run may end with
-        millions of them)."""
+        """Drop every block in both tiers that no paused session holds (in bulk
+        when none does: a simulated run may end with millions of them)."""
+        if self._holds:
+            for key in [k for k in self._ns if k not in self._holds]:
+                self._forget(key)
+                self.stats.discarded_blocks += 1
+            return
         self.stats.discarded_blocks += len(self._ns)
         self.host.clear()
         if isinstance(self.disk, _DiskBookkeeping):
@@ -254,11 +277,13 @@ class LowerTiers:
         """A persistent tier keeps its files (queued writes land first) and
         lets go of the directory; a scratch one is emptied and removed."""
         if not self.persistent:
+            self._holds.clear()  # whoever held blocks here is gone: everything goes
+            self._held_bytes = {"host": 0, "disk": 0}
             self.clear()
         if self._io is not None:
             self._io.shutdown(wait=True)
-        if self.persistent:
-            self.disk.release()
+        if isinstance(self.disk, DiskKVStore):
+            self.disk.release()  # its directory lock, if it holds one
         if self._tmp is not None:
             self._tmp.cleanup()
 
@@ -289,16 +314,21 @@ class LowerTiers:
                 "write_errors": st.write_errors, "restored_blocks": st.restored_blocks}
 
     # ------------------------------------------------------------- private
-    def _to_host(self, key: str, block: torch.Tensor) -> bool:
+    def _to_host(self, key: str, block: torch.Tensor, held: bool = False) -> bool:
         size = block.nbytes
-        if size > self.host.byte_cap:
+        # Room held or reserved for sessions is not LRU's; a held block uses its own reservation.
+        keep = self._held_bytes["host"] + (0 if held else self._reserved["host"])
+        if size > self.host.byte_cap - keep:
             return False
-        while self.host.free_bytes < size:
-            self._demote_oldest_host()
+        while self.host.free_bytes - (0 if held else self._reserved["host"]) < size:
+            if not self._demote_oldest_host():
+                return False
         return self.host.put(key, block, self._copy)
 
-    def _demote_oldest_host(self) -> None:
-        key = self.host.oldest()
+    def _demote_oldest_host(self) -> bool:
+        key = self.host.oldest(skip=self._holds)
+        if key is None:
+            return False
         block = self.host.get(key)
         self.host.discard(key)
         if self._to_disk(key, block):
@@ -306,16 +336,20 @@ class LowerTiers:
         else:
             self._unindex(key)
             self.stats.dropped_blocks += 1
+        return True
 
-    def _to_disk(self, key: str, block: torch.Tensor) -> bool:
+    def _to_disk(self, key: str, block: torch.Tensor, held: bool = False) -> bool:
         disk = self.disk
         if disk is None:
             return False
         size = disk.file_bytes(block)
-        if size > disk.byte_cap:
+        room = disk.byte_cap - (0 if held else self._reserved["disk"])
+        if size > room - self._held_bytes["disk"]:
             return False
-        while self._disk_used + size > disk.byte_cap:
-            old = next(iter(self._disk_lru))
+        while self._disk_used + size > room:
+            old = next((k for k in self._disk_lru if k not in self._holds), None)
+            if old is None:
+                return False
             self._disk_discard(old)
             self._unindex(old)
             self.stats.dropped_blocks += 1
@@ -388,6 +422,10 @@ class LowerTiers:
             self.disk.discard(key)
 
     def _forget(self, key: str) -> None:
+        if key in self._holds:  # invalidated (or cleared) under a session: it recomputes
+            tier, size = self._held_size(key)
+            self._held_bytes[tier] -= size
+            del self._holds[key]
         if key in self._ns:
             self.host.discard(key)
             self._disk_discard(key)

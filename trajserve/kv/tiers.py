@@ -65,9 +65,10 @@ class HostKVStore:
     def get(self, key: str) -> torch.Tensor | None:
         return self._blocks.get(key)
 
-    def oldest(self) -> str:
-        """The key stored longest ago (LRU order: a stored block is never touched in place)."""
-        return next(iter(self._blocks))
+    def oldest(self, skip=()) -> str | None:
+        """The key stored longest ago (LRU order: a stored block is never
+        touched in place), passing over the keys in `skip`; None if none is left."""
+        return next((k for k in self._blocks if k not in skip), None)
 
     def discard(self, key: str) -> None:
         b = self._blocks.pop(key, None)

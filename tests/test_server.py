@@ -714,14 +714,14 @@ def test_session_pause_and_resume_through_the_extensions(server, client):
 
 
 def test_host_tier_under_the_prefix_cache_serves_an_evicted_conversation(tmp_path):
-    """`serve --kv-host-cache`: a conversation pushed out of a 32-block pool by
+    """`serve --kv-host-cache --kv-disk-cache`: a conversation pushed out of a 32-block pool by
     other traffic comes back from the host tier on its next turn (usage
     reports the cached tokens) and /metrics shows the traffic. Stopped with
     SIGTERM, the server shuts its engine down and exits 0, leaving no
     temporary directory behind (uvicorn raises the signal again after its own
     shutdown; it must not kill the process before ours)."""
     with ServerProcess("--dtype", "float32", "--num-blocks", "32", "--kv-host-cache", "64MiB",
-                       "--served-model-name", MODEL, tmpdir=str(tmp_path)) as s:
+                       "--kv-disk-cache", "64MiB", "--served-model-name", MODEL, tmpdir=str(tmp_path)) as s:
         def complete(prompt: str) -> dict:
             r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4,
                                                              "temperature": 0}, timeout=120)
@@ -738,6 +738,7 @@ def test_host_tier_under_the_prefix_cache_serves_an_evicted_conversation(tmp_pat
         assert m["trajserve_prefix_cache_spilled_blocks_total"] > 0
         assert m["trajserve_prefix_cache_promoted_blocks_total"] > 0
         assert m['trajserve_prefix_cache_tier_bytes{tier="host"}'] > 0
-        assert list(tmp_path.glob("trajserve-kv-*")), "the session manager's directory exists while serving"
+        # The tiers' scratch disk directory (no --kv-disk-dir), which sessions share, exists while serving.
+        assert list(tmp_path.glob("trajserve-kv-*")), "the disk tier's scratch directory exists while serving"
         assert s.close() == 0
     assert list(tmp_path.iterdir()) == []

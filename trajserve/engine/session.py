@@ -205,11 +205,13 @@ class SessionManager:
 
     @property
     def host(self):
-        return self.offload.host
+        """The host tier saved state goes to (kv/tiers.py HostKVStore)."""
+        return self.offload.tiers.host
 
     @property
     def disk(self):
-        return self.offload.disk
+        """The disk tier (DiskKVStore), or None."""
+        return self.offload.tiers.disk
 
     @property
     def block_bytes(self) -> int:

@@ -68,14 +68,6 @@ class SessionOffload:
         self.overlap_reload = overlap_reload
         self.copying: dict[str, object] = {}  # session id -> session with a copy in flight (pruned by poll)
 
-    @property
-    def host(self):
-        return self.tiers.host
-
-    @property
-    def disk(self):
-        return self.tiers.disk
-
     # ------------------------------------------------------------- capacity
     def _nbytes(self, tier: Decision, nblocks: int) -> int:
         return nblocks * (self.block_bytes if tier is Decision.HOST else DISK_HEADER_BYTES + self.block_bytes)

@@ -179,9 +179,3 @@ class ModelRunner:
             self.copy_blocks(batch.copy_src, batch.copy_dst)
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                                   batch.sample_rows, self.copy.layer_barrier(batch.loads), batch.sample_meta)
-
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[str]]:
-        """The sampled rows' logits, and whose they are."""
-        batch = self.prepare(out)
-        logits = self.run(batch)
-        return (logits if batch.sample_pick is None else logits[batch.sample_pick]), batch.sample_ids

@@ -56,8 +56,6 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     inter_token_times: list[float] = field(default_factory=list)
-    # Per output token: (logprob of chosen, {token: logprob} top-k) if asked.
-    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     # SamplingParams.prompt_logprobs, on the first sequence of a request: per
     # prompt position, (logprob of that token given those before, top-k, rank);
     # position 0 has none. Filled as the prefill's chunks run (model_runner).

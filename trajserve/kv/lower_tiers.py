@@ -214,25 +214,15 @@ class LowerTiers(SessionHolds):
         blocks = []
         ns = _ns_digest(namespace)
         for h in hashes[:len(block_ids)]:
-            key = h.hex()
-            if self._ns.get(key) != ns:
+            b, where = self._lookup(ns, h)
+            if b is None:
+                if where == "disk":  # missing (a failed write) or rejected: recompute from here
+                    self._forget(h.hex())
                 break
-            b = self.host.get(key)
-            if b is not None:
+            if where == "host":
                 self.stats.loaded_host_blocks += 1
-            elif self.disk is not None:
-                before, mislabelled = self.disk.num_rejected, self.disk.num_mislabelled
-                with self._lock:
-                    queued = self._pending.get(key)
-                    b = queued[0] if queued is not None else self.disk.get(key, BlockIdentity(ns, h))
-                if b is None:  # missing (a failed write) or rejected: recompute from here
-                    self.stats.corrupt_blocks += self.disk.num_rejected - before
-                    self.stats.mislabelled_blocks += self.disk.num_mislabelled - mislabelled
-                    self._forget(key)
-                    break
-                self.stats.loaded_disk_blocks += 1
             else:
-                break
+                self.stats.loaded_disk_blocks += 1
             blocks.append(b)
         if blocks:
             self._write(block_ids[:len(blocks)], torch.stack(blocks))
@@ -240,6 +230,29 @@ class LowerTiers(SessionHolds):
                 if h.hex() not in self._holds:  # a paused session keeps its copy until it lets go
                     self._forget(h.hex())  # exclusive tiers: it lives on the device now
         return len(blocks)
+
+    def _lookup(self, ns: bytes, h: bytes) -> tuple[torch.Tensor | None, str | None]:
+        """The block named h in namespace ns and the tier it came from: the
+        host, or the disk (a block queued for its write is served from memory;
+        a file passes its identity and CRC checks, a rejected one is counted).
+        (None, None): not here; (None, "disk"): missing or rejected on disk.
+        Touches no index, so a session's prefetch may call it off the engine thread."""
+        key = h.hex()
+        if self._ns.get(key) != ns:
+            return None, None
+        b = self.host.get(key)
+        if b is not None:
+            return b, "host"
+        if self.disk is None:
+            return None, None
+        before, mislabelled = self.disk.num_rejected, self.disk.num_mislabelled
+        with self._lock:
+            queued = self._pending.get(key)
+            b = queued[0] if queued is not None else self.disk.get(key, BlockIdentity(ns, h))
+        if b is None:
+            self.stats.corrupt_blocks += self.disk.num_rejected - before
+            self.stats.mislabelled_blocks += self.disk.num_mislabelled - mislabelled
+        return b, "disk"
 
     def discard_namespace(self, namespace: Hashable) -> None:
         for key in list(self._by_ns.get(_ns_digest(namespace), ())):

@@ -194,7 +194,7 @@ class PauseMachine:
             self.stats.resume_stalls += 1
         hit = kv.cached_prefix(p.history, p.cache_salt, p.keys)
         self.stats.recomputed_tokens += max(0, len(p.history) - 1 - hit.num_tokens)
-        p.tier, p.residency, p.lease_deadline, p.prefetch_at, p.prefetched = None, None, None, None, False
+        _unpaused(p)
         return p
 
     def forget(self, owner: Hashable) -> PausedRecord | None:
@@ -204,8 +204,7 @@ class PauseMachine:
             if p.pin is not None:
                 self.kv.unpin(p.pin)
                 p.pin = None
-            # Its timers go stale: they check the tier and the deadline they were set for.
-            p.tier, p.residency, p.lease_deadline, p.prefetch_at = None, None, None, None
+            _unpaused(p)
         self.kv.holds.cancel(owner)
         return p
 
@@ -347,3 +346,9 @@ class PauseMachine:
 
     def _timer(self, t: float, kind: str, p: PausedRecord) -> None:
         heapq.heappush(self._timers, (t, next(self._seq), kind, p))
+
+
+def _unpaused(p: PausedRecord) -> None:
+    """p is no longer paused: its timers go stale (they check the tier and the
+    deadline they were set for)."""
+    p.tier, p.residency, p.lease_deadline, p.prefetch_at, p.prefetched = None, None, None, None, False

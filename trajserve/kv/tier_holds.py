@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import torch
 
-from trajserve.kv.block_format import BlockIdentity
 
 class SessionHolds:
     def hold_free_bytes(self, tier: str) -> int:
@@ -73,16 +72,7 @@ class SessionHolds:
         (a block still queued for its disk write is served from memory)."""
         out = []
         for h in hashes:
-            key = h.hex()
-            if self._ns.get(key) != namespace_digest:
-                break
-            b = self.host.get(key)
-            if b is None and self.disk is not None:
-                before = self.disk.num_rejected
-                with self._lock:
-                    queued = self._pending.get(key)
-                    b = queued[0] if queued is not None else self.disk.get(key, BlockIdentity(namespace_digest, h))
-                self.stats.corrupt_blocks += self.disk.num_rejected - before
+            b, _ = self._lookup(namespace_digest, h)
             if b is None:
                 break
             out.append(b)

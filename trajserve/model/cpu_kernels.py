@@ -1,10 +1,23 @@
-"""The C kernels of cpu_kernels.c: built on first use, loaded with ctypes.
+"""The C kernels of cpu_kernels.c and quant_kernels.c: built on first use, loaded with ctypes.
 
-The source ships with the package and is compiled once per machine with the
-system C compiler (`cc`, ~2 s) into the user's cache directory, keyed by a
-hash of the source and flags. No compiler, no AVX2/FMA, a failed build or
-TRAJSERVE_CPU_KERNELS=0: `load()` returns None and the model keeps its torch
-path (same results within float rounding; the kernels are only faster).
+The sources ship with the package and are compiled once per machine with the
+system C compiler (`cc`, ~3 s) into the user's cache directory, keyed by a
+hash of the sources and flags, in one of two builds:
+
+    avx2     AVX2 + FMA + F16C: every x86-64 server since 2013
+    avx512   the same plus AVX-512 F/BW/VL and VNNI (the quantized products'
+             integer dot is one `vpdpbusd`): Intel since Cascade Lake, AMD Zen 4
+
+The build is chosen from the CPU's flags as the kernel reports them in
+/proc/cpuinfo (Linux lists AVX-512 only where the OS saves its registers,
+the xgetbv check) and torch's own probe; TRAJSERVE_CPU_ISA=avx2|avx512 asks
+for one, and a build the CPU cannot run is never loaded. Each build must pass
+a known-answer check at load (a float and a quantized product against numpy)
+or it is dropped with a warning: an avx512 build that fails falls back to
+avx2, an avx2 build that fails to none. No compiler, no AVX2/FMA, a failed
+build or TRAJSERVE_CPU_KERNELS=0: `load()` returns None and the model keeps
+its torch path (same results within float rounding; the kernels are only
+faster).
 
 ctypes releases the GIL for the call, so the copy engine's thread runs
 beside a kernel like beside a torch op.
@@ -21,30 +34,60 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_DIR = Path(__file__).parent
+SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c"]
+HEADERS = [_DIR / "simd_math.h"]
+# -ffp-contract=off: an expression rounds the same way in both builds (the
+# compiler may not fuse a * b + c into an FMA in one and not the other).
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]}
+# /proc/cpuinfo flags each build needs.
+ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"),
+             "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
 PANEL = 16  # weight rows per packed panel (two AVX2 vectors)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_C = ctypes.c_int
 _SIGNATURES = {
-    "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int],
-    "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, ctypes.c_int],
-    "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, ctypes.c_int],
-    "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, ctypes.c_int],
-    "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I,
-                            ctypes.c_int],
-    "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, ctypes.c_int],
+    "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C],
+    "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _C],
+    "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],
+    "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C],
+    "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
+    "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
+    "ts_quant_isa": [],
+    "ts_quantize_rows_q8": [_P, _I, _I, _I, _P, _C],
+    "ts_qlinear": [_P, _I, _I, _I, _P, _C, _I, _P, _P, _I, _C, _C],
+    "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _C],
+    "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
 }
-_RETURNS_FAILURES = ("ts_decode_attention", "ts_prefill_attention")
+_RETURNS_INT = ("ts_decode_attention", "ts_prefill_attention", "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
+QUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the C side's fmt codes
+Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, pad; int8 q[32]
 
 
-def _cpu_supported() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((l for l in f if l.startswith("flags")), "").split())
+    except OSError:
+        return frozenset()
+
+
+def supported_isas() -> list[str]:
+    """The builds this CPU can run, best first."""
+    capability = torch.backends.cpu.get_cpu_capability()  # torch's cpuid + xgetbv probe
+    if capability not in ("AVX2", "AVX512"):
+        return []
+    flags = cpu_flags()
+    isas = [isa for isa in ("avx512", "avx2") if all(f in flags for f in ISA_NEEDS[isa])]
+    return [isa for isa in isas if isa != "avx512" or capability == "AVX512"]
 
 
 def _cache_dir() -> Path:
@@ -52,10 +95,11 @@ def _cache_dir() -> Path:
     return Path(base) / "trajserve" / "kernels"
 
 
-def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cpu_kernels-{key}.so"
+def _build(cc: str, isa: str) -> Path:
+    flags = FLAGS + ISA_FLAGS[isa]
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cpu_kernels-{isa}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -64,7 +108,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -72,20 +117,48 @@ def _build(cc: str) -> Path:
     return out
 
 
+def _known_answer(k: CpuKernels) -> str | None:
+    """None if a float and a Q4_1 product agree with numpy, else what failed."""
+    from trajserve.model.quant import QuantizedWeight  # quant imports this module
+
+    rng = np.random.default_rng(7)
+    x = torch.from_numpy(rng.standard_normal((3, 64), dtype=np.float32))
+    w = torch.from_numpy(rng.standard_normal((20, 64), dtype=np.float32))
+    if not torch.allclose(k.linear(x, pack(w), 20, None), x @ w.T, atol=1e-4):
+        return "float product"
+    for fmt in ("q8_0", "q4_1"):
+        q = QuantizedWeight.quantize(w, fmt)
+        if not torch.allclose(k.qlinear(x, q.pack()), q.reference_product(x), atol=1e-4):
+            return f"{fmt.upper()} product"
+    return None
+
+
 @functools.cache
-def load() -> CpuKernels | None:
+def load(isa: str | None = None) -> CpuKernels | None:
+    """The kernels for `isa` (None: TRAJSERVE_CPU_ISA or the best this CPU
+    runs), or None with the reason logged."""
     if os.environ.get("TRAJSERVE_CPU_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None or not _cpu_supported():
-        log.info("CPU kernels off: %s", "no C compiler" if cc is None else "CPU lacks AVX2/FMA")
+    runnable = supported_isas()
+    if cc is None or not runnable:
+        log.info("CPU kernels off: %s", "no C compiler" if cc is None else "CPU lacks AVX2/FMA/F16C")
         return None
-    try:
-        return CpuKernels(ctypes.CDLL(str(_build(cc))))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        log.warning("CPU kernels off: build or load failed: %s", detail)
+    wanted = isa or os.environ.get("TRAJSERVE_CPU_ISA") or None
+    if wanted is not None and wanted not in runnable:
+        log.warning("CPU kernels: %s requested, this CPU runs only %s", wanted, ", ".join(runnable))
         return None
+    for candidate in [wanted] if wanted else runnable:
+        try:
+            kernels = CpuKernels(ctypes.CDLL(str(_build(cc, candidate))), candidate)
+        except (OSError, subprocess.CalledProcessError) as e:
+            log.warning("CPU kernels (%s) off: build or load failed: %s", candidate, getattr(e, "stderr", "") or e)
+            continue
+        failed = _known_answer(kernels)
+        if failed is None:
+            return kernels
+        log.warning("CPU kernels (%s) off: the %s failed its known-answer check", candidate, failed)
+    return None
 
 
 def _row_groups(w: torch.Tensor, rows: int) -> torch.Tensor:
@@ -132,11 +205,14 @@ class CpuKernels:
     """Thin, checked wrappers. Every tensor is float32 on the CPU; matrices
     need a unit stride along their last dimension (row strides are passed)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str = "avx2") -> None:
         for name, args in _SIGNATURES.items():
             getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_FAILURES else None
+            getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_INT else None
         self.lib = lib
+        self.isa = isa
+        # The integer dot product the build compiled (1 AVX2, 2 AVX512-VNNI).
+        self.dot_product = {1: "avx2 vpmaddubsw", 2: "avx512 vpdpbusd"}[lib.ts_quant_isa()]
 
     @staticmethod
     def threads() -> int:
@@ -213,3 +289,54 @@ class CpuKernels:
             bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0), self.threads())
         if failed:
             raise MemoryError(f"prefill attention: no memory for {failed} (query block, head) tasks")
+
+    # ------------------------------------------------ quantized weights (quant_kernels.c)
+
+    def qlinear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] @ w^T (+ bias) for QuantizedPanels w [n, k]; with `out`
+        the product is added into it and `out` returned."""
+        m, k = x.shape
+        n = w.shape[0]
+        if w.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"input has {k} features (unit stride needed), the weight {w.shape[1]}")
+        acc = out is not None
+        if out is None:
+            out = torch.empty((m, n), dtype=torch.float32)
+        if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), QUANT_FORMATS[w.fmt], n,
+                               _ptr(bias), out.data_ptr(), out.stride(0), int(acc), self.threads()):
+            raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
+        return out
+
+    def qgate_up_silu(self, x: torch.Tensor, gate, up) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T) for two QuantizedPanels of one format."""
+        m, k = x.shape
+        if gate.fmt != up.fmt or gate.shape != up.shape or gate.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"gate {gate.fmt} {gate.shape} and up {up.fmt} {up.shape} for {k} input features")
+        inter = gate.shape[0]
+        out = torch.empty((m, inter), dtype=torch.float32)
+        if self.lib.ts_qgate_up_silu(x.data_ptr(), m, k, x.stride(0), gate.data.data_ptr(), up.data.data_ptr(),
+                                     QUANT_FORMATS[gate.fmt], inter, out.data_ptr(), out.stride(0), self.threads()):
+            raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
+        return out
+
+    def dequant_rows(self, w, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of QuantizedPanels as float32 (an embedding lookup)."""
+        _check_index(ids)
+        n, k = w.shape
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
+            raise IndexError(f"row ids must lie in [0, {n})")
+        out = torch.empty((ids.shape[0], k), dtype=torch.float32)
+        self.lib.ts_dequant_rows(w.data.data_ptr(), QUANT_FORMATS[w.fmt], k, ids.data_ptr(), ids.shape[0],
+                                 out.data_ptr(), k)
+        return out
+
+    def quantize_rows_q8(self, x: torch.Tensor) -> torch.Tensor:
+        """The input blocks a quantized product makes of x [m, k], as raw
+        bytes [m, k / 32 * 48] (float d, s; int32 sum, pad; int8 q[32] per block)."""
+        m, k = x.shape
+        if k % 32 or x.stride(1) != 1:
+            raise ValueError(f"input rows need a multiple of 32 features and unit stride, got {k}")
+        out = torch.empty((m, k // 32 * Q8X_BLOCK_BYTES), dtype=torch.uint8)
+        self.lib.ts_quantize_rows_q8(x.data_ptr(), m, k, x.stride(0), out.data_ptr(), self.threads())
+        return out

@@ -1,0 +1,163 @@
+"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1).
+
+A QuantizedWeight is the bytes of a GGUF tensor of one of those types, row by
+row ([n, k / 32 * block bytes]): the C kernels (quant_kernels.c) multiply by
+it directly, so a Q4_1 model reads 0.625 bytes a weight per decode step
+instead of float32's 4 (inference-optimization 8.2.1, 8.4.1). Block sizes come
+from the one table of storage formats (plan/kv_format.py) the planner and
+simulator price weights and KV with.
+
+`quantize` and `dequantize` use the gguf package's reference implementations,
+so a float checkpoint quantized here holds the bytes llama.cpp's tools would
+write; `reference_product` is the float64 product the kernels are tested
+against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+from trajserve.plan.kv_format import FORMATS
+
+QK = 32  # values per block
+GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+              "q4_1": gguf.GGMLQuantizationType.Q4_1}
+QUANT_FORMATS = tuple(GGML_TYPES)
+
+
+def block_bytes(fmt: str) -> int:
+    f = FORMATS[fmt]
+    return int(f.code_bytes + f.scale_bytes)
+
+
+@dataclass(eq=False)
+class QuantizedWeight:
+    data: torch.Tensor  # uint8 [n, k // 32 * block_bytes(fmt)], contiguous
+    fmt: str
+    shape: tuple[int, int]  # (n, k): out and in features
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.fmt not in GGML_TYPES:
+            raise ValueError(f"unsupported quantized format {self.fmt!r}; supported: {', '.join(QUANT_FORMATS)}")
+        if k % QK:
+            raise ValueError(f"a {self.fmt} row needs a multiple of {QK} values, got {k}")
+        want = (n, k // QK * block_bytes(self.fmt))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or not self.data.is_contiguous():
+            raise ValueError(f"{self.fmt} weight {self.shape}: expected contiguous uint8 bytes {want}, "
+                             f"got {self.data.dtype} {tuple(self.data.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @classmethod
+    def from_gguf(cls, raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantizedWeight:
+        """A GGUF tensor's bytes ([n, row bytes], maybe a read-only mmap view)."""
+        return cls(torch.from_numpy(np.require(raw, dtype=np.uint8, requirements=["C", "W"])), fmt, shape)
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor | np.ndarray, fmt: str) -> QuantizedWeight:
+        if fmt not in GGML_TYPES:
+            raise ValueError(f"unsupported quantized format {fmt!r}; supported: {', '.join(QUANT_FORMATS)}")
+        a = w.detach().float().cpu().numpy() if isinstance(w, torch.Tensor) else np.asarray(w, np.float32)
+        return cls.from_gguf(gguf.quants.quantize(a, GGML_TYPES[fmt]), fmt, tuple(a.shape))
+
+    def dequantize(self) -> torch.Tensor:
+        flat = gguf.quants.dequantize(self.data.numpy(), GGML_TYPES[self.fmt])
+        return torch.from_numpy(np.ascontiguousarray(flat.reshape(self.shape), dtype=np.float32))
+
+    @classmethod
+    def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Rows of several matrices of one format and width (fused q|k|v)."""
+        fmt, k = parts[0].fmt, parts[0].shape[1]
+        if any(p.fmt != fmt or p.shape[1] != k for p in parts):
+            raise ValueError("only matrices of one format and width concatenate: "
+                             + ", ".join(f"{p.fmt} {p.shape}" for p in parts))
+        return cls(torch.cat([p.data for p in parts]), fmt, (sum(p.shape[0] for p in parts), k))
+
+    def pack(self) -> QuantizedPanels:
+        """The layout the kernels multiply by (quant_kernels.c, "Panel layout")."""
+        return QuantizedPanels(pack_panels(self), self.fmt, self.shape)
+
+    def reference_product(self, x: torch.Tensor, quantize_input: bool = True) -> torch.Tensor:
+        """x @ W^T in float64 over the dequantized weights, with x first
+        quantized to 8-bit blocks as the kernels do (quantize_input) or not."""
+        xs = quantize_input_rows(x.float().numpy()) if quantize_input else x.double().numpy()
+        return torch.from_numpy(xs.astype(np.float64) @ self.dequantize().double().numpy().T).float()
+
+
+@dataclass(eq=False)
+class QuantizedPanels:
+    """A QuantizedWeight repacked into panels of PANEL rows: the same bytes
+    per weight (rows padded to a multiple of PANEL), laid out so that one
+    vector instruction multiplies 16 rows by 4 input values."""
+    data: torch.Tensor  # uint8 [ceil(n / 16), k // 32 * panel_block_bytes(fmt)]
+    fmt: str
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+PANEL = 16
+
+
+def panel_block_bytes(fmt: str) -> int:
+    """One block of 32 values of 16 rows: fp16 scales (and minimums) then codes."""
+    return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256}[fmt]
+
+
+def pack_panels(w: QuantizedWeight) -> torch.Tensor:
+    n, k = w.shape
+    nb, panels = k // QK, -(-n // PANEL)
+    raw = np.zeros((panels * PANEL, nb, block_bytes(w.fmt)), np.uint8)
+    raw[:n] = w.data.numpy().reshape(n, nb, -1)
+    d = raw[..., 0:2]
+    if w.fmt == "q8_0":
+        scales = [d]
+        u = raw[..., 2:34] ^ np.uint8(0x80)  # int8 q -> q + 128
+    else:
+        scales = [d, raw[..., 2:4]] if w.fmt == "q4_1" else [d]
+        qs = raw[..., -16:]
+        u = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)  # element order
+    # [panel, row, block, ...] -> [panel, block, ...(row inside)]
+    parts = [s.reshape(panels, PANEL, nb, 2).transpose(0, 2, 1, 3).reshape(panels, nb, 2 * PANEL) for s in scales]
+    u = u.reshape(panels, PANEL, nb, QK)
+    if w.fmt == "q8_0":
+        codes = u.reshape(panels, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4)
+    else:  # group g: values 4g..4g+3 in the low nibbles, 16+4g.. in the high ones
+        lo = u[..., :16].reshape(panels, PANEL, nb, 4, 4)
+        hi = u[..., 16:].reshape(panels, PANEL, nb, 4, 4)
+        codes = (lo | (hi << np.uint8(4))).transpose(0, 2, 3, 1, 4)
+    parts.append(codes.reshape(panels, nb, -1))
+    out = np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(panels, -1))
+    assert out.shape[1] == nb * panel_block_bytes(w.fmt)
+    return torch.from_numpy(out)
+
+
+def quantize_input_rows(x: np.ndarray) -> np.ndarray:
+    """The float values of the 8-bit input blocks of quant_kernels.c's
+    quantize_row: d = amax / 127, q = round-half-even(x * (127 / amax)),
+    every step in float32 as in C."""
+    m, k = x.shape
+    b = np.asarray(x, np.float32).reshape(m, k // QK, QK)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(b * inv)
+    return (q * d).reshape(m, k)
+
+
+def input_quantization_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """|x W^T - q(x) W^T| <= sum over blocks of (d_x / 2) * sum |w| in the
+    block: each input value moves by at most half its block's step."""
+    m, k = x.shape
+    half_step = (x.abs().reshape(m, k // QK, QK).amax(-1) / 127 / 2).double()  # [m, blocks]
+    wabs = w.dequantize().abs().reshape(w.shape[0], k // QK, QK).sum(-1).double()  # [n, blocks]
+    return (half_step @ wabs.T).float()

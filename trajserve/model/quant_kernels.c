@@ -1,0 +1,339 @@
+/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1).
+ *
+ * Why: a batch-1 decode step reads every weight once (inference-optimization
+ * 8.2.1, I_weight ~ 2b/s_w), so its time is the weight bytes over the memory
+ * bandwidth. Q4_1 is 20 bytes per 32 weights (0.625 bytes a weight) where
+ * the float32 path reads 4.
+ *
+ * How (chosen by measurement, docs/benchmarks.md): each input row is
+ * quantized to blocks of 32 int8 values with one float scale (block_q8x:
+ * d = amax / 127, the codes' sum, s = d * sum), and every weight block meets
+ * every input block in an exact integer dot product. The weights are
+ * repacked at load (model/quant.py pack_panels) into panels of 16 rows, as
+ * the float path's are: at each step of 4 input values a panel holds the 16
+ * rows' 4 codes as one 64-byte vector, so one broadcast of 4 input bytes and
+ * one `vpdpbusd` (AVX512-VNNI) or `vpmaddubsw` + `vpmaddwd` pair per 8 rows
+ * (AVX2) yields 64 multiply-adds into 16 per-row int32 sums. Each output row
+ * is a vector lane, so scales apply once per block to 16 rows. A first
+ * version kept the 32 values of one block in the lanes instead (llama.cpp's
+ * vec_dot): ~6x the instructions per weight, 25 % slower than the float32
+ * kernel from batch 16 on.
+ *
+ * Per block b of weight row r and input row i, with exact integers
+ *     sum_j w_j x_j ~= d_w * d_x * (sum_j u_j q_j - o * sum_j q_j) + m_w * s_x
+ * where u are the stored codes: Q8_0 u = q + 128 (o = 128, m_w = 0), Q4_0
+ * u = q + 8 (o = 8, m_w = 0), Q4_1 u = q (o = 0, m_w = the block's minimum).
+ * Both builds compute the same integer (the AVX2 one undoes the +128 of Q8_0
+ * codes and uses the sign trick, so no int16 pair saturates) and then the
+ * same float operations in the same order, lane by lane: they give
+ * bit-identical results, and a row's result never depends on the rows beside
+ * it or on the thread count.
+ *
+ * Panel layout (quant.py pack_panels), per panel of 16 rows and block of 32:
+ *   d[16] fp16 | Q4_1: m[16] fp16 | codes
+ *   codes Q4: 4 groups of 64 bytes, byte 4r + t of group g = u(4g + t) | u(4g + 16 + t) << 4 of row r
+ *   codes Q8: 8 groups of 64 bytes, byte 4r + t of group g = u(4g + t) of row r
+ * A panel is its k / 32 blocks back to back; rows past n are zero (d = 0).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd_math.h"
+
+#define QK 32
+#define PANEL 16
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
+
+/* An input row's block: scale d, the codes' sum and s = d * sum, the codes. */
+typedef struct {
+    float d, s;
+    int32_t sum, pad;
+    int8_t q[QK];
+} block_q8x;
+
+/* Bytes of one block of one panel (16 rows). */
+static inline int64_t panel_block_bytes(const int fmt) {
+    return fmt == FMT_Q8_0 ? 32 + 512 : fmt == FMT_Q4_0 ? 32 + 256 : 64 + 256;
+}
+
+/* Which integer dot product this build runs: 1 AVX2, 2 AVX512-VNNI. */
+int ts_quant_isa(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return 2;
+#else
+    return 1;
+#endif
+}
+
+/* Input rows -> block_q8x rows (k / 32 blocks each): q = round-half-even(x * (127 / amax)). */
+static void quantize_row(const float *x, int64_t k, block_q8x *out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+               v3 = _mm256_loadu_ps(xb + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv)),
+                i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, idv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, idv));
+        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        // packs work within 128-bit lanes: the permute restores element order.
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        out[b].sum = _mm_cvtsi128_si32(s4);
+        out[b].pad = 0;
+        out[b].d = d;
+        out[b].s = d * (float)out[b].sum;
+        _mm256_storeu_si256((__m256i *)out[b].q, p);
+    }
+}
+
+void ts_quantize_rows_q8(const float *x, int64_t m, int64_t k, int64_t ldx, void *out, int nthreads) {
+    block_q8x *o = out;
+#pragma omp parallel for schedule(static) num_threads(m > 4 ? nthreads : 1)
+    for (int64_t i = 0; i < m; i++) quantize_row(x + i * ldx, k, o + i * (k / QK));
+}
+
+static inline int32_t dword(const int8_t *q, int g) {
+    int32_t v;
+    memcpy(&v, q + 4 * g, 4);
+    return v;
+}
+
+/* o[i * 16 + r] = input row i . panel row r, for i < nr. Constant nr and fmt
+ * (always inlined from a switch) keep the sums in registers. The integer
+ * offset o * sum(q_x) is taken off before the conversion to float. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QTILE_ROWS 4
+static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
+                                                        const int nr, const int fmt, float *o) {
+    const int64_t pb = panel_block_bytes(fmt);
+    const int offset = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[QTILE_ROWS];
+    for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + b * pb;
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32);
+        __m512i isum[QTILE_ROWS];
+        for (int i = 0; i < nr; i++) isum[i] = _mm512_setzero_si512();
+        if (fmt == FMT_Q8_0) {
+            for (int g = 0; g < 8; g++) {
+                const __m512i c = _mm512_loadu_si512(codes + 64 * g);
+                for (int i = 0; i < nr; i++)
+                    isum[i] = _mm512_dpbusd_epi32(isum[i], c, _mm512_set1_epi32(dword(x[i * nb + b].q, g)));
+            }
+        } else {
+            for (int g = 0; g < 4; g++) {
+                const __m512i c = _mm512_loadu_si512(codes + 64 * g);
+                const __m512i lo = _mm512_and_si512(c, low), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+                for (int i = 0; i < nr; i++) {
+                    isum[i] = _mm512_dpbusd_epi32(isum[i], lo, _mm512_set1_epi32(dword(x[i * nb + b].q, g)));
+                    isum[i] = _mm512_dpbusd_epi32(isum[i], hi, _mm512_set1_epi32(dword(x[i * nb + b].q, g + 4)));
+                }
+            }
+        }
+        for (int i = 0; i < nr; i++) {
+            const block_q8x *xb = x + i * nb + b;
+            if (offset) isum[i] = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(offset * xb->sum));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[i]);
+            if (fmt == FMT_Q4_1) {
+                const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+                acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) _mm512_storeu_ps(o + i * PANEL, acc[i]);
+}
+#else
+#define QTILE_ROWS 2
+/* 8 int32 sums of 4 byte products each: u unsigned (<= 128), s signed. */
+static inline __m256i madd_us(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
+                                                        const int nr, const int fmt, float *o) {
+    const int64_t pb = panel_block_bytes(fmt);
+    const int offset = fmt == FMT_Q4_0 ? 8 : 0;  // Q8_0's +128 is undone on the codes
+    const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[QTILE_ROWS][2];
+    for (int i = 0; i < nr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + b * pb;
+        const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32);
+        for (int h = 0; h < 2; h++) {  // rows 8h .. 8h + 7
+            __m256i isum[QTILE_ROWS];
+            for (int i = 0; i < nr; i++) isum[i] = _mm256_setzero_si256();
+            if (fmt == FMT_Q8_0) {
+                for (int g = 0; g < 8; g++) {
+                    const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + 64 * g + 32 * h)),
+                                                       flip);
+                    const __m256i a = _mm256_abs_epi8(q);
+                    for (int i = 0; i < nr; i++) {
+                        const __m256i xs = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
+                        isum[i] = _mm256_add_epi32(isum[i], madd_us(a, _mm256_sign_epi8(xs, q)));
+                    }
+                }
+            } else {
+                for (int g = 0; g < 4; g++) {
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * g + 32 * h));
+                    const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                    for (int i = 0; i < nr; i++) {
+                        const __m256i xl = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
+                        const __m256i xh = _mm256_set1_epi32(dword(x[i * nb + b].q, g + 4));
+                        isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(madd_us(lo, xl), madd_us(hi, xh)));
+                    }
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            for (int i = 0; i < nr; i++) {
+                const block_q8x *xb = x + i * nb + b;
+                if (offset) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(offset * xb->sum));
+                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)),
+                                            acc[i][h]);
+                if (fmt == FMT_Q4_1) {
+                    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+                    acc[i][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i][h]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++) {
+        _mm256_storeu_ps(o + i * PANEL, acc[i][0]);
+        _mm256_storeu_ps(o + i * PANEL + 8, acc[i][1]);
+    }
+}
+#endif
+
+static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int nr, int fmt, float *o) {
+#define QTILE_NR(FMT)                                          \
+    switch (nr) {                                              \
+        case 1: qtile(panel, nb, x, 1, FMT, o); break;         \
+        case 2: qtile(panel, nb, x, 2, FMT, o); break;         \
+        case 3: qtile(panel, nb, x, QTILE_ROWS >= 3 ? 3 : 2, FMT, o); break; \
+        default: qtile(panel, nb, x, QTILE_ROWS, FMT, o); break; \
+    }
+    switch (fmt) {
+        case FMT_Q8_0: QTILE_NR(FMT_Q8_0) break;
+        case FMT_Q4_0: QTILE_NR(FMT_Q4_0) break;
+        default: QTILE_NR(FMT_Q4_1) break;
+    }
+#undef QTILE_NR
+}
+
+/* Input rows in blocks of QROW_BLOCK stay in L1/L2 while every panel passes over them. */
+#define QROW_BLOCK 32
+
+typedef struct {
+    const uint8_t *w, *up;  /* up: the gate product's second matrix, else NULL */
+    int64_t panel_bytes, n; /* n: output columns */
+    const float *bias;
+    float *y;
+    int64_t ldy;
+    int acc;
+} QProduct;
+
+/* Input rows [i0, i0 + nr) against panel p, then the epilogue. */
+static void qpanel(const QProduct *P, const block_q8x *x, int64_t nb, int64_t p, int64_t i0, int nr, int fmt) {
+    const int64_t c0 = p * PANEL, nc = P->n - c0 < PANEL ? P->n - c0 : PANEL;
+    float g[QTILE_ROWS * PANEL], u[QTILE_ROWS * PANEL];
+    const block_q8x *xi = x + i0 * nb;
+    qtile_any(P->w + p * P->panel_bytes, nb, xi, nr, fmt, g);
+    if (P->up) {
+        qtile_any(P->up + p * P->panel_bytes, nb, xi, nr, fmt, u);
+        for (int i = 0; i < nr; i++)
+            for (int h = 0; h < PANEL; h += 8)
+                _mm256_storeu_ps(g + i * PANEL + h, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i * PANEL + h)),
+                                                                  _mm256_loadu_ps(u + i * PANEL + h)));
+    }
+    for (int i = 0; i < nr; i++) {
+        float *yr = P->y + (i0 + i) * P->ldy + c0;
+        const float *gi = g + i * PANEL;
+        for (int64_t c = 0; c < nc; c++) {
+            const float v = gi[c] + (P->bias ? P->bias[c0 + c] : 0.0f);
+            yr[c] = P->acc ? yr[c] + v : v;
+        }
+    }
+}
+
+static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int nthreads) {
+    const int64_t nb = k / QK, panels = (P->n + PANEL - 1) / PANEL;
+    block_q8x *xq = malloc(sizeof(block_q8x) * (m * nb > 0 ? m * nb : 1));
+    if (xq == NULL) return 1;
+    ts_quantize_rows_q8(x, m, k, ldx, xq, nthreads);
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t m0 = 0; m0 < m; m0 += QROW_BLOCK) {
+        const int64_t m1 = m - m0 < QROW_BLOCK ? m : m0 + QROW_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++)
+            for (int64_t i0 = m0; i0 < m1; i0 += QTILE_ROWS)
+                qpanel(P, xq, nb, p, i0, m1 - i0 < QTILE_ROWS ? (int)(m1 - i0) : QTILE_ROWS, fmt);
+    }
+    free(xq);
+    return 0;
+}
+
+/* y[i, r] = (acc ? y[i, r] : 0) + bias[r] + x[i, :] . w[r, :] for i < m, r < n;
+ * w as panels (quant.py pack_panels). Returns nonzero when the input blocks
+ * found no memory (nothing is written). */
+int ts_qlinear(const float *x, int64_t m, int64_t k, int64_t ldx, const void *w, int fmt, int64_t n,
+               const float *bias, float *y, int64_t ldy, int acc, int nthreads) {
+    QProduct P = {w, NULL, (k / QK) * panel_block_bytes(fmt), n, bias, y, ldy, acc};
+    return qproduct(x, m, k, ldx, &P, fmt, nthreads);
+}
+
+/* y[i, r] = silu(x[i] . gate[r]) * (x[i] . up[r]) for r < inter. */
+int ts_qgate_up_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const void *gate, const void *up, int fmt,
+                     int64_t inter, float *y, int64_t ldy, int nthreads) {
+    QProduct P = {gate, up, (k / QK) * panel_block_bytes(fmt), inter, NULL, y, ldy, 0};
+    return qproduct(x, m, k, ldx, &P, fmt, nthreads);
+}
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* out[i, :] = the float values of row ids[i] of the panels w (an embedding
+ * lookup in a tied LM head): d * (u - o) (+ m for Q4_1), as gguf dequantizes. */
+void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int64_t m, float *out, int64_t ldo) {
+    const int64_t pb = panel_block_bytes(fmt), nb = k / QK;
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t r = ids[i] % PANEL;
+        const uint8_t *panel = (const uint8_t *)w + (ids[i] / PANEL) * nb * pb;
+        float *o = out + i * ldo;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = panel + b * pb;
+            const float d = f16(blk + 2 * r);
+            float *ob = o + b * QK;
+            if (fmt == FMT_Q8_0) {
+                const uint8_t *codes = blk + 32;
+                for (int j = 0; j < QK; j++) ob[j] = d * (float)((int)codes[64 * (j / 4) + 4 * r + j % 4] - 128);
+            } else {
+                const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32);
+                const float mn = fmt == FMT_Q4_1 ? f16(blk + 32 + 2 * r) : 0.0f;
+                const int o4 = fmt == FMT_Q4_1 ? 0 : 8;
+                for (int j = 0; j < QK / 2; j++) {
+                    const uint8_t byte = codes[64 * (j / 4) + 4 * r + j % 4];
+                    ob[j] = d * (float)((byte & 0x0F) - o4) + mn;
+                    ob[j + QK / 2] = d * (float)((byte >> 4) - o4) + mn;
+                }
+            }
+        }
+    }
+}

@@ -31,11 +31,13 @@ def hf_gguf_model(embedded_gguf: Path):
 
 @pytest.fixture(scope="session")
 def engine_f32():
-    """A float32 engine on the embedded model with a small pool."""
+    """A float32 engine on the embedded model with a small pool, its weights
+    dequantized (--quantization none): the path checked against transformers
+    to 1e-3. The default, quantized execution, is checked against this one."""
     from trajserve.config import CacheConfig, EngineConfig
     from trajserve.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512)))
+    return LLMEngine(EngineConfig(dtype="float32", quantization="none", cache=CacheConfig(num_blocks=512)))
 
 
 @pytest.fixture(scope="module")

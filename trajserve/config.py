@@ -81,6 +81,9 @@ class EngineConfig:
     # A Jinja chat template (its text or a file's path) in place of the model's own.
     chat_template: str | None = None
     dtype: str = "auto"  # compute + KV dtype: auto | bfloat16 | float32 | float16
+    # Weight matrices in a GGUF block format run as stored (model/quant.py
+    # target_format): auto | none | q8_0 | q4_0 | q4_1
+    quantization: str = "auto"
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     num_threads: int | None = None
@@ -105,6 +108,8 @@ class EngineConfig:
             check(ok, name, "an integer >= 1" + (" or unset" if allow_none else ""), value)
 
         cc, sc = self.cache, self.scheduler
+        check(self.quantization in ("auto", "none", "q8_0", "q4_0", "q4_1"), "quantization",
+              "one of auto, none, q8_0, q4_0, q4_1", self.quantization)
         count("max_model_len", self.max_model_len, allow_none=True)
         count("num_threads", self.num_threads, allow_none=True)
         count("block_size", cc.block_size)

@@ -15,8 +15,11 @@ CPU has native bf16, float32 otherwise.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,3 +53,31 @@ def resolve_dtype(name: str, device: torch.device, cpu_kernels: bool = True) -> 
     if cpu_has_native_bf16():
         return torch.bfloat16, "auto: CPU has AVX-512 BF16/AMX and the C kernels are off"
     return torch.float32, "auto: CPU lacks native bf16 matmul (AVX2 only)"
+
+
+def resolve_quantization(name: str, dtype: torch.dtype, device: torch.device,
+                         cpu_kernels: bool = True) -> tuple[str, str]:
+    """What --quantization becomes here, and why, for the start-up line.
+    Block formats run only in the float32 C kernels; anywhere else a
+    quantized file is dequantized at load, which an explicit format asks
+    for in vain: said, not an error, so the engine still serves."""
+    if name == "none":
+        return "none", "requested"
+    why_not = None
+    if device.type != "cpu":
+        why_not = f"block formats run on the CPU, not {device.type}"
+    elif dtype != torch.float32:
+        why_not = f"block formats run with float32 activations, not {str(dtype).removeprefix('torch.')}"
+    elif not cpu_kernels:
+        why_not = "--no-cpu-kernels"
+    else:
+        from trajserve.model import cpu_kernels as kernels
+
+        if kernels.load() is None:
+            why_not = "the C kernels did not load (see the log)"
+    if why_not is not None:
+        if name != "auto":
+            log.warning("--quantization %s cannot run here (%s): weights dequantized to %s", name, why_not,
+                        str(dtype).removeprefix("torch."))
+        return "none", f"{name} -> none: {why_not}"
+    return name, "requested" if name != "auto" else "GGUF block types as stored, other matrices float"

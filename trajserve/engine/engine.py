@@ -24,7 +24,7 @@ import torch
 
 from trajserve.config import EngineConfig
 from trajserve.engine.core import EngineCore, StepStats
-from trajserve.engine.dtype import resolve_dtype
+from trajserve.engine.dtype import resolve_dtype, resolve_quantization
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_executor import ModelExecutor
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
@@ -39,6 +39,7 @@ from trajserve.kv.keep_policy import CostRates
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.model.fingerprint import model_fingerprint
+from trajserve.model.quant import QUANT_FORMATS
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
 from trajserve.model.sampler import Sampler
@@ -70,7 +71,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         if template is not None:
             self.tokenizer.chat_template = template
-        self.model_config, weights = load_weights(self.model_path, self.dtype, self.device)
+        self.quantization, quant_reason = resolve_quantization(config.quantization, self.dtype, self.device,
+                                                               config.cpu_kernels)
+        self.model_config, weights = load_weights(self.model_path, self.dtype, self.device, self.quantization)
         mc = self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             # As vLLM: positions past the trained context would be garbage, not a longer context.
@@ -89,7 +92,9 @@ class LLMEngine:
                                      mc.head_dim, self.dtype, self.device)
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
         # What every block written to disk says it is (kv/block_format.py).
-        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path), self.dtype,
+        formats = self.model.weight_formats()
+        quantized = sorted(f for f in formats if f in QUANT_FORMATS)
+        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)), self.dtype,
                                            (mc.num_layers, 2, mc.num_kv_heads, cc.block_size, mc.head_dim))
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
@@ -121,7 +126,9 @@ class LLMEngine:
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
             f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
             f"in {str(self.dtype).removeprefix('torch.')} ({dtype_reason})"
-            f"{', C kernels (cpu_kernels.c)' if self.model.kernels is not None else ''}\n"
+            f"{f', C kernels ({self.model.kernels.isa})' if self.model.kernels is not None else ''}\n"
+            f"weights: {' + '.join(f'{f} {b / 1e6:,.1f} MB' for f, b in formats.items())} read per decode step "
+            f"(quantization {self.quantization}: {quant_reason})\n"
             f"KV cache: m_token = {m_token:,} B (eq. 1) | block = {cc.block_size} tokens = "
             f"{bytes_per_block(mc, cc.block_size, self.dtype):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")

@@ -54,6 +54,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("dtype", "dtype", "--dtype", "auto: float32 with the C kernels on a CPU that builds them (else "
            "bfloat16 with AVX-512 BF16/AMX, else float32), bfloat16 on CUDA",
            choices=("auto", "bfloat16", "float32", "float16")),
+    Option("quantization", "quantization", "--quantization",
+           "weights run in a block format by the C kernels: auto (a GGUF's Q8_0/Q4_0/Q4_1 as stored, other "
+           "quantized types as q8_0, float as float), none (dequantize to --dtype), or q8_0/q4_0/q4_1 (the "
+           "decoder's matrices quantized at load)", choices=("auto", "none", "q8_0", "q4_0", "q4_1")),
     Option("kv_cache_memory", "cache.kv_cache_memory", "--kv-cache-memory",
            "KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)", size=True),
     Option("memory_fraction", "cache.memory_fraction", "--memory-fraction",

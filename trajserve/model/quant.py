@@ -64,6 +64,8 @@ class QuantizedWeight:
         if fmt not in GGML_TYPES:
             raise ValueError(f"unsupported quantized format {fmt!r}; supported: {', '.join(QUANT_FORMATS)}")
         a = w.detach().float().cpu().numpy() if isinstance(w, torch.Tensor) else np.asarray(w, np.float32)
+        if a.ndim != 2 or a.shape[1] % QK:
+            raise ValueError(f"a {fmt} matrix needs rows of a multiple of {QK} values, got shape {a.shape}")
         return cls.from_gguf(gguf.quants.quantize(a, GGML_TYPES[fmt]), fmt, tuple(a.shape))
 
     def dequantize(self) -> torch.Tensor:
@@ -161,3 +163,46 @@ def input_quantization_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tenso
     half_step = (x.abs().reshape(m, k // QK, QK).amax(-1) / 127 / 2).double()  # [m, blocks]
     wabs = w.dequantize().abs().reshape(w.shape[0], k // QK, QK).sum(-1).double()  # [n, blocks]
     return (half_step @ wabs.T).float()
+
+
+# ---------------------------------------------------------------- which format a matrix runs in
+
+QUANTIZATION_CHOICES = ("auto", "none", *QUANT_FORMATS)
+# GGUF types the kernels run as stored, by their gguf enum name.
+KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
+_EDGE_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def is_matrix(name: str) -> bool:
+    """A weight a product (or the embedding lookup) reads: what quantization touches."""
+    return name.endswith("_proj.weight") or name in _EDGE_MATRICES
+
+
+def target_format(name: str, source: str, quantization: str, width: int) -> str | None:
+    """The format matrix `name` (GGUF type `source`, or "F32" etc. for a float
+    checkpoint) runs in under --quantization, None for float.
+
+    none: every matrix float (dequantized at load).
+    auto: Q8_0 / Q4_0 / Q4_1 as stored; any other quantized type (K-quants,
+          Q5_*, IQ*) requantized to q8_0, which loses no more than the file
+          already did (an 8-bit grid over a 4-6 bit one); float stays float.
+    q8_0 / q4_0 / q4_1: the decoder's projections in that format; the
+          embedding and LM head as under auto but at least q8_0 (llama.cpp's
+          quantizer, like vLLM's methods, spares them too: a 4-bit LM head
+          costs the most quality per byte saved).
+    A width that is not a multiple of 32 cannot be blocked: float.
+    """
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {quantization!r}")
+    if quantization == "none" or not is_matrix(name) or width % QK:
+        return None
+    own = KEPT_GGUF_TYPES.get(source)
+    if quantization == "auto" or name in _EDGE_MATRICES:
+        if own is not None:
+            return own
+        if source in FLOAT_GGUF_TYPES:
+            return None if quantization == "auto" else "q8_0"
+        return "q8_0"
+    return quantization
+

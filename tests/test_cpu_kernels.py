@@ -310,3 +310,27 @@ def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
         lp_a = [chosen for chosen, _ in a.outputs[0].logprobs]
         lp_b = [chosen for chosen, _ in b.outputs[0].logprobs]
         assert np.allclose(lp_a, lp_b, atol=1e-3)
+
+
+@needs_kernels
+@settings(max_examples=30, deadline=None)
+@given(ctx=st.integers(1, 300), n=st.integers(1, 40), bs=st.sampled_from([1, 3, 8, 16]),
+       heads=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([8, 64]), seed=st.integers(0, 2**16))
+def test_a_query_scores_the_same_in_decode_and_in_prefill(ctx, n, bs, heads, d, seed):
+    """Both attention kernels run one arithmetic per query, bit for bit: a
+    token's output is the same whether it was decoded or is recomputed in a
+    prefill chunk (preemption, a dropped session, a cache miss), which the
+    8-bit input rounding of quantized products would otherwise amplify."""
+    hq, hkv = heads
+    n = min(n, ctx)
+    g = _g(seed)
+    nb = -(-ctx // bs)
+    kc, vc = torch.randn(nb + 2, hkv, bs, d, generator=g), torch.randn(nb + 2, hkv, bs, d, generator=g)
+    table = torch.randperm(nb + 2, generator=g)[:nb].to(torch.int64)
+    q = torch.randn(n, hq, d, generator=g)
+    pre, dec = torch.empty(n, hq, d), torch.empty(n, hq, d)
+    K.prefill_attention(q, kc, vc, table, ctx, d ** -0.5, pre)
+    K.decode_attention(q, kc, vc, table.repeat(n), torch.arange(n, dtype=torch.int64) * nb,
+                       torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64), torch.arange(n, dtype=torch.int64),
+                       d ** -0.5, dec)
+    assert torch.equal(pre, dec)

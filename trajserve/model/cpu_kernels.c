@@ -206,136 +206,147 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
     }
 }
 
+/* Attention: one arithmetic for every query, decode or prefill.
+ *
+ * A query's result is computed by the same float operations in the same
+ * order whichever kernel runs it, so a token scores the same in a decode
+ * step, in a prefill chunk, and when a preempted or dropped sequence is
+ * recomputed. The quantized products make this matter: they round their
+ * inputs to 8-bit codes, and a difference in the last bit of an attention
+ * output can move a code and then a greedy token.
+ * Per query (pre-scaled: q_e * scale), keys in blocks of KB aligned at 0:
+ *   s_i     = sum over e in order of fma(q_e, k_ie, s)           (from 0)
+ *   m'      = max(m, max_i s_i);  p_i = exp8(s_i - m')  (hidden keys: 0)
+ *   sum     = keys i in lanes i % 8, each lane in key order, then the
+ *             lanes as hsum8 adds them: ((0+4)+(2+6))+((1+5)+(3+7))
+ *   a       = exp8(m - m');  l = fma(l, a, sum);  o = a * o
+ *   o_c     = over keys in order, fma(v_ic, p_i, o_c)
+ *   out     = o * (1 / l)
+ * Keys a query cannot see contribute exact zeros (and a block it cannot see
+ * at all rescales by exp8(0) = 1), so its result does not depend on the
+ * chunk, the query block or the other queries. */
+#define QB 24
+#define KB 64
+
+/* The 8 x 8 transpose: c[e] = element e of rows r[0..8). */
+static inline void transpose8(const __m256 *r, __m256 *c) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    c[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    c[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    c[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    c[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    c[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    c[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    c[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    c[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
 /* Decode attention for n sequences of one query token each, through block
- * tables, split by keys ("flash-decoding"). Task (sequence, kv head, segment
- * of DSEG keys): the head's `group` query heads score the segment's keys,
- * exact softmax over them (max, exp, sum), weighted sum of V; then per
- * (sequence, kv head) the segments merge in order, each rescaled by
- * exp(m_seg - m). Why split: one task per (sequence, kv head) gave a batch
- * of one sequence 3 tasks (SmolLM2's kv heads) for 2 threads, and a long
- * context makes that the step's critical path. The segments sit at fixed key
- * positions, so a sequence's result depends neither on the batch nor on
- * the thread count, and a context of up to DSEG keys (one segment, rescaled
- * by exp(0) = 1) gives exactly the one-pass result.
+ * tables. Task: (sequence, kv head, a run of its query heads): all the
+ * group's heads share each transposed key tile, unless there are fewer
+ * (sequence, kv head) pairs than threads, then one task per query head.
+ * Against the split-by-keys kernel this replaced (whose sums ran in
+ * another order): 1.0-1.25x its time, docs/benchmarks.md. Scores are 8 keys
+ * in the lanes (keys transposed 8 x 8), so each key's sum over e runs in
+ * order as in the prefill kernel, where the queries are the lanes.
  * tables: the block ids of all sequences back to back, sequence s's from
  * table_start[s]; ctx[s]: tokens in its cache (incl. this one); q row and
- * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. Returns the
- * number of sequences that found no memory (their outputs are not
- * written; the caller raises). */
-#define DSEG 256
+ * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. Returns 0. */
+#define MAX_GROUP 16
 
-/* One segment, keys [k0, k1): m[j], l[j] and the unnormalized acc[j][d]
- * into out = m | l | acc. Everything is summed in locals and copied out at
- * the end: accumulating into `out` itself (memory the compiler must assume
- * may alias the pool) made the kernel 1.2-1.6x slower. */
-static void decode_segment(const float *qs, int64_t group, int64_t d, const float *k_cache,
-                           const float *v_cache, int64_t bs, int64_t hkv, int64_t h, const int64_t *table,
-                           int64_t k0, int64_t k1, float *out) {
-    const int64_t len = k1 - k0;
-    float sc[group * DSEG], m[group], l[group], acc[group * d];  // sc: scores, then probabilities
-    for (int64_t j = 0; j < group; j++) m[j] = -INFINITY;
-    for (int64_t p = 0; p < len; p++) {
-        const int64_t key = k0 + p;
-        const float *kp = k_cache + ((table[key / bs] * hkv + h) * bs + key % bs) * d;
-        for (int64_t j = 0; j < group; j++) {
-            float s = dot(qs + j * d, kp, d);
-            sc[j * DSEG + p] = s;
-            if (s > m[j]) m[j] = s;
+static void decode_heads(const float *q, int64_t hq, int64_t hkv, int64_t d, const float *k_cache,
+                         const float *v_cache, int64_t bs, const int64_t *table, int64_t ctx, int64_t h,
+                         int64_t j0, int64_t nh, float scale, float *out) {
+    const int64_t group = hq / hkv;
+    float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
+    for (int64_t j = 0; j < nh; j++) {
+        const float *qr = q + (h * group + j0 + j) * d;
+        for (int64_t e = 0; e < d; e++) qs[j * d + e] = qr[e] * scale, o[j * d + e] = 0.0f;
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
+        const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB;
+        const float *vp[KB];
+        for (int64_t t = 0; t < nk; t += 8) {
+            const float *kp[8];
+            for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
+                const int64_t key = kb0 + (t + u < nk ? t + u : nk - 1);
+                const int64_t off = ((table[key / bs] * hkv + h) * bs + key % bs) * d;
+                kp[u] = k_cache + off;
+                if (t + u < nk) vp[t + u] = v_cache + off;
+            }
+            __m256 acc[MAX_GROUP];
+            for (int64_t j = 0; j < nh; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t e0 = 0; e0 < d; e0 += 8) {
+                __m256 r[8], c[8];
+                for (int u = 0; u < 8; u++) r[u] = _mm256_loadu_ps(kp[u] + e0);
+                transpose8(r, c);
+                for (int64_t j = 0; j < nh; j++)
+                    for (int ee = 0; ee < 8; ee++)
+                        acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(qs[j * d + e0 + ee]), c[ee], acc[j]);
+            }
+            for (int64_t j = 0; j < nh; j++) _mm256_storeu_ps(s + j * KB + t, acc[j]);
+        }
+        for (int64_t j = 0; j < nh; j++) {
+            float *sj = s + j * KB, mx = m[j];
+            for (int64_t i = 0; i < nk; i++) mx = sj[i] > mx ? sj[i] : mx;
+            const __m256 mxv = _mm256_set1_ps(mx);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t t = 0; t < nk; t += 8) {
+                __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv));
+                if (nk - t < 8) {  // lanes past the context: exactly 0
+                    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - t)), lane)));
+                }
+                _mm256_storeu_ps(sj + t, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float a8[8];
+            _mm256_storeu_ps(a8, exp8(_mm256_set1_ps(m[j] - mx)));
+            const float a = a8[0];
+            m[j] = mx;
+            l[j] = fmaf(l[j], a, hsum8(sum));
+            float *oj = o + j * d;
+            const __m256 av = _mm256_set1_ps(a);
+            for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(oj + e, _mm256_mul_ps(av, _mm256_loadu_ps(oj + e)));
+            for (int64_t i = 0; i < nk; i++) {
+                const __m256 pi = _mm256_set1_ps(sj[i]);
+                for (int64_t e = 0; e < d; e += 8)
+                    _mm256_storeu_ps(oj + e, _mm256_fmadd_ps(_mm256_loadu_ps(vp[i] + e), pi, _mm256_loadu_ps(oj + e)));
+            }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *sj = sc + j * DSEG;
-        __m256 m8 = _mm256_set1_ps(m[j]), t8 = _mm256_setzero_ps();
-        int64_t p = 0;
-        for (; p + 8 <= len; p += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + p), m8));
-            _mm256_storeu_ps(sj + p, e);
-            t8 = _mm256_add_ps(t8, e);
-        }
-        float tot = hsum8(t8);
-        if (p < len) {  // tail through the same exp, padded with -inf (exp -> ~0)
-            float buf[8];
-            for (int64_t e = 0; e < 8; e++) buf[e] = p + e < len ? sj[p + e] - m[j] : -INFINITY;
-            _mm256_storeu_ps(buf, exp8(_mm256_loadu_ps(buf)));
-            for (int64_t e = 0; p + e < len; e++) { sj[p + e] = buf[e]; tot += buf[e]; }
-        }
-        l[j] = tot;
+    for (int64_t j = 0; j < nh; j++) {
+        float *orow = out + (h * group + j0 + j) * d;
+        const float inv = 1.0f / l[j];
+        for (int64_t e = 0; e < d; e++) orow[e] = o[j * d + e] * inv;
     }
-    memset(acc, 0, sizeof(acc));
-    for (int64_t p = 0; p < len; p++) {
-        const int64_t key = k0 + p;
-        const float *vp = v_cache + ((table[key / bs] * hkv + h) * bs + key % bs) * d;
-        for (int64_t j = 0; j < group; j++) {
-            __m256 pj = _mm256_set1_ps(sc[j * DSEG + p]);
-            float *aj = acc + j * d;
-            for (int64_t e = 0; e < d; e += 8)
-                _mm256_storeu_ps(aj + e, _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp + e), _mm256_loadu_ps(aj + e)));
-        }
-    }
-    memcpy(out, m, sizeof(m));
-    memcpy(out + group, l, sizeof(l));
-    memcpy(out + 2 * group, acc, sizeof(acc));
 }
 
 int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
                         int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
                         const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
                         const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
-    const int64_t group = hq / hkv, stride = group * (d + 2);  // one segment's m, l, acc
-    if (n <= 0) return 0;
-    int64_t *first = malloc(sizeof(int64_t) * (n + 1));  // sequence s's segments: [first[s], first[s + 1])
-    if (first == NULL) return (int)n;
-    first[0] = 0;
-    for (int64_t si = 0; si < n; si++) first[si + 1] = first[si] + (ctx[si] + DSEG - 1) / DSEG;
-    const int64_t nseg = first[n];
-    int64_t *seq_of = malloc(sizeof(int64_t) * nseg);
-    float *part = malloc(sizeof(float) * nseg * hkv * stride);
-    if (seq_of == NULL || part == NULL) {
-        free(first);
-        free(seq_of);
-        free(part);
-        return (int)n;
-    }
+    const int64_t group = hq / hkv;
+    // A task per (sequence, kv head) while there are as many as threads (at a
+    // batch of 1 with 3 kv heads on 2 threads that beat 9 per-head tasks,
+    // which transpose each key tile 3 times: 236 vs 294 us at 3,000 keys).
+    const int64_t per = n * hkv >= nthreads && group <= MAX_GROUP ? group : 1, runs = group / per;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t si = 0; si < n; si++)
-        for (int64_t g = first[si]; g < first[si + 1]; g++) seq_of[g] = si;
-#pragma omp parallel num_threads(nthreads)
-    {
-#pragma omp for collapse(2) schedule(dynamic, 1)
-        for (int64_t g = 0; g < nseg; g++) {
-            for (int64_t h = 0; h < hkv; h++) {
-                const int64_t si = seq_of[g], k0 = (g - first[si]) * DSEG;
-                const int64_t k1 = ctx[si] - k0 < DSEG ? ctx[si] : k0 + DSEG;
-                float qs[group * d], *pm = part + (g * hkv + h) * stride;
-                for (int64_t j = 0; j < group; j++) {
-                    const float *qj = q + rows[si] * ldq + (h * group + j) * d;
-                    for (int64_t e = 0; e < d; e++) qs[j * d + e] = qj[e] * scale;
-                }
-                decode_segment(qs, group, d, k_cache, v_cache, bs, hkv, h, tables + table_start[si], k0, k1, pm);
-            }
+        for (int64_t t = 0; t < hkv * runs; t++) {
+            const int64_t h = t / runs, j0 = (t % runs) * per;
+            decode_heads(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si], ctx[si], h,
+                         j0, per, scale, out + rows[si] * ldo);
         }
-#pragma omp for collapse(2) schedule(static)
-        for (int64_t si = 0; si < n; si++) {
-            for (int64_t h = 0; h < hkv; h++) {
-                for (int64_t j = 0; j < group; j++) {
-                    float mx = -INFINITY, tot = 0.0f, o[d];
-                    for (int64_t g = first[si]; g < first[si + 1]; g++)
-                        mx = fmaxf(mx, part[(g * hkv + h) * stride + j]);
-                    memset(o, 0, sizeof(o));
-                    for (int64_t g = first[si]; g < first[si + 1]; g++) {
-                        const float *pm = part + (g * hkv + h) * stride;
-                        const float a = expf(pm[j] - mx), *acc = pm + 2 * group + j * d;  // 1 for the max's segment
-                        tot += a * pm[group + j];
-                        for (int64_t e = 0; e < d; e++) o[e] += a * acc[e];
-                    }
-                    float *orow = out + rows[si] * ldo + (h * group + j) * d, inv = 1.0f / tot;
-                    for (int64_t e = 0; e < d; e++) orow[e] = o[e] * inv;
-                }
-            }
-        }
-    }
-    free(first);
-    free(seq_of);
-    free(part);
     return 0;
 }
 
@@ -369,9 +380,6 @@ int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int6
  * would be treated as hidden).
  * Requires d % 8 == 0. Returns the number of tasks that found no memory
  * (their outputs are not written; the caller raises). */
-#define QB 24
-#define KB 64
-
 /* s[i][0..8 nv) = qt^T k_i for keys i < nk (nk a multiple of 4; kp padded):
  * the block's first 8 nv queries, nv = 1..3 vectors (a short last block
  * skips the vectors it does not fill). Each query's score is its own lane
@@ -506,14 +514,18 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                     for (int64_t c = 0; c < R; c += 8) {
                         __m256 mx = _mm256_loadu_ps(mj + c);
                         for (int64_t i = 0; i < nk; i++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + i * QB + c));
-                        __m256 sum = _mm256_setzero_ps(), ninf = _mm256_set1_ps(-INFINITY);
+                        // The sum in the decode kernel's order: key i into lane i % 8, then hsum8's tree.
+                        __m256 part[8], ninf = _mm256_set1_ps(-INFINITY);
+                        for (int u = 0; u < 8; u++) part[u] = _mm256_setzero_ps();
                         for (int64_t i = 0; i < nk; i++) {
                             __m256 x = _mm256_loadu_ps(s + i * QB + c), e = exp8(_mm256_sub_ps(x, mx));
                             // hidden: exactly 0, not exp8's ~1e-38
                             if (masked) e = _mm256_andnot_ps(_mm256_cmp_ps(x, ninf, _CMP_EQ_OQ), e);
                             _mm256_storeu_ps(s + i * QB + c, e);
-                            sum = _mm256_add_ps(sum, e);
+                            part[i & 7] = _mm256_add_ps(part[i & 7], e);
                         }
+                        __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(part[0], part[4]), _mm256_add_ps(part[2], part[6])),
+                                                   _mm256_add_ps(_mm256_add_ps(part[1], part[5]), _mm256_add_ps(part[3], part[7])));
                         __m256 a = exp8(_mm256_sub_ps(_mm256_loadu_ps(mj + c), mx));  // m_old = -inf: ~0
                         _mm256_storeu_ps(alpha + c, a);
                         _mm256_storeu_ps(mj + c, mx);

@@ -31,9 +31,20 @@ def hf_gguf_model(embedded_gguf: Path):
 
 @pytest.fixture(scope="session")
 def engine_f32():
-    """A float32 engine on the embedded model with a small pool, its weights
-    dequantized (--quantization none): the path checked against transformers
-    to 1e-3. The default, quantized execution, is checked against this one."""
+    """A float32 engine on the embedded model with a small pool, on the
+    default path: its weights in the GGUF's own blocks where the C kernels
+    load (--quantization auto)."""
+    from trajserve.config import CacheConfig, EngineConfig
+    from trajserve.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512)))
+
+
+@pytest.fixture(scope="session")
+def engine_float_weights():
+    """The same with the weights dequantized to float32 (--quantization
+    none): what transformers computes from the GGUF, checked against it to
+    1e-3; quantized execution is checked against this one."""
     from trajserve.config import CacheConfig, EngineConfig
     from trajserve.engine.engine import LLMEngine
 

@@ -31,8 +31,8 @@ def close(a, b, tol=1e-4):
         assert x[1].keys() == y[1].keys(), f"position {i}: top-k {list(x[1])} vs {list(y[1])}"
 
 
-def test_prompt_logprobs_match_transformers(engine_f32, hf_gguf_model):
-    eng = engine_f32
+def test_prompt_logprobs_match_transformers(engine_float_weights, hf_gguf_model):
+    eng = engine_float_weights
     ids = eng.tokenizer.encode(TEXT)
     out = run_requests(eng, [(ids, scored(k=2))])[0]
     with torch.inference_mode():

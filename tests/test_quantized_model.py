@@ -71,7 +71,7 @@ def test_the_embedded_gguf_keeps_its_bytes_and_its_values():
 
 
 @needs_kernels
-def test_embedded_model_quantized_against_its_float32_path(engine_f32):
+def test_embedded_model_quantized_against_its_float32_path(engine_float_weights):
     """The same weights, inputs quantized to 8 bits per 32 values: teacher-
     forced logprobs of 112 tokens within 0.6 nats at every position and 0.04
     on average (measured 0.39 / 0.028; torch's bfloat16 forward, a path users
@@ -82,9 +82,9 @@ def test_embedded_model_quantized_against_its_float32_path(engine_f32):
     assert q.engine.quantization == "auto"
     assert set(q.engine.model.weight_formats()) == {"q4_1", "q8_0"}
     assert "weights: q4_1 66.4 MB + q8_0 30.1 MB" in q.engine.startup_summary
-    ids = engine_f32.tokenizer.encode(" ".join(PROMPTS) * 4)
+    ids = engine_float_weights.tokenizer.encode(" ".join(PROMPTS) * 4)
     f = LLM.__new__(LLM)
-    f.engine = engine_f32
+    f.engine = engine_float_weights
     d = (_prompt_logprobs(q, ids) - _prompt_logprobs(f, ids)).abs()
     assert d.max() < 0.6 and d.mean() < 0.04, (d.max(), d.mean())
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -158,3 +158,18 @@ def test_weight_bytes_per_step_follow_the_format():
     # Q4_1 is 20 bytes per 32 weights and Q8_0 34: ~6x fewer bytes than float32.
     assert 5.0 < fb / qb < 6.5, fb / qb
     assert np.isclose(sum(q.engine.model.weight_formats().values()), qb, rtol=0.01)
+
+
+def test_kernels_that_do_not_load_leave_a_float_engine_that_serves(monkeypatch, caplog):
+    """No compiler, a failed build or a failed known-answer check: load()
+    gives None, and an explicit format is refused with a warning, not an error."""
+    import logging
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(quantization="q4_1", dtype="float32", num_blocks=32)
+    assert llm.engine.model.kernels is None and llm.engine.quantization == "none"
+    assert "the C kernels did not load" in llm.engine.startup_summary
+    assert "--quantization q4_1 cannot run here" in caplog.text
+    sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    assert len(llm.generate(["Hi"], sp, use_tqdm=False)[0].outputs[0].token_ids) == 3

@@ -8,8 +8,8 @@ PROMPT = [{"role": "user", "content": "Explain in two sentences why the sky is b
 STEPS = 32
 
 
-def test_logits_and_greedy_text_match_transformers(engine_f32, hf_gguf_model, monkeypatch):
-    eng = engine_f32
+def test_logits_and_greedy_text_match_transformers(engine_float_weights, hf_gguf_model, monkeypatch):
+    eng = engine_float_weights
     ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(PROMPT), add_special_tokens=False)
     seen = []  # the logits the sampler sees, per step
     orig = eng.sampler.sample
@@ -36,12 +36,12 @@ def test_logits_and_greedy_text_match_transformers(engine_f32, hf_gguf_model, mo
     print(f"max |logit diff| over prefill + {STEPS} decode steps: {diff:.2e}")
 
 
-def test_every_prefill_row_matches_transformers(engine_f32, hf_gguf_model):
+def test_every_prefill_row_matches_transformers(engine_float_weights, hf_gguf_model):
     """All rows of a chunked prefill (not just the sampled one) against the reference."""
     from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
     from trajserve.engine.request import Request
 
-    eng = engine_f32
+    eng = engine_float_weights
     ids = eng.tokenizer.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n")
     req = Request("rows", ids, SamplingParams(), 10**6)
     assert eng.kv.allocate_slots("rows", len(ids))
@@ -62,7 +62,7 @@ def test_every_prefill_row_matches_transformers(engine_f32, hf_gguf_model):
     assert diff < 1e-3, f"max |logit diff| = {diff}"
 
 
-def test_penalties_and_bias_match_transformers_and_leave_the_batch_alone(engine_f32, hf_gguf_model):
+def test_penalties_and_bias_match_transformers_and_leave_the_batch_alone(engine_float_weights, hf_gguf_model):
     """Greedy with a repetition penalty against transformers' own
     (generate(repetition_penalty=)); frequency / presence penalties and a
     logit bias against a loop over transformers' logits written here from
@@ -72,7 +72,7 @@ def test_penalties_and_bias_match_transformers_and_leave_the_batch_alone(engine_
 
     from engine_util import run_requests
 
-    eng, steps = engine_f32, 24
+    eng, steps = engine_float_weights, 24
     ids = eng.tokenizer.encode("List the colors: red, blue, green, red, blue, green, red,")
     rep = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, repetition_penalty=1.3)
     freq = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True, frequency_penalty=1.5,

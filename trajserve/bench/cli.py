@@ -13,6 +13,12 @@ def _throughput(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _quant_agreement(args: argparse.Namespace) -> int:
+    from trajserve.bench.quant_agreement import run
+
+    return run(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from trajserve.bench.serve import run
 
@@ -55,8 +61,19 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--prefill-tokens", type=int, default=2048)
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--json", action="store_true", help="print only JSON")
+    t.add_argument("--paths", action="store_true",
+                   help="every path this machine runs (quantized per kernel build, float32 C, bf16 and float32 "
+                        "torch), each in its own process, against what --dtype/--quantization auto pick")
     add_engine_args(t)
     t.set_defaults(func=_throughput)
+
+    qa = bsub.add_parser("quant-agreement", help="quantized weights against the same weights in float32: "
+                         "greedy agreement over 16 prompts x 64 tokens and |delta logprob|")
+    qa.add_argument("--model", default=None)
+    qa.add_argument("--quantization", default="auto", choices=("auto", "q8_0", "q4_0", "q4_1"))
+    qa.add_argument("--num-blocks", type=int, default=None)
+    qa.add_argument("--json", action="store_true", help="print only JSON")
+    qa.set_defaults(func=_quant_agreement)
 
     a = bsub.add_parser("agent", help="multi-turn agent replay: TTFT and prefix hit rate, cached vs uncached")
     a.add_argument("--tool-waits", action="store_true",

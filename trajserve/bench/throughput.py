@@ -4,11 +4,13 @@ Reports, for the engine's dtype:
   * decode step time and tokens/s at several batch sizes (all sequences in
     decode, `--context` tokens of prompt each);
   * prefill tokens/s for one `--prefill-tokens` prompt;
-  * the memory-bandwidth floor of one decode step (weight bytes / measured
-    read bandwidth) and the ratio of the batch-1 step to it;
+  * the memory-bandwidth floor of one decode step (the bytes of weights it
+    reads, in the format they run in, over the measured read bandwidth) and
+    the ratio of the batch-1 step to it;
   * the share of each step spent outside the model forward (scheduling,
     KV bookkeeping, input preparation, sampling, detokenization).
-All figures come from one process run; compare them as ratios.
+All figures come from one process run; compare them as ratios. `--paths`
+runs every execution path of the machine instead (bench/paths.py).
 """
 from __future__ import annotations
 
@@ -91,6 +93,10 @@ def check(value: float, rule: tuple[str, float]) -> bool:
 def run(args: argparse.Namespace) -> int:
     from trajserve.llm import LLM
 
+    if args.paths:
+        from trajserve.bench.paths import run as run_paths
+
+        return run_paths(args)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # The pool must hold the largest batch.
     longest = args.context + args.decode_steps + 8 + max(batches) * args.context // args.max_num_batched_tokens
@@ -118,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "command": command_line(), "machine": machine_info(),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "kernels": "C (cpu_kernels.c)" if engine.model.kernels is not None else "torch",
+        "kernels": f"C ({engine.model.kernels.isa})" if engine.model.kernels is not None else "torch",
+        "quantization": engine.quantization,
+        "weights": " + ".join(f"{f} {b / 1e6:.1f} MB" for f, b in engine.model.weight_formats().items()),
         "context_tokens": args.context, "decode_steps": args.decode_steps,
         "read_bandwidth_GBps": bw / 1e9, "weight_bytes": wbytes, "decode_floor_ms": floor_s * 1e3,
         "decode": decode, "prefill": prefill,
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{result['command']}")
     m = result["machine"]
     print(f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
-          f"dtype {result['dtype']}, kernels {result['kernels']}")
+          f"dtype {result['dtype']}, kernels {result['kernels']}, weights {result['weights']}")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s, weights {wbytes / 1e6:.0f} MB "
           f"-> decode floor {floor_s * 1e3:.1f} ms/step\n")
     print(f"{'batch':>5} {'step ms':>9} {'p10-p90':>13} {'tok/s':>8} {'fwd ms':>8} {'outside':>8}")

@@ -21,18 +21,23 @@ def _ints(text: str) -> tuple[int, ...]:
 DEFAULT_CONTEXTS = (8192, 32768, 131072)
 
 
-def default_dtypes(device) -> tuple[str, str | None]:
+def default_dtypes(device, gguf_file: bool = False) -> tuple[str, str | None]:
     """(KV dtype, weight dtype; None: the model's) when the flags leave them
-    out: bf16 KV on accelerators. On this machine's CPU, both in the dtype the
-    engine computes in there by default (engine/dtype.py; fp32 KV holds half
-    the tokens bf16 would)."""
+    out: bf16 KV on accelerators. On this machine's CPU, what the engine runs
+    there by default (engine/dtype.py): KV in its compute dtype (fp32 KV
+    holds half the tokens bf16 would); a GGUF's weights in the file's own
+    blocks where the C kernels run them (--quantization auto: the file's
+    bytes, which is what the model's weight_bytes measures), other weights
+    in the compute dtype."""
     if device.key == "cpu-local":
         import torch
 
-        from trajserve.engine.dtype import resolve_dtype
+        from trajserve.engine.dtype import resolve_dtype, resolve_quantization
 
-        engine = "bf16" if resolve_dtype("auto", torch.device("cpu"))[0] == torch.bfloat16 else "fp32"
-        return engine, engine
+        dtype = resolve_dtype("auto", torch.device("cpu"))[0]
+        engine = "bf16" if dtype == torch.bfloat16 else "fp32"
+        as_stored = gguf_file and resolve_quantization("auto", dtype, torch.device("cpu"))[0] == "auto"
+        return engine, None if as_stored else engine
     return "bf16", None
 
 
@@ -95,7 +100,7 @@ def request_from(args: argparse.Namespace):
         raise ValueError(f"--context {max(contexts):,} is over the model's context of {limit:,} tokens "
                          f"(max_position_embeddings); the engine refuses such a max_model_len too")
     device = get_device(args.gpu)
-    kv_dtype, weight_dtype = default_dtypes(device)
+    kv_dtype, weight_dtype = default_dtypes(device, str(args.model).endswith(".gguf"))
     return PlanRequest(
         model=model, device=device, contexts=contexts, num_gpus=args.num_gpus,
         tp=args.tp, pp=args.pp, output_tokens=args.output_tokens, shared_prefix=args.shared_prefix,

@@ -72,6 +72,7 @@ def add_bench_parser(sub) -> None:
     qa.add_argument("--model", default=None)
     qa.add_argument("--quantization", default="auto", choices=("auto", "q8_0", "q4_0", "q4_1"))
     qa.add_argument("--num-blocks", type=int, default=None)
+    qa.add_argument("--bf16", action="store_true", help="test torch's bfloat16 forward instead (a yardstick)")
     qa.add_argument("--json", action="store_true", help="print only JSON")
     qa.set_defaults(func=_quant_agreement)
 

@@ -1,4 +1,4 @@
-"""Choosing the compute/KV dtype for a device.
+"""Choosing the compute/KV dtype and the weight format for a device.
 
 bfloat16 halves weight and KV bytes, but on a CPU without native bf16 matrix
 instructions (AVX-512 BF16 or AMX) torch falls back to a scalar path that is
@@ -8,9 +8,13 @@ float32 C kernels (model/cpu_kernels.c) still decode faster than torch's
 bf16 forward: on an AVX-512 BF16 EPYC (Zen 4), SmolLM2-135M decoded 47.9 vs
 20.7 tok/s at batch 1, 217 vs 152 at 16 and 373 vs 315 at 64 (a 16-agent
 load: 76 s vs 136 s); only a 2,048-token prefill was faster in bf16 (649 vs
-456 tok/s). Agent serving is mostly decode, so "auto" on the CPU is float32
-with the kernels wherever they load, bf16 only where they do not and the
-CPU has native bf16, float32 otherwise.
+456 tok/s). With the kernels a GGUF's weights also run as stored
+(resolve_quantization): on a Sapphire Rapids Xeon with AMX that decoded
+158.7 / 548 / 647 tok/s at batch 1 / 16 / 64 against bf16's 24.5 / 257 /
+512, and prefilled 2,048 tokens at 1,063 tok/s against bf16's 2,188
+(docs/benchmarks.md). Agent serving is mostly decode, so "auto" on the CPU
+is float32 with the kernels wherever they load, bf16 only where they do
+not and the CPU has native bf16, float32 otherwise.
 """
 from __future__ import annotations
 

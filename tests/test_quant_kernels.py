@@ -183,3 +183,22 @@ def test_format_rule():
     assert target_format("model.layers.0.input_layernorm.weight", "F32", "q8_0", 576) is None
     with pytest.raises(ValueError, match="quantization must be one of"):
         target_format(proj, "F32", "int3", 576)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_largest_codes_against_largest_inputs_do_not_overflow(fmt):
+    """Rows whose codes are all 15 (4-bit; Q8_0: +-127) against inputs that
+    quantize to +-127 everywhere: the AVX2 build adds a block's 4-bit pair
+    sums in int16 (at most 8 * 3810 = 30480 < 32767) before widening."""
+    k = 256
+    w = torch.full((24, k), 0.875)
+    w[:, ::32] = -1.0  # Q4_0: d = 1/8, -1 -> code 0, 0.875 -> 15; Q4_1: minimum -1, d = 1.875/15 -> 15
+    w[12:] = -w[12:]
+    q = QuantizedWeight.quantize(w, fmt)
+    x = torch.ones(3, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    want = q.reference_product(x)
+    for K in BUILDS.values():
+        torch.testing.assert_close(K.qlinear(x, q.pack()), want, atol=1e-3, rtol=1e-5)

@@ -173,3 +173,17 @@ def test_kernels_that_do_not_load_leave_a_float_engine_that_serves(monkeypatch, 
     assert "--quantization q4_1 cannot run here" in caplog.text
     sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     assert len(llm.generate(["Hi"], sp, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+@needs_kernels
+def test_fused_matrices_of_two_formats_run_together_in_q8_0(tmp_path):
+    torch.manual_seed(2)
+    model = tiny_hf_model("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=256)
+    model.save_pretrained(tmp_path)
+    cfg, weights = load_weights(tmp_path, torch.float32, "cpu", quantization="q4_0")
+    v = "model.layers.0.self_attn.v_proj.weight"
+    weights[v] = QuantizedWeight.quantize(weights[v].dequantize(), "q8_0")  # as a mixed GGUF would hold it
+    m = LlamaModel(cfg, weights, 64, torch.float32, "cpu")
+    assert m.layers[0].qkv.panels.fmt == "q8_0" and m.layers[1].qkv.panels.fmt == "q4_0"
+    assert "float32" not in m.weight_formats()

@@ -55,11 +55,14 @@ class LlamaModel:
             self.kernels = cpu_kernels.load()
 
         def quantized(*names: str) -> list[QuantizedWeight] | None:
-            """The matrices as stored, if the kernels can run them together."""
+            """The matrices as stored, if the kernels can run them together.
+            Fused matrices of two formats (a GGUF may keep v in Q8_0 and q,
+            k in Q4_0) run together in q8_0, the finer of the three."""
             parts = [weights[n] for n in names]
-            if (self.kernels is None or not all(isinstance(p, QuantizedWeight) for p in parts)
-                    or len({p.fmt for p in parts}) != 1):
+            if self.kernels is None or not all(isinstance(p, QuantizedWeight) for p in parts):
                 return None
+            if len({p.fmt for p in parts}) > 1:
+                parts = [p if p.fmt == "q8_0" else QuantizedWeight.quantize(p.dequantize(), "q8_0") for p in parts]
             return parts
 
         def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear | QLinear:

@@ -159,63 +159,71 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
     for (int i = 0; i < nr; i++) _mm512_storeu_ps(o + i * PANEL, acc[i]);
 }
 #else
-#define QTILE_ROWS 2
+#define QTILE_ROWS 4
 /* 8 int32 sums of 4 byte products each: u unsigned (<= 128), s signed. */
 static inline __m256i madd_us(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
-                                                        const int nr, const int fmt, float *o) {
+/* One half of the panel (rows 8h .. 8h + 7) over all blocks: 4 rows' sums
+ * and accumulators fit the 16 ymm registers (both halves at once spilled
+ * at 4 rows, and 2 rows left the product no faster than the float32 one). */
+static inline __attribute__((always_inline)) void qtile_half(const uint8_t *panel, int64_t nb, const block_q8x *x,
+                                                             const int nr, const int fmt, const int h, float *o) {
     const int64_t pb = panel_block_bytes(fmt);
     const int offset = fmt == FMT_Q4_0 ? 8 : 0;  // Q8_0's +128 is undone on the codes
     const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc[QTILE_ROWS][2];
-    for (int i = 0; i < nr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    __m256 acc[QTILE_ROWS];
+    for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel + b * pb;
-        const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32);
-        for (int h = 0; h < 2; h++) {  // rows 8h .. 8h + 7
-            __m256i isum[QTILE_ROWS];
-            for (int i = 0; i < nr; i++) isum[i] = _mm256_setzero_si256();
-            if (fmt == FMT_Q8_0) {
-                for (int g = 0; g < 8; g++) {
-                    const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + 64 * g + 32 * h)),
-                                                       flip);
-                    const __m256i a = _mm256_abs_epi8(q);
-                    for (int i = 0; i < nr; i++) {
-                        const __m256i xs = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
-                        isum[i] = _mm256_add_epi32(isum[i], madd_us(a, _mm256_sign_epi8(xs, q)));
-                    }
-                }
-            } else {
-                for (int g = 0; g < 4; g++) {
-                    const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * g + 32 * h));
-                    const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-                    for (int i = 0; i < nr; i++) {
-                        const __m256i xl = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
-                        const __m256i xh = _mm256_set1_epi32(dword(x[i * nb + b].q, g + 4));
-                        isum[i] = _mm256_add_epi32(isum[i], _mm256_add_epi32(madd_us(lo, xl), madd_us(hi, xh)));
-                    }
+        const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32) + 32 * h;
+        __m256i isum[QTILE_ROWS];
+        for (int i = 0; i < nr; i++) isum[i] = _mm256_setzero_si256();
+        if (fmt == FMT_Q8_0) {
+            for (int g = 0; g < 8; g++) {
+                const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + 64 * g)), flip);
+                const __m256i a = _mm256_abs_epi8(q);
+                for (int i = 0; i < nr; i++) {
+                    const __m256i xs = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
+                    isum[i] = _mm256_add_epi32(isum[i], madd_us(a, _mm256_sign_epi8(xs, q)));
                 }
             }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
-            for (int i = 0; i < nr; i++) {
-                const block_q8x *xb = x + i * nb + b;
-                if (offset) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(offset * xb->sum));
-                acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)),
-                                            acc[i][h]);
-                if (fmt == FMT_Q4_1) {
-                    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
-                    acc[i][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i][h]);
+        } else {
+            // 4-bit codes: a vpmaddubsw pair sum is at most 2 * 15 * 127 = 3810, so all 8
+            // of a block add up in int16 (<= 30480) before one vpmaddwd widens them.
+            __m256i s16[QTILE_ROWS];
+            for (int i = 0; i < nr; i++) s16[i] = _mm256_setzero_si256();
+            for (int g = 0; g < 4; g++) {
+                const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * g));
+                const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                for (int i = 0; i < nr; i++) {
+                    const __m256i xl = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
+                    const __m256i xh = _mm256_set1_epi32(dword(x[i * nb + b].q, g + 4));
+                    s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                       _mm256_maddubs_epi16(hi, xh)));
                 }
+            }
+            for (int i = 0; i < nr; i++) isum[i] = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        for (int i = 0; i < nr; i++) {
+            const block_q8x *xb = x + i * nb + b;
+            if (offset) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(offset * xb->sum));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
+            if (fmt == FMT_Q4_1) {
+                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+                acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
             }
         }
     }
-    for (int i = 0; i < nr; i++) {
-        _mm256_storeu_ps(o + i * PANEL, acc[i][0]);
-        _mm256_storeu_ps(o + i * PANEL + 8, acc[i][1]);
-    }
+    for (int i = 0; i < nr; i++) _mm256_storeu_ps(o + i * PANEL + 8 * h, acc[i]);
+}
+
+static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
+                                                        const int nr, const int fmt, float *o) {
+    qtile_half(panel, nb, x, nr, fmt, 0, o);
+    qtile_half(panel, nb, x, nr, fmt, 1, o);
 }
 #endif
 
@@ -224,7 +232,7 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
     switch (nr) {                                              \
         case 1: qtile(panel, nb, x, 1, FMT, o); break;         \
         case 2: qtile(panel, nb, x, 2, FMT, o); break;         \
-        case 3: qtile(panel, nb, x, QTILE_ROWS >= 3 ? 3 : 2, FMT, o); break; \
+        case 3: qtile(panel, nb, x, 3, FMT, o); break;         \
         default: qtile(panel, nb, x, QTILE_ROWS, FMT, o); break; \
     }
     switch (fmt) {

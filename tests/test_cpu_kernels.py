@@ -12,15 +12,20 @@ from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, dense_attention, paged_attention, write_kv
 from trajserve.model.rope import apply_rope, cos_sin_table
 
-K = cpu_kernels.load()
-needs_kernels = pytest.mark.skipif(K is None, reason="no C compiler or no AVX2 here")
+ISAS = cpu_kernels.supported_isas()  # every build this CPU runs (avx512, avx2): each is tested
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler or no AVX2 here")
+
+
+@pytest.fixture(scope="module", params=ISAS or ["none"])
+def K(request):
+    return cpu_kernels.load(request.param) if ISAS else None
 
 
 def test_kernels_build_where_they_can():
     # Every other test here needs them: on a machine with a compiler and
     # AVX2 (this one) they must build, or the model silently loses them.
     if (shutil.which("cc") or shutil.which("gcc")) and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        assert K is not None
+        assert ISAS and all(cpu_kernels.load(isa) is not None for isa in ISAS)
 
 
 def test_off_switch_and_a_failed_build_fall_back(monkeypatch, tmp_path):
@@ -40,7 +45,7 @@ def _g(seed):
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 130), k=st.integers(1, 300), n=st.integers(1, 70), bias=st.booleans(),
        acc=st.booleans(), seed=st.integers(0, 2**16))
-def test_linear_matches_torch(m, k, n, bias, acc, seed):
+def test_linear_matches_torch(K, m, k, n, bias, acc, seed):
     """Any row count (tiles of 6, row blocks of 60, remainders), any width (panels of
     16 and a partial last one), a row stride that is not k."""
     g = _g(seed)
@@ -59,7 +64,7 @@ def test_linear_matches_torch(m, k, n, bias, acc, seed):
 
 
 @needs_kernels
-def test_a_row_does_not_depend_on_its_batch():
+def test_a_row_does_not_depend_on_its_batch(K):
     # One accumulator per output summed in order: the same bits for a row
     # alone, in a tile of 6, or in a remainder tile.
     g = _g(1)
@@ -69,7 +74,7 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 @needs_kernels
-def test_packed_rows_and_width_check():
+def test_packed_rows_and_width_check(K):
     w = torch.randn(37, 24)
     ids = torch.tensor([0, 36, 15, 16, 5])
     assert torch.equal(cpu_kernels.packed_rows(cpu_kernels.pack(w), ids), w[ids])
@@ -79,7 +84,7 @@ def test_packed_rows_and_width_check():
 
 @needs_kernels
 @pytest.mark.parametrize("m,k,inter", [(1, 576, 1536), (5, 64, 7), (16, 96, 33), (41, 40, 8)])
-def test_gate_up_silu_matches_torch(m, k, inter):
+def test_gate_up_silu_matches_torch(K, m, k, inter):
     g = _g(m)
     x = torch.randn(m, k, generator=g)
     gate, up = torch.randn(inter, k, generator=g) / k ** 0.5, torch.randn(inter, k, generator=g) / k ** 0.5
@@ -89,7 +94,7 @@ def test_gate_up_silu_matches_torch(m, k, inter):
 
 
 @needs_kernels
-def test_gate_up_silu_holds_at_extreme_gates():
+def test_gate_up_silu_holds_at_extreme_gates(K):
     # The vector SiLU's exp(-g) is capped at exp(88): past it the exponent
     # would overflow into garbage. Gates up to +-1000 (and 21 of them: the
     # last panel is partial) must still give silu(g) * 1.
@@ -105,7 +110,7 @@ def test_gate_up_silu_holds_at_extreme_gates():
 
 @needs_kernels
 @pytest.mark.parametrize("m", [1, 16, 40])  # one thread up to 16 rows, all above
-def test_rms_norm_matches_torch(m):
+def test_rms_norm_matches_torch(K, m):
     g = _g(m)
     x, w = torch.randn(m, 576, generator=g) * 3, torch.randn(576, generator=g)
     torch.testing.assert_close(K.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
@@ -113,7 +118,7 @@ def test_rms_norm_matches_torch(m):
 
 @needs_kernels
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 16, 1), (8, 2, 128, 8)])
-def test_rope_store_matches_torch(hq, hkv, d, bs):
+def test_rope_store_matches_torch(K, hq, hkv, d, bs):
     g = _g(d)
     T, nblocks = 21, 40
     cos, sin = cos_sin_table(d, 512, 10000.0, None, "cpu")
@@ -133,7 +138,7 @@ def test_rope_store_matches_torch(hq, hkv, d, bs):
 
 
 @needs_kernels
-def test_index_tensors_must_be_int64():
+def test_index_tensors_must_be_int64(K):
     # The C side reads them as int64 arrays; an int32 one must not be read as garbage.
     cos, sin = cos_sin_table(16, 8, 10000.0, None, "cpu")
     qkv, kc = torch.zeros(2, 64), torch.zeros(4, 1, 4, 16)
@@ -146,7 +151,7 @@ def test_index_tensors_must_be_int64():
 @settings(max_examples=30, deadline=None)
 @given(ctxs=st.lists(st.integers(1, 700), min_size=1, max_size=5), bs=st.sampled_from([1, 4, 16]),
        gqa=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
-def test_decode_attention_matches_dense(ctxs, bs, gqa, d, seed):
+def test_decode_attention_matches_dense(K, ctxs, bs, gqa, d, seed):
     """Decode queries (one per sequence, rows interleaved with other rows of
     the batch, q with a row stride) read scattered blocks via the tables;
     contexts past 256 keys are split into segments and merged."""
@@ -182,7 +187,7 @@ def test_decode_attention_matches_dense(ctxs, bs, gqa, d, seed):
 
 
 @needs_kernels
-def test_decode_attention_does_not_depend_on_the_batch_or_the_threads():
+def test_decode_attention_does_not_depend_on_the_batch_or_the_threads(K):
     # Segments sit at fixed key positions: a sequence's output is the same
     # bits alone or beside others, on 1 thread or 2 (contexts of 1 to 3
     # segments, one ending exactly on a segment's edge).
@@ -233,7 +238,7 @@ def _paged_context(g, ctx, kvh, d, bs):
 @settings(max_examples=40, deadline=None)
 @given(prefix=st.integers(0, 200), n=st.integers(1, 90), bs=st.sampled_from([1, 4, 16]),
        gqa=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([8, 24, 64]), seed=st.integers(0, 2**16))
-def test_prefill_attention_matches_dense(prefix, n, bs, gqa, d, seed):
+def test_prefill_attention_matches_dense(K, prefix, n, bs, gqa, d, seed):
     """A chunk of n queries after `prefix` cached tokens (query blocks of 24
     and key blocks of 64 both cut at odd places), q with a row stride."""
     heads, kvh = gqa
@@ -249,7 +254,7 @@ def test_prefill_attention_matches_dense(prefix, n, bs, gqa, d, seed):
 
 
 @needs_kernels
-def test_prefill_attention_does_not_depend_on_the_chunking():
+def test_prefill_attention_does_not_depend_on_the_chunking(K):
     # Caching and chunked prefill must not change a query's output by a bit:
     # the same 300 queries in one chunk, or in chunks of 7, 20 and 61 after a
     # prefix (short last query blocks of one, three and two 8-query vectors).
@@ -267,7 +272,7 @@ def test_prefill_attention_does_not_depend_on_the_chunking():
 
 
 @needs_kernels
-def test_prefill_attention_rejects_a_context_its_blocks_cannot_hold():
+def test_prefill_attention_rejects_a_context_its_blocks_cannot_hold(K):
     kc = torch.zeros(4, 1, 4, 8)
     q, out = torch.zeros(3, 2, 8), torch.empty(3, 2, 8)
     with pytest.raises(ValueError, match="context 9, 2 blocks of 4"):
@@ -316,7 +321,7 @@ def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
 @settings(max_examples=30, deadline=None)
 @given(ctx=st.integers(1, 300), n=st.integers(1, 40), bs=st.sampled_from([1, 3, 8, 16]),
        heads=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([8, 64]), seed=st.integers(0, 2**16))
-def test_a_query_scores_the_same_in_decode_and_in_prefill(ctx, n, bs, heads, d, seed):
+def test_a_query_scores_the_same_in_decode_and_in_prefill(K, ctx, n, bs, heads, d, seed):
     """Both attention kernels run one arithmetic per query, bit for bit: a
     token's output is the same whether it was decoded or is recomputed in a
     prefill chunk (preemption, a dropped session, a cache miss), which the
@@ -334,3 +339,24 @@ def test_a_query_scores_the_same_in_decode_and_in_prefill(ctx, n, bs, heads, d, 
                        torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64), torch.arange(n, dtype=torch.int64),
                        d ** -0.5, dec)
     assert torch.equal(pre, dec)
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="one kernel build runs here: nothing to compare it with")
+@settings(max_examples=15, deadline=None)
+@given(ctx=st.integers(1, 400), n=st.integers(1, 120), d=st.sampled_from([8, 24, 64, 128]), seed=st.integers(0, 2**16))
+def test_every_build_gives_the_same_attention_bits(ctx, n, d, seed):
+    """The AVX-512 build's prefill tiles hold 48 queries where the AVX2
+    build's hold 24 (and 32 dims where it holds 16); each lane does the same
+    operations, so both give the same bits, for prefill and for decode."""
+    n = min(n, ctx)
+    g = _g(seed)
+    nb = -(-ctx // 16)
+    kc, vc = torch.randn(nb, 3, 16, d, generator=g), torch.randn(nb, 3, 16, d, generator=g)
+    table = torch.arange(nb, dtype=torch.int64)
+    q = torch.randn(n, 9, d, generator=g)
+    outs = []
+    for isa in ISAS:
+        o = torch.empty(n, 9, d)
+        cpu_kernels.load(isa).prefill_attention(q, kc, vc, table, ctx, d ** -0.5, o)
+        outs.append(o)
+    assert all(torch.equal(o, outs[0]) for o in outs)

@@ -68,7 +68,7 @@ class LlamaModel:
         def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear | QLinear:
             # Fused projections (q|k|v, gate|up): one matmul instead of several;
             # dispatch cost dominates at small batch.
-            b = torch.cat([w(n, torch.float32 if self.kernels else dtype) for n in bias]) if bias else None
+            b = torch.cat([w(n) for n in bias]) if bias else None
             q = quantized(*names)
             if q is not None:
                 return QLinear(QuantizedWeight.cat(q).pack(), b, self.kernels)

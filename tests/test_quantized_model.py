@@ -73,8 +73,8 @@ def test_the_embedded_gguf_keeps_its_bytes_and_its_values():
 @needs_kernels
 def test_embedded_model_quantized_against_its_float32_path(engine_float_weights):
     """The same weights, inputs quantized to 8 bits per 32 values: teacher-
-    forced logprobs of 112 tokens within 0.6 nats at every position and 0.04
-    on average (measured 0.39 / 0.028; torch's bfloat16 forward, a path users
+    forced logprobs of 112 tokens within 0.6 nats at every position and 0.05
+    on average (measured 0.38 / 0.036; torch's bfloat16 forward, a path users
     accept, is 0.18 / 0.023 off the same float32 one), and greedy texts that
     agree for half their tokens before they part (the 16 x 64 report:
     docs/benchmarks.md)."""
@@ -86,7 +86,7 @@ def test_embedded_model_quantized_against_its_float32_path(engine_float_weights)
     f = LLM.__new__(LLM)
     f.engine = engine_float_weights
     d = (_prompt_logprobs(q, ids) - _prompt_logprobs(f, ids)).abs()
-    assert d.max() < 0.6 and d.mean() < 0.04, (d.max(), d.mean())
+    assert d.max() < 0.6 and d.mean() < 0.05, (d.max(), d.mean())
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     a = [o.outputs[0].token_ids for o in q.generate(PROMPTS, sp, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in f.generate(PROMPTS, sp, use_tqdm=False)]
@@ -187,3 +187,27 @@ def test_fused_matrices_of_two_formats_run_together_in_q8_0(tmp_path):
     m = LlamaModel(cfg, weights, 64, torch.float32, "cpu")
     assert m.layers[0].qkv.panels.fmt == "q8_0" and m.layers[1].qkv.panels.fmt == "q4_0"
     assert "float32" not in m.weight_formats()
+
+
+def test_bench_paths_are_the_ones_this_cpu_runs():
+    from trajserve.bench.paths import machine_paths
+    from trajserve.engine.dtype import cpu_has_native_bf16
+
+    names = [p["name"] for p in machine_paths()]
+    isas = cpu_kernels.supported_isas() if K is not None else []
+    assert names[0] == "auto" and names[-1] == "float32 torch"
+    assert [n for n in names if n.startswith("quantized")] == [f"quantized ({isa})" for isa in isas]
+    assert ("bfloat16 torch" in names) == cpu_has_native_bf16()
+
+
+@pytest.mark.slow
+def test_quant_agreement_bench_reports_every_prompt(capsys):
+    import argparse
+    import json
+
+    from trajserve.bench.quant_agreement import PROMPTS, TOKENS, run
+
+    assert run(argparse.Namespace(model=None, num_blocks=None, quantization="auto", bf16=False, json=True)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["rows"]) == len(PROMPTS) and out["summary"]["tokens"] == TOKENS
+    assert 0 <= out["summary"]["mean_identical_prefix"] <= 1 and out["summary"]["mean_abs_dlogprob_forced"] < 0.1

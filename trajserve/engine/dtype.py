@@ -10,8 +10,8 @@ bf16 forward: on an AVX-512 BF16 EPYC (Zen 4), SmolLM2-135M decoded 47.9 vs
 load: 76 s vs 136 s); only a 2,048-token prefill was faster in bf16 (649 vs
 456 tok/s). With the kernels a GGUF's weights also run as stored
 (resolve_quantization): on a Sapphire Rapids Xeon with AMX that decoded
-158.7 / 548 / 647 tok/s at batch 1 / 16 / 64 against bf16's 24.5 / 257 /
-512, and prefilled 2,048 tokens at 1,063 tok/s against bf16's 2,188
+197 / 607 / 683 tok/s at batch 1 / 16 / 64 against bf16's 24.7 / 262 /
+526, and prefilled 2,048 tokens at 1,282 tok/s against bf16's 2,200
 (docs/benchmarks.md). Agent serving is mostly decode, so "auto" on the CPU
 is float32 with the kernels wherever they load, bf16 only where they do
 not and the CPU has native bf16, float32 otherwise.

@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trajserve.model.quant import QuantizedWeight
+
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
@@ -118,9 +120,8 @@ def _build(cc: str, isa: str) -> Path:
 
 
 def _known_answer(k: CpuKernels) -> str | None:
-    """None if a float and a Q4_1 product agree with numpy, else what failed."""
-    from trajserve.model.quant import QuantizedWeight  # quant imports this module
-
+    """None if a float product, a Q8_0 and a Q4_1 product and the prefill
+    attention agree with numpy / torch, else what failed."""
     rng = np.random.default_rng(7)
     x = torch.from_numpy(rng.standard_normal((3, 64), dtype=np.float32))
     w = torch.from_numpy(rng.standard_normal((20, 64), dtype=np.float32))
@@ -130,6 +131,16 @@ def _known_answer(k: CpuKernels) -> str | None:
         q = QuantizedWeight.quantize(w, fmt)
         if not torch.allclose(k.qlinear(x, q.pack()), q.reference_product(x), atol=1e-4):
             return f"{fmt.upper()} product"
+    # 5 queries (2 heads, one kv head) over 5 causal keys in two blocks of 4.
+    qa = torch.from_numpy(rng.standard_normal((5, 2, 16), dtype=np.float32))
+    kv = torch.from_numpy(rng.standard_normal((2, 2, 1, 4, 16), dtype=np.float32))
+    out = torch.empty(5, 2, 16)
+    k.prefill_attention(qa, kv[0], kv[1], torch.tensor([1, 0]), 5, 0.25, out)
+    keys = kv[:, [1, 0], 0].reshape(2, 8, 16)[:, :5]  # block 1 holds positions 0-3, block 0 position 4
+    scores = torch.einsum("qhd,kd->hqk", qa, keys[0]) * 0.25 + torch.full((5, 5), float("-inf")).triu(1)
+    want = torch.einsum("hqk,kd->qhd", scores.softmax(-1), keys[1])
+    if not torch.allclose(out, want, atol=1e-5):
+        return "prefill attention"
     return None
 
 

@@ -81,6 +81,7 @@ def test_embedded_model_quantized_against_its_float32_path(engine_float_weights)
     q = LLM(num_blocks=256)
     assert q.engine.quantization == "auto"
     assert set(q.engine.model.weight_formats()) == {"q4_1", "q8_0"}
+    assert "quantized at load" not in q.engine.startup_summary  # the file's own types run
     assert "weights: q4_1 66.4 MB + q8_0 30.1 MB" in q.engine.startup_summary
     ids = engine_float_weights.tokenizer.encode(" ".join(PROMPTS) * 4)
     f = LLM.__new__(LLM)
@@ -110,6 +111,10 @@ def test_tiny_llama_gguf_runs_quantized_close_to_float(tmp_path, qtype, fmt):
     q, qmodel = _tiny_logprobs(path, "auto")
     f, fmodel = _tiny_logprobs(path, "none")
     assert set(qmodel.weight_formats()) == {fmt}
+    said: dict[str, int] = {}
+    load_weights(path, torch.float32, "cpu", quantization="auto", requantized=said)
+    # 7 matrices a layer, the embedding and the LM head; none when the file's own type runs
+    assert said == ({} if qtype.name.lower() == fmt else {f"{qtype.name} -> q8_0": 7 * 2 + 2})
     assert set(fmodel.weight_formats()) == {"float32"}
     d = (q - f).abs().max()
     assert d < (0.02 if fmt == "q8_0" and qtype != gguf.GGMLQuantizationType.Q5_0 else 0.05), d

@@ -73,7 +73,11 @@ class LLMEngine:
             self.tokenizer.chat_template = template
         self.quantization, quant_reason = resolve_quantization(config.quantization, self.dtype, self.device,
                                                                config.cpu_kernels)
-        self.model_config, weights = load_weights(self.model_path, self.dtype, self.device, self.quantization)
+        requantized: dict[str, int] = {}
+        self.model_config, weights = load_weights(self.model_path, self.dtype, self.device, self.quantization,
+                                                  requantized)
+        if requantized:  # the "said in the start-up line": what did not run as stored
+            quant_reason += "; quantized at load: " + ", ".join(f"{k} x{n}" for k, n in sorted(requantized.items()))
         mc = self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             # As vLLM: positions past the trained context would be garbage, not a longer context.

@@ -234,8 +234,10 @@ def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _gguf_tensors(
     reader: gguf.GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
-    quantization: str = "none",
+    quantization: str = "none", requantized: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """`requantized`, if given, counts the matrices brought to another block
+    format ("Q5_K -> q8_0": n), for the start-up line."""
     wanted = []
     unknown = []
     for t in reader.tensors:
@@ -269,6 +271,9 @@ def _gguf_tensors(
             return QuantizedWeight.from_gguf(unpermute(hf, t.data), fmt, shape)
         a = unpermute(hf, _dequantize(t))
         if fmt is not None:
+            if requantized is not None:
+                key = f"{t.tensor_type.name} -> {fmt}"
+                requantized[key] = requantized.get(key, 0) + 1  # dict ops are atomic under the GIL
             return QuantizedWeight.quantize(a, fmt)
         return _to_torch(a, dtype, device)
 

@@ -93,17 +93,19 @@ def load_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str = "none",
+    requantized: dict[str, int] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     """ModelConfig and every parameter under its HF name, in `dtype` on
     `device`, except the matrices `quantization` puts in a block format
-    (model/quant.py target_format): those are QuantizedWeights on the CPU."""
+    (model/quant.py target_format): those are QuantizedWeights on the CPU.
+    `requantized` (optional) counts the conversions: "F32 -> q4_0": n."""
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported weight dtype {dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
     p = resolve_model_path(path)
     if is_gguf(p):
         reader = open_gguf(p)
         cfg = _gguf_config(reader)
-        weights = _gguf_tensors(reader, cfg, dtype, device, quantization)
+        weights = _gguf_tensors(reader, cfg, dtype, device, quantization, requantized)
     else:
         cfg = _hf_config(_read_hf_config(Path(p)), Path(p).name)
         weights = _hf_tensors(Path(p), cfg, dtype, device)
@@ -111,6 +113,8 @@ def load_weights(
             fmt = target_format(name, "F32", quantization, t.shape[-1]) if t.dim() == 2 else None
             if fmt is not None:
                 weights[name] = QuantizedWeight.quantize(t, fmt)
+                if requantized is not None:
+                    requantized[f"F32 -> {fmt}"] = requantized.get(f"F32 -> {fmt}", 0) + 1
     _check_names(cfg, weights, source=p)
     return cfg, weights
 

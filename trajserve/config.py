@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 # Fields whose command-line flag is not the field's own name.
 FLAGS = {"num_threads": "--threads"}
+# --quantization's values (model/quant.py target_format says what each does);
+# here because the option table and validation load no torch.
+QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 
 
 @dataclass(slots=True)
@@ -108,8 +111,8 @@ class EngineConfig:
             check(ok, name, "an integer >= 1" + (" or unset" if allow_none else ""), value)
 
         cc, sc = self.cache, self.scheduler
-        check(self.quantization in ("auto", "none", "q8_0", "q4_0", "q4_1"), "quantization",
-              "one of auto, none, q8_0, q4_0, q4_1", self.quantization)
+        check(self.quantization in QUANTIZATIONS, "quantization", "one of " + ", ".join(QUANTIZATIONS),
+              self.quantization)
         count("max_model_len", self.max_model_len, allow_none=True)
         count("num_threads", self.num_threads, allow_none=True)
         count("block_size", cc.block_size)

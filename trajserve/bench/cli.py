@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from trajserve.config import QUANTIZATIONS
 from trajserve.engine.options import add_engine_args
 
 
@@ -70,7 +71,7 @@ def add_bench_parser(sub) -> None:
     qa = bsub.add_parser("quant-agreement", help="quantized weights against the same weights in float32: "
                          "greedy agreement over 16 prompts x 64 tokens and |delta logprob|")
     qa.add_argument("--model", default=None)
-    qa.add_argument("--quantization", default="auto", choices=("auto", "q8_0", "q4_0", "q4_1"))
+    qa.add_argument("--quantization", default="auto", choices=[q for q in QUANTIZATIONS if q != "none"])
     qa.add_argument("--num-blocks", type=int, default=None)
     qa.add_argument("--bf16", action="store_true", help="test torch's bfloat16 forward instead (a yardstick)")
     qa.add_argument("--json", action="store_true", help="print only JSON")

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from trajserve.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.units import parse_bytes
 
 _UNSET = object()
@@ -57,7 +57,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("quantization", "quantization", "--quantization",
            "weights run in a block format by the C kernels: auto (a GGUF's Q8_0/Q4_0/Q4_1 as stored, other "
            "quantized types as q8_0, float as float), none (dequantize to --dtype), or q8_0/q4_0/q4_1 (the "
-           "decoder's matrices quantized at load)", choices=("auto", "none", "q8_0", "q4_0", "q4_1")),
+           "decoder's matrices quantized at load)", choices=QUANTIZATIONS),
     Option("kv_cache_memory", "cache.kv_cache_memory", "--kv-cache-memory",
            "KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)", size=True),
     Option("memory_fraction", "cache.memory_fraction", "--memory-fraction",

@@ -288,7 +288,7 @@ static inline void transpose8(const __m256 *r, __m256 *c) {
  * order as in the prefill kernel, where the queries are the lanes.
  * tables: the block ids of all sequences back to back, sequence s's from
  * table_start[s]; ctx[s]: tokens in its cache (incl. this one); q row and
- * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. Returns 0. */
+ * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. */
 #define MAX_GROUP 16
 
 static void decode_heads(const float *q, int64_t hq, int64_t hkv, int64_t d, const float *k_cache,
@@ -361,8 +361,8 @@ static void decode_heads(const float *q, int64_t hq, int64_t hkv, int64_t d, con
     }
 }
 
-int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
-                        int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
+void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
+                         int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
                         const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
                         const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
     const int64_t group = hq / hkv;
@@ -377,7 +377,6 @@ int ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int6
             decode_heads(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si], ctx[si], h,
                          j0, per, scale, out + rows[si] * ldo);
         }
-    return 0;
 }
 
 /* Paged prefill attention for one sequence's chunk of n query tokens over
@@ -450,74 +449,37 @@ static void score_block(const float *qt, const float *const *kp, int64_t nk, int
     }
 }
 
-/* o[r][c0 + 0..w) += sum_i p[i][r0 + r] v_i[c0 + 0..w) for r < 6, w 16 or 8. */
-#define PV_ROW(r)                                                        \
-    {                                                                    \
-        __m256 b = _mm256_broadcast_ss(pi + r);                          \
-        a##r##0 = _mm256_fmadd_ps(v0, b, a##r##0);                       \
-        if (w == 16) a##r##1 = _mm256_fmadd_ps(v1, b, a##r##1);          \
+/* o[r][c0 + 0..w) += sum_i p[i][r0 + r] v_i[c0 + 0..w) for r < 6, w one or two
+ * vectors of V floats; one definition per vector width W, so the AVX-512
+ * tile (W 512) does each element's operations as the AVX2 one (W 256). */
+#define PV_ROW(W, r)                                                                   \
+    {                                                                                  \
+        __m##W b = _mm##W##_set1_ps(pi[r]);                                            \
+        a##r##0 = _mm##W##_fmadd_ps(v0, b, a##r##0);                                   \
+        if (w == 2 * V) a##r##1 = _mm##W##_fmadd_ps(v1, b, a##r##1);                   \
     }
-static inline __attribute__((always_inline)) void pv_tile(const float *p, const float *const *vp, int64_t nk,
-                                                          int64_t c0, const int w, float *o, int64_t d) {
-    __m256 a00 = _mm256_loadu_ps(o + c0), a10 = _mm256_loadu_ps(o + d + c0),
-           a20 = _mm256_loadu_ps(o + 2 * d + c0), a30 = _mm256_loadu_ps(o + 3 * d + c0),
-           a40 = _mm256_loadu_ps(o + 4 * d + c0), a50 = _mm256_loadu_ps(o + 5 * d + c0);
-    __m256 a01 = a00, a11 = a00, a21 = a00, a31 = a00, a41 = a00, a51 = a00;
-    if (w == 16) {
-        a01 = _mm256_loadu_ps(o + c0 + 8); a11 = _mm256_loadu_ps(o + d + c0 + 8);
-        a21 = _mm256_loadu_ps(o + 2 * d + c0 + 8); a31 = _mm256_loadu_ps(o + 3 * d + c0 + 8);
-        a41 = _mm256_loadu_ps(o + 4 * d + c0 + 8); a51 = _mm256_loadu_ps(o + 5 * d + c0 + 8);
+#define PV_LOAD(W, r) a##r##0 = _mm##W##_loadu_ps(o + r * d + c0);                     \
+    if (w == 2 * V) a##r##1 = _mm##W##_loadu_ps(o + r * d + c0 + V);
+#define PV_STORE(W, r) _mm##W##_storeu_ps(o + r * d + c0, a##r##0);                    \
+    if (w == 2 * V) _mm##W##_storeu_ps(o + r * d + c0 + V, a##r##1);
+#define DEFINE_PV_TILE(NAME, W, V_)                                                                         \
+    static inline __attribute__((always_inline)) void NAME(const float *p, const float *const *vp, int64_t nk, \
+                                                           int64_t c0, const int w, float *o, int64_t d) {   \
+        enum { V = V_ };                                                                                    \
+        __m##W a00, a10, a20, a30, a40, a50, a01 = _mm##W##_setzero_ps(), a11 = a01, a21 = a01, a31 = a01,   \
+                                             a41 = a01, a51 = a01;                                           \
+        PV_LOAD(W, 0) PV_LOAD(W, 1) PV_LOAD(W, 2) PV_LOAD(W, 3) PV_LOAD(W, 4) PV_LOAD(W, 5)                 \
+        for (int64_t i = 0; i < nk; i++) {                                                                  \
+            const float *pi = p + i * QB;                                                                   \
+            __m##W v0 = _mm##W##_loadu_ps(vp[i] + c0), v1 = v0;                                             \
+            if (w == 2 * V) v1 = _mm##W##_loadu_ps(vp[i] + c0 + V);                                         \
+            PV_ROW(W, 0) PV_ROW(W, 1) PV_ROW(W, 2) PV_ROW(W, 3) PV_ROW(W, 4) PV_ROW(W, 5)                   \
+        }                                                                                                   \
+        PV_STORE(W, 0) PV_STORE(W, 1) PV_STORE(W, 2) PV_STORE(W, 3) PV_STORE(W, 4) PV_STORE(W, 5)           \
     }
-    for (int64_t i = 0; i < nk; i++) {
-        const float *pi = p + i * QB;
-        __m256 v0 = _mm256_loadu_ps(vp[i] + c0), v1 = v0;
-        if (w == 16) v1 = _mm256_loadu_ps(vp[i] + c0 + 8);
-        PV_ROW(0) PV_ROW(1) PV_ROW(2) PV_ROW(3) PV_ROW(4) PV_ROW(5)
-    }
-    _mm256_storeu_ps(o + c0, a00); _mm256_storeu_ps(o + d + c0, a10); _mm256_storeu_ps(o + 2 * d + c0, a20);
-    _mm256_storeu_ps(o + 3 * d + c0, a30); _mm256_storeu_ps(o + 4 * d + c0, a40);
-    _mm256_storeu_ps(o + 5 * d + c0, a50);
-    if (w == 16) {
-        _mm256_storeu_ps(o + c0 + 8, a01); _mm256_storeu_ps(o + d + c0 + 8, a11);
-        _mm256_storeu_ps(o + 2 * d + c0 + 8, a21); _mm256_storeu_ps(o + 3 * d + c0 + 8, a31);
-        _mm256_storeu_ps(o + 4 * d + c0 + 8, a41); _mm256_storeu_ps(o + 5 * d + c0 + 8, a51);
-    }
-}
-
+DEFINE_PV_TILE(pv_tile, 256, 8)
 #if defined(__AVX512F__)
-/* pv_tile on 16 dims a vector, w 32 or 16 (the element operations of pv_tile). */
-#define PV16_ROW(r)                                                      \
-    {                                                                    \
-        __m512 b = _mm512_set1_ps(pi[r]);                                \
-        a##r##0 = _mm512_fmadd_ps(v0, b, a##r##0);                       \
-        if (w == 32) a##r##1 = _mm512_fmadd_ps(v1, b, a##r##1);          \
-    }
-static inline __attribute__((always_inline)) void pv_tile16(const float *p, const float *const *vp, int64_t nk,
-                                                            int64_t c0, const int w, float *o, int64_t d) {
-    __m512 a00 = _mm512_loadu_ps(o + c0), a10 = _mm512_loadu_ps(o + d + c0),
-           a20 = _mm512_loadu_ps(o + 2 * d + c0), a30 = _mm512_loadu_ps(o + 3 * d + c0),
-           a40 = _mm512_loadu_ps(o + 4 * d + c0), a50 = _mm512_loadu_ps(o + 5 * d + c0);
-    __m512 a01 = a00, a11 = a00, a21 = a00, a31 = a00, a41 = a00, a51 = a00;
-    if (w == 32) {
-        a01 = _mm512_loadu_ps(o + c0 + 16); a11 = _mm512_loadu_ps(o + d + c0 + 16);
-        a21 = _mm512_loadu_ps(o + 2 * d + c0 + 16); a31 = _mm512_loadu_ps(o + 3 * d + c0 + 16);
-        a41 = _mm512_loadu_ps(o + 4 * d + c0 + 16); a51 = _mm512_loadu_ps(o + 5 * d + c0 + 16);
-    }
-    for (int64_t i = 0; i < nk; i++) {
-        const float *pi = p + i * QB;
-        __m512 v0 = _mm512_loadu_ps(vp[i] + c0), v1 = v0;
-        if (w == 32) v1 = _mm512_loadu_ps(vp[i] + c0 + 16);
-        PV16_ROW(0) PV16_ROW(1) PV16_ROW(2) PV16_ROW(3) PV16_ROW(4) PV16_ROW(5)
-    }
-    _mm512_storeu_ps(o + c0, a00); _mm512_storeu_ps(o + d + c0, a10); _mm512_storeu_ps(o + 2 * d + c0, a20);
-    _mm512_storeu_ps(o + 3 * d + c0, a30); _mm512_storeu_ps(o + 4 * d + c0, a40);
-    _mm512_storeu_ps(o + 5 * d + c0, a50);
-    if (w == 32) {
-        _mm512_storeu_ps(o + c0 + 16, a01); _mm512_storeu_ps(o + d + c0 + 16, a11);
-        _mm512_storeu_ps(o + 2 * d + c0 + 16, a21); _mm512_storeu_ps(o + 3 * d + c0 + 16, a31);
-        _mm512_storeu_ps(o + 4 * d + c0 + 16, a41); _mm512_storeu_ps(o + 5 * d + c0 + 16, a51);
-    }
-}
+DEFINE_PV_TILE(pv_tile16, 512, 16)
 #endif
 
 /* Query r of a block sits at position first + r and sees keys <= it: key

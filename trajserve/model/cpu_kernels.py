@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trajserve.model.quant import QuantizedWeight
+from trajserve.model.quant import PANEL, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,6 @@ ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-m
 # /proc/cpuinfo flags each build needs.
 ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"),
              "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
-PANEL = 16  # weight rows per packed panel (two AVX2 vectors)
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -69,8 +68,8 @@ _SIGNATURES = {
     "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _C],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
 }
-_RETURNS_INT = ("ts_decode_attention", "ts_prefill_attention", "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
-QUANT_FORMATS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the C side's fmt codes
+_RETURNS_INT = ("ts_prefill_attention", "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
+_FMT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # quant_kernels.c's FMT_* codes
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, pad; int8 q[32]
 
 
@@ -276,12 +275,10 @@ class CpuKernels:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows]."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
-        failed = self.lib.ts_decode_attention(
+        self.lib.ts_decode_attention(
             q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
             rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
-        if failed:
-            raise MemoryError(f"decode attention: no memory for the partial results of {failed} sequences")
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor) -> None:
@@ -314,7 +311,7 @@ class CpuKernels:
         acc = out is not None
         if out is None:
             out = torch.empty((m, n), dtype=torch.float32)
-        if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), QUANT_FORMATS[w.fmt], n,
+        if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), _FMT_CODES[w.fmt], n,
                                _ptr(bias), out.data_ptr(), out.stride(0), int(acc), self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
@@ -327,7 +324,7 @@ class CpuKernels:
         inter = gate.shape[0]
         out = torch.empty((m, inter), dtype=torch.float32)
         if self.lib.ts_qgate_up_silu(x.data_ptr(), m, k, x.stride(0), gate.data.data_ptr(), up.data.data_ptr(),
-                                     QUANT_FORMATS[gate.fmt], inter, out.data_ptr(), out.stride(0), self.threads()):
+                                     _FMT_CODES[gate.fmt], inter, out.data_ptr(), out.stride(0), self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
 
@@ -338,7 +335,7 @@ class CpuKernels:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
             raise IndexError(f"row ids must lie in [0, {n})")
         out = torch.empty((ids.shape[0], k), dtype=torch.float32)
-        self.lib.ts_dequant_rows(w.data.data_ptr(), QUANT_FORMATS[w.fmt], k, ids.data_ptr(), ids.shape[0],
+        self.lib.ts_dequant_rows(w.data.data_ptr(), _FMT_CODES[w.fmt], k, ids.data_ptr(), ids.shape[0],
                                  out.data_ptr(), k)
         return out
 

@@ -20,9 +20,11 @@ import gguf
 import numpy as np
 import torch
 
+from trajserve.config import QUANTIZATIONS
 from trajserve.plan.kv_format import FORMATS
 
 QK = 32  # values per block
+PANEL = 16  # weight rows per packed panel, float (cpu_kernels.pack) and quantized (pack_panels)
 GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
               "q4_1": gguf.GGMLQuantizationType.Q4_1}
 QUANT_FORMATS = tuple(GGML_TYPES)
@@ -106,9 +108,6 @@ class QuantizedPanels:
         return self.data.numel()
 
 
-PANEL = 16
-
-
 def panel_block_bytes(fmt: str) -> int:
     """One block of 32 values of 16 rows: fp16 scales (and minimums) then codes."""
     return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256}[fmt]
@@ -167,7 +166,8 @@ def input_quantization_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tenso
 
 # ---------------------------------------------------------------- which format a matrix runs in
 
-QUANTIZATION_CHOICES = ("auto", "none", *QUANT_FORMATS)
+QUANTIZATION_CHOICES = QUANTIZATIONS  # auto, none and the block formats
+assert QUANTIZATIONS[2:] == QUANT_FORMATS, "config.QUANTIZATIONS must list the block formats of GGML_TYPES"
 # GGUF types the kernels run as stored, by their gguf enum name.
 KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")

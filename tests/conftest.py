@@ -33,7 +33,8 @@ def hf_gguf_model(embedded_gguf: Path):
 def engine_f32():
     """A float32 engine on the embedded model with a small pool, on the
     default path: its weights in the GGUF's own blocks where the C kernels
-    load (--quantization auto)."""
+    load (--quantization auto), its pool bfloat16 where AMX runs the
+    prefill attention (--kv-cache-dtype auto)."""
     from trajserve.config import CacheConfig, EngineConfig
     from trajserve.engine.engine import LLMEngine
 
@@ -43,12 +44,13 @@ def engine_f32():
 @pytest.fixture(scope="session")
 def engine_float_weights():
     """The same with the weights dequantized to float32 (--quantization
-    none): what transformers computes from the GGUF, checked against it to
-    1e-3; quantized execution is checked against this one."""
+    none) and a float32 KV pool: what transformers computes from the GGUF,
+    checked against it to 1e-3; quantized execution is checked against this one."""
     from trajserve.config import CacheConfig, EngineConfig
     from trajserve.engine.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(dtype="float32", quantization="none", cache=CacheConfig(num_blocks=512)))
+    return LLMEngine(EngineConfig(dtype="float32", quantization="none",
+                                  cache=CacheConfig(num_blocks=512, kv_cache_dtype="float32")))
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,7 @@ class StandInEngine:
         self.model_config = ModelConfig(architecture="llama", vocab_size=VOCAB, hidden_size=8, intermediate_size=8,
                                         num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
                                         max_position_embeddings=10**6)
-        self.dtype = torch.float32
+        self.dtype = self.kv_dtype = torch.float32
         self.block_layout = BlockLayout.of(b"stand-in", torch.float32, (1, 2, 1, block_size, 1))
         self.kv = KVCacheManager(num_blocks, block_size, 0.0, enable_prefix_caching=True)
         self.lower = None  # no prefix-cache tiers: a session manager brings its own

@@ -306,8 +306,9 @@ def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
     sp = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
     outs = {}
     for on in (True, False):
-        # float32 both ways: without the kernels "auto" may pick bf16 (an AVX-512 BF16 CPU).
-        llm = LLM(num_blocks=64, cpu_kernels=on, dtype="float32", quantization="none")
+        # float32 both ways: without the kernels "auto" may pick bf16 (an AVX-512 BF16 CPU), and with
+        # them a bf16 KV pool (AMX).
+        llm = LLM(num_blocks=64, cpu_kernels=on, dtype="float32", quantization="none", kv_cache_dtype="float32")
         assert (llm.engine.model.kernels is not None) == on
         outs[on] = llm.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(outs[True], outs[False]):

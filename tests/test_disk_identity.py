@@ -273,8 +273,13 @@ def test_a_conversation_hits_from_disk_after_a_restart(reference, tmp_path):
     with pytest.raises(ValueError, match="in use"):
         _engine(tmp_path)
     again.close()
-    # Another model's layout (here: another dtype) never reads these blocks: they are removed.
-    bf16 = LLMEngine(EngineConfig(dtype="bfloat16", cache=CacheConfig(
-        num_blocks=64, disk_cache_bytes=64 << 20, disk_cache_dir=str(tmp_path))))
-    assert bf16.metrics()["lower_tiers"]["restored_blocks"] == 0 and not list(tmp_path.glob("*.kv"))
-    bf16.close()
+    # Another KV layout never reads these blocks: they are removed. Here the other pool dtype under the same
+    # model, weights and compute (float32 and bfloat16 pools both run in the C kernels; without them the
+    # bfloat16 pool needs bfloat16 compute, which changes the weights too).
+    other = "float32" if again.kv_dtype == torch.bfloat16 else "bfloat16"
+    torch_bf16 = other == "bfloat16" and again.model.kernels is None
+    eng = LLMEngine(EngineConfig(dtype="bfloat16" if torch_bf16 else "float32", cache=CacheConfig(
+        num_blocks=64, disk_cache_bytes=64 << 20, disk_cache_dir=str(tmp_path), kv_cache_dtype=other)))
+    assert eng.block_layout.dtype == other and eng.block_layout.model == again.block_layout.model or torch_bf16
+    assert eng.metrics()["lower_tiers"]["restored_blocks"] == 0 and not list(tmp_path.glob("*.kv"))
+    eng.close()

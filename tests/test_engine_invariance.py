@@ -1,7 +1,7 @@
 """Batching never changes the result: greedy output (float32, embedded
 SmolLM2-135M) is token-identical to each prompt run alone, whatever the chunk
-size, block size, batch composition, arrival order or preemption, and
-identical to Hugging Face transformers.
+size, block size, batch composition, arrival order or preemption, over a
+float32 and a bfloat16 KV pool, and identical to Hugging Face transformers.
 
 A wrong cache slot, a lost or repeated token, a stale block after recompute
 or a mask off by one changes at least one of 6 x 24 greedy tokens.
@@ -52,17 +52,32 @@ def _prompts(tok) -> list[list[int]]:
     return prompts
 
 
+def _kv_dtypes() -> list[str]:
+    from trajserve.model import cpu_kernels
+
+    # A bfloat16 pool runs in the C kernels (AMX tiles where the CPU has them,
+    # else decode-kernel chunks); both pools are tested wherever they run.
+    return ["float32", "bfloat16"] if cpu_kernels.load() is not None else ["float32"]
+
+
+@pytest.fixture(scope="module", params=_kv_dtypes())
+def kv_dtype(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engine(engine_f32):
+def engine(engine_f32, kv_dtype):
     """The default path (weights in the GGUF's blocks, --quantization auto,
-    where the C kernels load): every invariance below holds on it bit for
-    bit."""
-    return engine_f32
+    where the C kernels load) over each KV pool: every invariance below
+    holds on it bit for bit."""
+    if str(engine_f32.kv_dtype).removeprefix("torch.") == kv_dtype:
+        return engine_f32
+    return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512, kv_cache_dtype=kv_dtype)))
 
 
 @pytest.fixture(scope="module")
-def prompts(engine):
-    ps = _prompts(engine.tokenizer)
+def prompts(engine_f32):
+    ps = _prompts(engine_f32.tokenizer)
     lens = sorted(len(p) for p in ps)
     # Varied lengths: one tiny prompt, several spanning many 16-token blocks, one ~600.
     assert 5 <= lens[0] <= 8 and 500 <= lens[-1] <= 700, lens
@@ -307,16 +322,17 @@ def test_staggered_arrival(engine, prompts, reference):
     assert got == reference, _diff(got, reference)
 
 
-def test_block_size_8_does_not_change_tokens(prompts, reference):
+def test_block_size_8_does_not_change_tokens(prompts, reference, kv_dtype):
     # Room for all prompts at once (~2,048 tokens), so nothing is preempted.
-    eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=8, num_blocks=256)))
+    eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=8, num_blocks=256,
+                                                                    kv_cache_dtype=kv_dtype)))
     eng.scheduler.config.max_prefill_chunk = eng.scheduler.config.max_num_batched_tokens = 128
     got = run_batch(eng, prompts)
     assert eng.scheduler.num_preemptions == 0
     assert got == reference, _diff(got, reference)
 
 
-def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference, monkeypatch):
+def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference, monkeypatch, kv_dtype):
     """Block size 32 (block 16 is the reference engine) and a pool that holds
     every prompt but not every prompt plus its 24 tokens: decoding requests
     are preempted, their blocks freed, and later recomputed from prompt +
@@ -326,8 +342,8 @@ def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference
     num_blocks = sum(-(-(len(p) + 1) // B) for p in prompts) + 1
     assert num_blocks >= -(-(max(map(len, prompts)) + MAX_TOKENS) // B)  # the longest fits alone
     # Prefix caching off: a preempted request recomputes everything.
-    eng = LLMEngine(EngineConfig(dtype="float32",
-                                 cache=CacheConfig(block_size=B, num_blocks=num_blocks, **cache_off())))
+    eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=B, num_blocks=num_blocks,
+                                                                    kv_cache_dtype=kv_dtype, **cache_off())))
     eng.scheduler.config.max_prefill_chunk = eng.scheduler.config.max_num_batched_tokens = 64
     eng.scheduler.ceiling_blocks = num_blocks  # no admission ceiling: this tests preemption
     preempted_at: list[tuple[str, int]] = []  # (request, output tokens it had)

@@ -468,22 +468,29 @@ def test_cpu_local_placeholder_reports_unknown_times():
 
 
 def test_cpu_local_plans_in_the_dtype_the_engine_runs_here():
-    """On this machine's CPU the engine keeps weights and KV in the dtype it
-    resolves for the CPU (fp32 without native bf16), so the plan does too; an
-    accelerator keeps bf16, and a dtype given by flag wins."""
+    """On this machine's CPU the plan counts the KV bytes a default engine
+    stores (bf16 where AMX runs the C kernels' prefill, else the compute
+    dtype) and weights in the compute dtype; an accelerator keeps bf16, and
+    a dtype given by flag wins."""
     import argparse
 
     import torch
 
     from trajserve.engine.dtype import resolve_dtype
+    from trajserve.llm import LLM
     from trajserve.plan.cli import add_plan_parser, request_from
+    from trajserve.plan.kv_format import m_token
 
     p = argparse.ArgumentParser()
     add_plan_parser(p)
     engine_dtype, _ = resolve_dtype("auto", torch.device("cpu"))
-    want = {torch.float32: "fp32", torch.bfloat16: "bf16"}[engine_dtype]
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     local = request_from(p.parse_args(["--model", "smollm2-135m", "--gpu", "cpu-local"]))
-    assert local.kv_dtype == local.weight_dtype == want
+    assert local.weight_dtype == names[engine_dtype]
+    engine = LLM(num_blocks=16).engine
+    assert local.kv_dtype == names[engine.kv_dtype]
+    assert m_token(engine.model_config, local.kv_dtype) == engine.model_config.kv_bytes_per_token(
+        engine.kv_dtype.itemsize)
     gpu = request_from(p.parse_args(["--model", "smollm2-135m", "--gpu", "h100"]))
     assert gpu.kv_dtype == "bf16" and gpu.weight_dtype is None
     given_ = request_from(p.parse_args(["--model", "smollm2-135m", "--gpu", "cpu-local", "--kv-dtype", "fp8"]))

@@ -201,7 +201,8 @@ def test_bench_paths_are_the_ones_this_cpu_runs():
     names = [p["name"] for p in machine_paths()]
     isas = cpu_kernels.supported_isas() if K is not None else []
     assert names[0] == "auto" and names[-1] == "float32 torch"
-    assert [n for n in names if n.startswith("quantized")] == [f"quantized ({isa})" for isa in isas]
+    assert [n for n in names if n.startswith("quantized")] == [f"quantized ({isa}), {kv} KV" for isa in isas
+                                                                for kv in ("bfloat16", "float32")]
     assert ("bfloat16 torch" in names) == cpu_has_native_bf16()
 
 
@@ -212,7 +213,8 @@ def test_quant_agreement_bench_reports_every_prompt(capsys):
 
     from trajserve.bench.quant_agreement import PROMPTS, TOKENS, run
 
-    assert run(argparse.Namespace(model=None, num_blocks=None, quantization="auto", bf16=False, json=True)) == 0
+    assert run(argparse.Namespace(model=None, num_blocks=None, quantization="auto", kv_cache_dtype="auto",
+                                  bf16=False, json=True)) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["rows"]) == len(PROMPTS) and out["summary"]["tokens"] == TOKENS
     assert 0 <= out["summary"]["mean_identical_prefix"] <= 1 and out["summary"]["mean_abs_dlogprob_forced"] < 0.1

@@ -509,7 +509,9 @@ def test_client_gone_from_a_non_streaming_request_stops_it(server):
     # which the handler must take as a disconnect, not an error.
     server.stderr_so_far()
     for i in range(3):  # the later ones are still queued when they go
-        body = {"model": MODEL, "prompt": SYSTEM * 12 + str(i), "max_tokens": 4}
+        # ~4,000 distinct tokens each (no shared prefix to reuse): over a second of prefill even at
+        # ~3,000 tokens/s (AMX), where 0.3 s is the client's patience.
+        body = {"model": MODEL, "prompt": f"{i}. " + SYSTEM * 40, "max_tokens": 4}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
     wait_idle(server, timeout=60)

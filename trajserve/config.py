@@ -14,6 +14,8 @@ FLAGS = {"num_threads": "--threads"}
 # --quantization's values (model/quant.py target_format says what each does);
 # here because the option table and validation load no torch.
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
+# --kv-cache-dtype's values (engine/dtype.py resolve_kv_dtype says what auto becomes).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(slots=True)
@@ -61,6 +63,9 @@ class CacheConfig:
     host_cache_bytes: int = 0
     disk_cache_bytes: int = 0
     disk_cache_dir: str | None = None  # None: a temporary directory
+    # What the pool stores K and V in: auto (bfloat16 where AMX tiles run the
+    # prefill attention, else the compute dtype), float32 or bfloat16.
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(slots=True)
@@ -116,6 +121,8 @@ class EngineConfig:
         count("max_model_len", self.max_model_len, allow_none=True)
         count("num_threads", self.num_threads, allow_none=True)
         count("block_size", cc.block_size)
+        check(cc.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "one of " + ", ".join(KV_CACHE_DTYPES),
+              cc.kv_cache_dtype)
         count("num_blocks", cc.num_blocks, allow_none=True)
         check(cc.kv_cache_memory is None or cc.kv_cache_memory > 0, "kv_cache_memory", "a size > 0",
               cc.kv_cache_memory)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from trajserve.config import QUANTIZATIONS
+from trajserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from trajserve.engine.options import add_engine_args
 
 
@@ -72,6 +72,8 @@ def add_bench_parser(sub) -> None:
                          "greedy agreement over 16 prompts x 64 tokens and |delta logprob|")
     qa.add_argument("--model", default=None)
     qa.add_argument("--quantization", default="auto", choices=[q for q in QUANTIZATIONS if q != "none"])
+    qa.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the tested side's KV pool (the reference's is float32)")
     qa.add_argument("--num-blocks", type=int, default=None)
     qa.add_argument("--bf16", action="store_true", help="test torch's bfloat16 forward instead (a yardstick)")
     qa.add_argument("--json", action="store_true", help="print only JSON")

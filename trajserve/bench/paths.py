@@ -1,8 +1,9 @@
 """`trajserve bench throughput --paths`: every execution path this machine
 runs, side by side, and what `--dtype auto --quantization auto` picks.
 
-A path is (weight format, compute dtype, kernels): the GGUF's blocks in each
-kernel build the CPU runs (avx512, avx2), float32 weights in the C kernels,
+A path is (weight format, compute dtype, KV dtype, kernels): the GGUF's
+blocks in each kernel build the CPU runs (avx512, avx2) over a bfloat16 and
+a float32 KV pool, float32 weights and KV in the C kernels,
 torch's bfloat16 forward where the CPU has native bf16, torch's float32
 forward. Each runs `bench throughput --json` in its own process (a fresh
 heap, its own kernel build, no state from the path before), one after the
@@ -31,11 +32,13 @@ def machine_paths() -> list[dict]:
 
     paths = [{"name": "auto", "flags": [], "env": {}}]
     for isa in cpu_kernels.supported_isas() if cpu_kernels.load() is not None else []:
-        paths.append({"name": f"quantized ({isa})", "flags": ["--dtype", "float32", "--quantization", "auto"],
-                      "env": {"TRAJSERVE_CPU_ISA": isa}})
+        for kv in ("bfloat16", "float32"):  # a bf16 pool's prefill runs on AMX tiles where the build has them
+            paths.append({"name": f"quantized ({isa}), {kv} KV",
+                          "flags": ["--dtype", "float32", "--quantization", "auto", "--kv-cache-dtype", kv],
+                          "env": {"TRAJSERVE_CPU_ISA": isa}})
     if cpu_kernels.load() is not None:
-        paths.append({"name": "float32 C kernels", "flags": ["--dtype", "float32", "--quantization", "none"],
-                      "env": {}})
+        paths.append({"name": "float32 C kernels", "flags": ["--dtype", "float32", "--quantization", "none",
+                                                             "--kv-cache-dtype", "float32"], "env": {}})
     if cpu_has_native_bf16():
         paths.append({"name": "bfloat16 torch", "flags": ["--dtype", "bfloat16"], "env": {}})
     paths.append({"name": "float32 torch", "flags": ["--dtype", "float32", "--no-cpu-kernels"], "env": {}})
@@ -86,14 +89,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"\n{out['command']}\n{out['machine']['cpu']}, {out['machine']['cores']} cores\n")
-    head = f"{'path':<22} {'weights':<28} {'MB/step':>8} {'step/floor':>10} " + " ".join(f"{f:>8}" for f in figures)
+    head = f"{'path':<32} {'weights':<28} {'MB/step':>8} {'step/floor':>10} " + " ".join(f"{f:>8}" for f in figures)
     print(head)
     for r in results:
         if "error" in r:
-            print(f"{r['path']:<22} failed: {' '.join(r['error'])}")
+            print(f"{r['path']:<32} failed: {' '.join(r['error'])}")
             continue
         ratio = r["batch1_step_over_floor"]
-        print(f"{r['path']:<22} {r['weights']:<28.28} {r['weight_bytes'] / 1e6:>8.1f} "
+        print(f"{r['path']:<32} {r['weights']:<28.28} {r['weight_bytes'] / 1e6:>8.1f} "
               f"{(f'{ratio:.2f}' if ratio else '-'):>10} " + " ".join(f"{value(r, f):>8.1f}" for f in figures))
     print("\n(tokens/s; step/floor: the batch-1 step over weight bytes / read bandwidth)")
     for fig, v in versus.items():

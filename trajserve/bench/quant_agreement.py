@@ -11,7 +11,8 @@ logprob under each path), and teacher-forced over all 64 float32 tokens
 (both paths score the float path's continuation as a prompt, so a
 divergence does not end the comparison). `--bf16` puts torch's bfloat16
 forward on the tested side instead: the same figures for a path users
-already accept.
+already accept. The reference keeps a float32 KV pool; the tested side's
+pool is `--kv-cache-dtype` (auto: bfloat16 where AMX runs its prefill).
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     common = dict(model=args.model, num_blocks=args.num_blocks or 1024)
     # --bf16: torch's bfloat16 forward on the side under test, a yardstick a user already accepts.
     quant = (LLM(quantization="none", dtype="bfloat16", **common) if args.bf16 else
-             LLM(quantization=args.quantization, dtype="float32", **common))
-    ref = LLM(quantization="none", dtype="float32", **common)
+             LLM(quantization=args.quantization, dtype="float32", kv_cache_dtype=args.kv_cache_dtype, **common))
+    ref = LLM(quantization="none", dtype="float32", kv_cache_dtype="float32", **common)
     prompts = [quant.engine.tokenizer.encode(p) for p in PROMPTS]
     a, b = _runs(quant, prompts), _runs(ref, prompts)
     rows = []
@@ -86,13 +87,14 @@ def run(args: argparse.Namespace) -> int:
     }
     out = {"command": command_line(), "machine": machine_info(), "quantization": quant.engine.quantization,
            "dtype": str(quant.engine.dtype).removeprefix("torch."),
+           "kv_dtype": str(quant.engine.kv_dtype).removeprefix("torch."),
            "weights": quant.engine.model.weight_formats(), "kernels": getattr(quant.engine.model.kernels, "isa", None),
            "rows": rows, "summary": summary}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"\n{out['command']}\ntested: {out['dtype']}, {out['weights']} (kernels {out['kernels']}) vs the same "
-          "weights in float32\n")
+    print(f"\n{out['command']}\ntested: {out['dtype']}, KV {out['kv_dtype']}, {out['weights']} (kernels "
+          f"{out['kernels']}) vs the same weights, compute and KV in float32\n")
     print(f"{'#':>3} {'identical':>9} {'|dlp| agreeing':>15} {'|dlp| forced':>13} {'max forced':>11}")
     for i, r in enumerate(rows):
         ag = r["mean_abs_dlogprob_agreeing"]

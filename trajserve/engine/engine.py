@@ -24,7 +24,7 @@ import torch
 
 from trajserve.config import EngineConfig
 from trajserve.engine.core import EngineCore, StepStats
-from trajserve.engine.dtype import resolve_dtype, resolve_quantization
+from trajserve.engine.dtype import resolve_dtype, resolve_kv_dtype, resolve_quantization
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_executor import ModelExecutor
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
@@ -89,16 +89,17 @@ class LLMEngine:
         del weights
 
         cc = config.cache
-        self.num_blocks = num_blocks_for(cc, mc, self.dtype, self.device)
+        self.kv_dtype, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels)
+        self.num_blocks = num_blocks_for(cc, mc, self.kv_dtype, self.device)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
                                  enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
-                                     mc.head_dim, self.dtype, self.device)
+                                     mc.head_dim, self.kv_dtype, self.device)
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
         # What every block written to disk says it is (kv/block_format.py).
         formats = self.model.weight_formats()
         quantized = sorted(f for f in formats if f in QUANT_FORMATS)
-        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)), self.dtype,
+        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)), self.kv_dtype,
                                            (mc.num_layers, 2, mc.num_kv_heads, cc.block_size, mc.head_dim))
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
@@ -110,7 +111,7 @@ class LLMEngine:
         self.rates = CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9, disk_bytes_per_s=1e9)
         pricer = None
         if self.lower is not None:  # a host tier to swap preempted blocks to
-            block_bytes = bytes_per_block(mc, cc.block_size, self.dtype)
+            block_bytes = bytes_per_block(mc, cc.block_size, self.kv_dtype)
             host = self.lower.host
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
@@ -125,7 +126,7 @@ class LLMEngine:
         self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler))
         self._ids = itertools.count()
         self.last_step = StepStats()
-        m_token = mc.kv_bytes_per_token(self.dtype.itemsize)
+        m_token = mc.kv_bytes_per_token(self.kv_dtype.itemsize)
         self.startup_summary = (
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
             f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
@@ -133,8 +134,8 @@ class LLMEngine:
             f"{f', C kernels ({self.model.kernels.isa})' if self.model.kernels is not None else ''}\n"
             f"weights: {' + '.join(f'{f} {b / 1e6:,.1f} MB' for f, b in formats.items())} read per decode step "
             f"(quantization {self.quantization}: {quant_reason})\n"
-            f"KV cache: m_token = {m_token:,} B (eq. 1) | block = {cc.block_size} tokens = "
-            f"{bytes_per_block(mc, cc.block_size, self.dtype):,} B | {self.num_blocks:,} blocks | "
+            f"KV cache: {str(self.kv_dtype).removeprefix('torch.')} ({kv_reason}) | m_token = {m_token:,} B "
+            f"(eq. 1) | block = {cc.block_size} tokens = {bytes_per_block(mc, cc.block_size, self.kv_dtype):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")
         log.info(self.startup_summary)
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from trajserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.units import parse_bytes
 
 _UNSET = object()
@@ -58,6 +58,10 @@ OPTIONS: tuple[Option, ...] = (
            "weights run in a block format by the C kernels: auto (a GGUF's Q8_0/Q4_0/Q4_1 as stored, other "
            "quantized types as q8_0, float as float), none (dequantize to --dtype), or q8_0/q4_0/q4_1 (the "
            "decoder's matrices quantized at load)", choices=QUANTIZATIONS),
+    Option("kv_cache_dtype", "cache.kv_cache_dtype", "--kv-cache-dtype",
+           "what the KV pool stores: auto (bfloat16 where the C kernels run prefill attention on AMX tiles, "
+           "else as --dtype), float32, or bfloat16 (half the bytes; K/V, queries and probabilities rounded to "
+           "bf16 in attention)", choices=KV_CACHE_DTYPES),
     Option("kv_cache_memory", "cache.kv_cache_memory", "--kv-cache-memory",
            "KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)", size=True),
     Option("memory_fraction", "cache.memory_fraction", "--memory-fraction",

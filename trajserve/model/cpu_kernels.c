@@ -180,11 +180,12 @@ void ts_rms_norm(const float *x, int64_t m, int64_t d, int64_t ldx, const float 
 /* RoPE (rotate-half layout) in place on the q and k heads of each token's
  * fused q|k|v row, then the token's k and v into its cache slot.
  * qkv: [t, ldq] with hq q heads, hkv k heads, hkv v heads of d floats;
- * cos/sin: [max_len, d] tables; caches: [num_blocks, hkv, bs, d]. */
+ * cos/sin: [max_len, d] tables; caches: [num_blocks, hkv, bs, d], float32,
+ * or bfloat16 with kv_bf16 (d % 8 == 0). */
 void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, int64_t d,
-                   const float *cos_t, const float *sin_t, const int64_t *pos, float *k_cache,
-                   float *v_cache, const int64_t *slot_block, const int64_t *slot_offset, int64_t bs,
-                   int nthreads) {
+                   const float *cos_t, const float *sin_t, const int64_t *pos, void *k_cache,
+                   void *v_cache, const int64_t *slot_block, const int64_t *slot_offset, int64_t bs,
+                   int kv_bf16, int nthreads) {
     const int64_t half = d / 2;
 #pragma omp parallel for schedule(static) num_threads(t > 16 ? nthreads : 1)
     for (int64_t i = 0; i < t; i++) {
@@ -200,8 +201,17 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
         }
         int64_t base = slot_block[i] * hkv * bs + slot_offset[i];
         for (int64_t h = 0; h < hkv; h++) {
-            memcpy(k_cache + (base + h * bs) * d, row + (hq + h) * d, d * sizeof(float));
-            memcpy(v_cache + (base + h * bs) * d, row + (hq + hkv + h) * d, d * sizeof(float));
+            const int64_t off = (base + h * bs) * d;
+            const float *k = row + (hq + h) * d, *v = row + (hq + hkv + h) * d;
+            if (kv_bf16) {  // a bf16 pool (attention_bf16.c): K and V rounded once, here
+                for (int64_t e = 0; e < d; e += 8) {
+                    bf16_store8((uint16_t *)k_cache + off + e, _mm256_loadu_ps(k + e));
+                    bf16_store8((uint16_t *)v_cache + off + e, _mm256_loadu_ps(v + e));
+                }
+            } else {
+                memcpy((float *)k_cache + off, k, d * sizeof(float));
+                memcpy((float *)v_cache + off, v, d * sizeof(float));
+            }
         }
     }
 }
@@ -225,7 +235,6 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
  * Keys a query cannot see contribute exact zeros (and a block it cannot see
  * at all rescales by exp8(0) = 1), so its result does not depend on the
  * chunk, the query block or the other queries. */
-#define KB 64
 /* Prefill queries per block, in vectors of QV lanes: the AVX-512 build's
  * tiles are twice as wide, each lane doing what an AVX2 lane does. */
 #if defined(__AVX512F__)
@@ -258,25 +267,6 @@ typedef __m256 qvec;
 #endif
 #define QB (3 * QV)
 
-/* The 8 x 8 transpose: c[e] = element e of rows r[0..8). */
-static inline void transpose8(const __m256 *r, __m256 *c) {
-    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    c[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-    c[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-    c[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-    c[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-    c[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-    c[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-    c[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-    c[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
 
 /* Decode attention for n sequences of one query token each, through block
  * tables. Task: (sequence, kv head, a run of its query heads): all the

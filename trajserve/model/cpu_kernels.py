@@ -1,4 +1,4 @@
-"""The C kernels of cpu_kernels.c and quant_kernels.c: built on first use, loaded with ctypes.
+"""The C kernels of cpu_kernels.c, quant_kernels.c and attention_bf16.c: built on first use, loaded with ctypes.
 
 The sources ship with the package and are compiled once per machine with the
 system C compiler (`cc`, ~3 s) into the user's cache directory, keyed by a
@@ -14,7 +14,11 @@ the xgetbv check) and torch's own probe; TRAJSERVE_CPU_ISA=avx2|avx512 asks
 for one, and a build the CPU cannot run is never loaded. Each build must pass
 a known-answer check at load (a float and a quantized product against numpy)
 or it is dropped with a warning: an avx512 build that fails falls back to
-avx2, an avx2 build that fails to none. No compiler, no AVX2/FMA, a failed
+avx2, an avx2 build that fails to none. In the avx512 build on a CPU with
+AMX (Sapphire Rapids and later) two tile paths are checked too, each
+against the vector kernel's bits, and used only if they match: the prefill
+attention of a bf16 KV pool (AMX-BF16) and quantized products of prefill
+chunks (AMX-INT8). No compiler, no AVX2/FMA, a failed
 build or TRAJSERVE_CPU_KERNELS=0: `load()` returns None and the model keeps
 its torch path (same results within float rounding; the kernels are only
 faster).
@@ -42,7 +46,7 @@ from trajserve.model.quant import PANEL, QuantizedWeight
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c"]
+SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c", _DIR / "attention_bf16.c"]
 HEADERS = [_DIR / "simd_math.h"]
 # -ffp-contract=off: an expression rounds the same way in both builds (the
 # compiler may not fuse a * b + c into an FMA in one and not the other).
@@ -59,16 +63,26 @@ _SIGNATURES = {
     "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C],
     "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _C],
     "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],
-    "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C],
+    "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
+    "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
+    "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
+    "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
+    "ts_amx_init": [],
     "ts_quant_isa": [],
     "ts_quantize_rows_q8": [_P, _I, _I, _I, _P, _C],
-    "ts_qlinear": [_P, _I, _I, _I, _P, _C, _I, _P, _P, _I, _C, _C],
-    "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _C],
+    "ts_qlinear": [_P, _I, _I, _I, _P, _C, _I, _P, _P, _I, _C, _C, _C],
+    "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _C, _C],
+    "ts_quant_amx_init": [],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
 }
-_RETURNS_INT = ("ts_prefill_attention", "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
+_RETURNS_INT = ("ts_prefill_attention", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
+                "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
+# AMX prefill of a bf16 pool: head_dim a multiple of 32 (one tile row of
+# pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
+# queries (a shorter chunk runs as decodes, which need no V^T copy of the context).
+AMX_MIN_QUERIES = 4
 _FMT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # quant_kernels.c's FMT_* codes
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, pad; int8 q[32]
 
@@ -140,7 +154,59 @@ def _known_answer(k: CpuKernels) -> str | None:
     want = torch.einsum("hqk,kd->qhd", scores.softmax(-1), keys[1])
     if not torch.allclose(out, want, atol=1e-5):
         return "prefill attention"
+    # The same over a bf16 pool (attention_bf16.c; decodes, as a CPU without AMX runs it), within bf16 rounding.
+    k.prefill_attention(qa, kv[0].bfloat16(), kv[1].bfloat16(), torch.tensor([1, 0]), 5, 0.25, out)
+    if not torch.allclose(out, want, atol=0.05):
+        return "bf16 attention"
     return None
+
+
+def _bf16_pool(rng: np.random.Generator, blocks: int, hkv: int, bs: int, d: int) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal((2, blocks, hkv, bs, d), dtype=np.float32)).to(torch.bfloat16)
+
+
+def _amx_usable(k: CpuKernels) -> bool:
+    """Whether the AMX prefill runs here and gives the decode kernel's bits:
+    an avx512 build, AMX-BF16 in /proc/cpuinfo, the tile state granted by
+    Linux, and a chunk computed both ways bit for bit equal."""
+    flags = cpu_flags()
+    if k.isa != "avx512" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags or not k.lib.ts_amx_init():
+        return False
+    rng = np.random.default_rng(11)
+    kv = _bf16_pool(rng, 9, 2, 16, 64)
+    q = torch.from_numpy(rng.standard_normal((40, 6, 64), dtype=np.float32))
+    table = torch.tensor([4, 0, 7, 2, 8, 1, 3], dtype=torch.int64)
+    tiles, decodes = torch.empty_like(q), torch.empty_like(q)
+    k.amx = True
+    k.prefill_attention(q, kv[0], kv[1], table, 100, 0.125, tiles)
+    k.amx = False
+    k.prefill_attention(q, kv[0], kv[1], table, 100, 0.125, decodes)
+    if not torch.equal(tiles, decodes):
+        log.warning("CPU kernels: the AMX prefill attention differs from the decode kernel's bits; prefill of a "
+                    "bf16 KV pool runs as decodes (slower)")
+        return False
+    return True
+
+
+def _amx_int8_usable(k: CpuKernels) -> bool:
+    """Whether quantized products run on AMX-INT8 tiles here, giving the
+    vector kernel's bits: an avx512 build, AMX-INT8 in /proc/cpuinfo, the tile
+    state granted, and products of every format computed both ways equal."""
+    if k.isa != "avx512" or not {"amx_tile", "amx_int8"} <= cpu_flags() or not k.lib.ts_quant_amx_init():
+        return False
+    rng = np.random.default_rng(13)
+    x = torch.from_numpy(rng.standard_normal((37, 96), dtype=np.float32))
+    w = torch.from_numpy(rng.standard_normal((40, 96), dtype=np.float32))
+    for fmt in _FMT_CODES:
+        q = QuantizedWeight.quantize(w, fmt).pack()
+        k.amx_int8 = True
+        tiles = k.qlinear(x, q)
+        k.amx_int8 = False
+        if not torch.equal(tiles, k.qlinear(x, q)):
+            log.warning("CPU kernels: the AMX-INT8 %s product differs from the vector kernel's bits; "
+                        "quantized products stay on the vector kernel", fmt.upper())
+            return False
+    return True
 
 
 @functools.cache
@@ -166,6 +232,8 @@ def load(isa: str | None = None) -> CpuKernels | None:
             continue
         failed = _known_answer(kernels)
         if failed is None:
+            kernels.amx = _amx_usable(kernels)
+            kernels.amx_int8 = _amx_int8_usable(kernels)
             return kernels
         log.warning("CPU kernels (%s) off: the %s failed its known-answer check", candidate, failed)
     return None
@@ -204,6 +272,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _pool_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """True for a bfloat16 pool (attention_bf16.c), False for float32."""
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"KV pool must be float32 or bfloat16, got {k_cache.dtype} / {v_cache.dtype}")
+    return k_cache.dtype == torch.bfloat16
+
+
 def _check_index(*ts: torch.Tensor) -> None:
     # The C side reads these as int64 arrays: anything else is read as garbage.
     for t in ts:
@@ -221,6 +296,10 @@ class CpuKernels:
             getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_INT else None
         self.lib = lib
         self.isa = isa
+        # AMX tiles (set by load() after their checks): the prefill attention
+        # of a bf16 pool (AMX-BF16), quantized products of >= 16 rows (AMX-INT8).
+        self.amx = False
+        self.amx_int8 = False
         # The integer dot product the build compiled (1 AVX2, 2 AVX512-VNNI).
         self.dot_product = {1: "avx2 vpmaddubsw", 2: "avx512 vpdpbusd"}[lib.ts_quant_isa()]
 
@@ -262,12 +341,13 @@ class CpuKernels:
     def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, slot_block: torch.Tensor, slot_offset: torch.Tensor) -> None:
-        """RoPE in place on qkv's q and k heads; k and v into their slots."""
+        """RoPE in place on qkv's q and k heads; k and v into their slots
+        (rounded to bf16 in a bfloat16 pool)."""
         _check_index(positions, slot_block, slot_offset)
         self.lib.ts_rope_store(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
                                cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
                                v_cache.data_ptr(), slot_block.data_ptr(), slot_offset.data_ptr(),
-                               k_cache.shape[2], self.threads())
+                               k_cache.shape[2], int(_pool_bf16(k_cache, v_cache)), self.threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          tables: torch.Tensor, table_start: torch.Tensor, ctx: torch.Tensor,
@@ -275,7 +355,8 @@ class CpuKernels:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows]."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
-        self.lib.ts_decode_attention(
+        decode = self.lib.ts_decode_attention_bf16 if _pool_bf16(k_cache, v_cache) else self.lib.ts_decode_attention
+        decode(
             q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
             rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
@@ -292,7 +373,11 @@ class CpuKernels:
             raise ValueError(f"prefill attention needs head_dim % 8 == 0 and contiguous heads, got d={d}")
         if not n <= ctx_len <= block_ids.shape[0] * bs:
             raise ValueError(f"chunk of {n} tokens, context {ctx_len}, {block_ids.shape[0]} blocks of {bs}")
-        failed = self.lib.ts_prefill_attention(
+        prefill = self.lib.ts_prefill_attention
+        if _pool_bf16(k_cache, v_cache):
+            amx = self.amx and d % 32 == 0 and d <= 256 and bs % 16 == 0 and n >= AMX_MIN_QUERIES
+            prefill = self.lib.ts_prefill_attention_amx if amx else self.lib.ts_prefill_attention_bf16
+        failed = prefill(
             q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
             bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0), self.threads())
         if failed:
@@ -312,7 +397,8 @@ class CpuKernels:
         if out is None:
             out = torch.empty((m, n), dtype=torch.float32)
         if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), _FMT_CODES[w.fmt], n,
-                               _ptr(bias), out.data_ptr(), out.stride(0), int(acc), self.threads()):
+                               _ptr(bias), out.data_ptr(), out.stride(0), int(acc), int(self.amx_int8),
+                               self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
 
@@ -324,7 +410,8 @@ class CpuKernels:
         inter = gate.shape[0]
         out = torch.empty((m, inter), dtype=torch.float32)
         if self.lib.ts_qgate_up_silu(x.data_ptr(), m, k, x.stride(0), gate.data.data_ptr(), up.data.data_ptr(),
-                                     _FMT_CODES[gate.fmt], inter, out.data_ptr(), out.stride(0), self.threads()):
+                                     _FMT_CODES[gate.fmt], inter, out.data_ptr(), out.stride(0),
+                                     int(self.amx_int8), self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
 

@@ -40,6 +40,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "simd_math.h"
 
@@ -245,6 +247,7 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
 
 /* Input rows in blocks of QROW_BLOCK stay in L1/L2 while every panel passes over them. */
 #define QROW_BLOCK 32
+#define AMX_ROWS 16 /* input rows of an AMX tile product (amx_product) */
 
 typedef struct {
     const uint8_t *w, *up;  /* up: the gate product's second matrix, else NULL */
@@ -255,34 +258,63 @@ typedef struct {
     int acc;
 } QProduct;
 
+static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, const float *u);
+
 /* Input rows [i0, i0 + nr) against panel p, then the epilogue. */
 static void qpanel(const QProduct *P, const block_q8x *x, int64_t nb, int64_t p, int64_t i0, int nr, int fmt) {
-    const int64_t c0 = p * PANEL, nc = P->n - c0 < PANEL ? P->n - c0 : PANEL;
     float g[QTILE_ROWS * PANEL], u[QTILE_ROWS * PANEL];
     const block_q8x *xi = x + i0 * nb;
     qtile_any(P->w + p * P->panel_bytes, nb, xi, nr, fmt, g);
-    if (P->up) {
-        qtile_any(P->up + p * P->panel_bytes, nb, xi, nr, fmt, u);
-        for (int i = 0; i < nr; i++)
+    if (P->up) qtile_any(P->up + p * P->panel_bytes, nb, xi, nr, fmt, u);
+    qfinish(P, p, i0, nr, g, P->up ? u : NULL);
+}
+
+/* Rows [i0, i0 + nr) of panel p's products g (and u: the gate's up half)
+ * into y: silu(g) * u, or g + bias, added into y or stored. */
+static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, const float *u) {
+    const int64_t c0 = p * PANEL, nc = P->n - c0 < PANEL ? P->n - c0 : PANEL;
+    if (u) {
+        for (int i = 0; i < nr; i++) {
+#if defined(__AVX512F__)  // silu16 does silu8's operations lane for lane: the builds agree
+            _mm512_storeu_ps(g + i * PANEL, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i * PANEL)),
+                                                          _mm512_loadu_ps(u + i * PANEL)));
+#else
             for (int h = 0; h < PANEL; h += 8)
                 _mm256_storeu_ps(g + i * PANEL + h, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i * PANEL + h)),
                                                                   _mm256_loadu_ps(u + i * PANEL + h)));
+#endif
+        }
     }
     for (int i = 0; i < nr; i++) {
         float *yr = P->y + (i0 + i) * P->ldy + c0;
         const float *gi = g + i * PANEL;
-        for (int64_t c = 0; c < nc; c++) {
+        int64_t c = 0;
+        for (; nc == PANEL && c < PANEL; c += 8) {  // the same adds, 8 lanes at a time
+            const __m256 v = _mm256_add_ps(_mm256_loadu_ps(gi + c),  // + 0 as below: -0 becomes +0 alike
+                                           P->bias ? _mm256_loadu_ps(P->bias + c0 + c) : _mm256_setzero_ps());
+            _mm256_storeu_ps(yr + c, P->acc ? _mm256_add_ps(_mm256_loadu_ps(yr + c), v) : v);
+        }
+        for (; c < nc; c++) {
             const float v = gi[c] + (P->bias ? P->bias[c0 + c] : 0.0f);
             yr[c] = P->acc ? yr[c] + v : v;
         }
     }
 }
 
-static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int nthreads) {
+/* The AMX-INT8 products (below), for inputs of at least AMX_ROWS rows. */
+static int amx_product(const block_q8x *xq, int64_t m, int64_t nb, const QProduct *P, int fmt, int nthreads);
+
+static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int amx,
+                    int nthreads) {
     const int64_t nb = k / QK, panels = (P->n + PANEL - 1) / PANEL;
     block_q8x *xq = malloc(sizeof(block_q8x) * (m * nb > 0 ? m * nb : 1));
     if (xq == NULL) return 1;
     ts_quantize_rows_q8(x, m, k, ldx, xq, nthreads);
+    if (amx && m >= AMX_ROWS) {
+        const int failed = amx_product(xq, m, nb, P, fmt, nthreads);
+        free(xq);
+        return failed;
+    }
 #pragma omp parallel num_threads(nthreads)
     for (int64_t m0 = 0; m0 < m; m0 += QROW_BLOCK) {
         const int64_t m1 = m - m0 < QROW_BLOCK ? m : m0 + QROW_BLOCK;
@@ -295,20 +327,225 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* ------------------------------------------------------------------ AMX-INT8 products
+ *
+ * Where the CPU has AMX-INT8 and a product has >= 16 input rows (prefill
+ * chunks), the integer dot products run as tile products: TDPBSUD
+ * multiplies 16 input rows' codes of one block (A: 16 x 32 signed bytes,
+ * read in place from the block_q8x rows) by one panel's codes of that block
+ * (B: 8 x 64 unsigned bytes, the panel's code groups as they are for Q8_0,
+ * the 4-bit codes unpacked once per panel for Q4), into 16 x 16 exact int32
+ * sums: the same integers as vpdpbusd. The float steps after them are the
+ * VNNI tile's, block by block in order (convert, scale by d_w * d_x, add;
+ * Q4_1's m_w * s_x), so the results are bit-identical to the other builds.
+ * The scale step bounds the speed (it is per block: the formats have no
+ * scale shared across blocks), so four blocks' products are in flight in
+ * tmm0-3 while the vector unit scales the four before them. */
+#define AMX_GROUP 4
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} QTileConfig;
+
+/* One panel's codes as B tiles (512 bytes a block: 8 groups of 4 codes x 16
+ * rows) and its scales as floats (dw, and mw for Q4_1: 16 a block). */
+static void unpack_panel(const uint8_t *panel, int64_t nb, int fmt, uint8_t *codes, float *dw, float *mw) {
+    const int64_t pb = panel_block_bytes(fmt);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + b * pb;
+        _mm512_storeu_ps(dw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
+        if (fmt == FMT_Q4_1) _mm512_storeu_ps(mw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))));
+        uint8_t *cb = codes + b * 512;
+        if (fmt == FMT_Q8_0) {
+            memcpy(cb, blk + 32, 512);
+        } else {  // group g's low nibbles are k = 4g + t, its high nibbles k = 16 + 4g + t
+            const uint8_t *c = blk + (fmt == FMT_Q4_1 ? 64 : 32);
+            for (int g = 0; g < 4; g++) {
+                const __m512i v = _mm512_loadu_si512(c + 64 * g);
+                _mm512_storeu_si512(cb + 64 * g, _mm512_and_si512(v, low));
+                _mm512_storeu_si512(cb + 64 * (g + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            }
+        }
+    }
+}
+
+/* A tile of 16 input rows, repacked so each tile product reads 512
+ * contiguous bytes (the block_q8x rows are 48 * nb bytes apart: loading 16
+ * scattered lines from L2 stalled the tile unit): per block, the 16 rows'
+ * codes, then their d, s and sums. */
+typedef struct {
+    int8_t q[AMX_ROWS][QK];
+    float d[AMX_ROWS], s[AMX_ROWS];
+    int32_t sum[AMX_ROWS];
+    int32_t pad[AMX_ROWS];
+} amx_block;
+
+static void amx_repack(const block_q8x *x, int64_t m, int64_t nb, amx_block *out, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < (m + AMX_ROWS - 1) / AMX_ROWS; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            amx_block *o = out + t * nb + b;
+            for (int i = 0; i < AMX_ROWS; i++) {
+                const int64_t r = t * AMX_ROWS + i;
+                if (r < m) {
+                    const block_q8x *xb = x + r * nb + b;
+                    memcpy(o->q[i], xb->q, QK);
+                    o->d[i] = xb->d, o->s[i] = xb->s, o->sum[i] = xb->sum;
+                } else {
+                    memset(o->q[i], 0, QK);
+                    o->d[i] = o->s[i] = 0.0f, o->sum[i] = 0;
+                }
+            }
+        }
+}
+
+#define AMX_PRODUCT(t, A, B)                                                                   \
+    if (b0 + t < nb) {                                                                         \
+        _tile_loadd(A, x[b0 + t].q, QK);                                                       \
+        _tile_loadd(B, codes + (b0 + t) * 512, 64);                                            \
+        _tile_dpbsud(t, A, B);                                                                 \
+    }
+#define AMX_ISSUE()                                                                            \
+    _tile_zero(0);                                                                             \
+    _tile_zero(1);                                                                             \
+    _tile_zero(2);                                                                             \
+    _tile_zero(3);                                                                             \
+    AMX_PRODUCT(0, 4, 6) AMX_PRODUCT(1, 5, 7) AMX_PRODUCT(2, 4, 6) AMX_PRODUCT(3, 5, 7)
+
+/* The scale step of blocks [first, first + nblk) from their stored sums:
+ * the vector kernel's float steps, block by block. */
+static inline __attribute__((always_inline)) void amx_scale(const amx_block *x, const int32_t *c, int64_t first,
+                                                           int64_t nblk, const float *dw, const float *mw,
+                                                           const int fmt, __m512 *acc) {
+    const int offset = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
+    for (int64_t t = 0; t < nblk; t++) {
+        const int64_t b = first + t;
+        const amx_block *xb = x + b;
+        const __m512 dwv = _mm512_loadu_ps(dw + b * PANEL);
+        for (int i = 0; i < AMX_ROWS; i++) {
+            __m512i isum = _mm512_load_si512(c + (t * AMX_ROWS + i) * PANEL);
+            if (offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * xb->sum[i]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv, _mm512_set1_ps(xb->d[i])), acc[i]);
+            if (fmt == FMT_Q4_1) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * PANEL), _mm512_set1_ps(xb->s[i]), acc[i]);
+        }
+    }
+}
+
+/* o[i * 16 + c] = input row i of the tile x (nb blocks) . panel column c.
+ * A three-stage pipeline over groups of four blocks: group g's sums are
+ * stored, group g + 1's products issued, then group g - 1 scaled (its
+ * stores long done: a load right after a tile store waits for it). */
+__attribute__((target("amx-tile,amx-int8"))) static void amx_rows(const amx_block *x, int64_t nb,
+                                                                 const uint8_t *codes, const float *dw,
+                                                                 const float *mw, const int fmt, float *o) {
+    int32_t sums[2][AMX_GROUP * AMX_ROWS * PANEL] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_setzero_ps();
+    int64_t b0 = 0, prev = -1, prev_n = 0;
+    AMX_ISSUE()
+    for (int64_t g = 0; b0 < nb; g++) {
+        int32_t *c = sums[g & 1];
+        const int64_t first = b0, nblk = nb - b0 < AMX_GROUP ? nb - b0 : AMX_GROUP;
+        _tile_stored(0, c, 64);
+        if (nblk > 1) _tile_stored(1, c + 1 * AMX_ROWS * PANEL, 64);
+        if (nblk > 2) _tile_stored(2, c + 2 * AMX_ROWS * PANEL, 64);
+        if (nblk > 3) _tile_stored(3, c + 3 * AMX_ROWS * PANEL, 64);
+        b0 += AMX_GROUP;
+        if (b0 < nb) {
+            AMX_ISSUE()
+        }
+        if (prev >= 0) amx_scale(x, sums[(g - 1) & 1], prev, prev_n, dw, mw, fmt, acc);
+        prev = first, prev_n = nblk;
+    }
+    amx_scale(x, sums[(prev / AMX_GROUP) & 1], prev, prev_n, dw, mw, fmt, acc);
+    for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(o + i * PANEL, acc[i]);
+}
+
+static void amx_rows_any(const amx_block *x, int64_t nb, const uint8_t *codes, const float *dw, const float *mw,
+                         int fmt, float *o) {
+    switch (fmt) {  // a constant format inside: the offset and Q4_1 tests fold away
+        case FMT_Q8_0: amx_rows(x, nb, codes, dw, mw, FMT_Q8_0, o); break;
+        case FMT_Q4_0: amx_rows(x, nb, codes, dw, mw, FMT_Q4_0, o); break;
+        default: amx_rows(x, nb, codes, dw, mw, FMT_Q4_1, o);
+    }
+}
+
+/* Asks Linux for the AMX tile state (once per process): 1 if granted. */
+int ts_quant_amx_init(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+/* Panels split across threads; each unpacks its panel once (and the up
+ * panel of a gate), then runs every 16-row tile of the input against it. */
+__attribute__((target("amx-tile,amx-int8"))) static int amx_product(const block_q8x *xq, int64_t m, int64_t nb,
+                                                                   const QProduct *P, int fmt, int nthreads) {
+    const int64_t panels = (P->n + PANEL - 1) / PANEL, tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
+    amx_block *xa = aligned_alloc(64, sizeof(amx_block) * tiles * nb);
+    if (xa == NULL) return 1;
+    amx_repack(xq, m, nb, xa, nthreads);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : failed)
+    {
+        const int halves = P->up ? 2 : 1;
+        uint8_t *codes = aligned_alloc(64, (size_t)halves * nb * (512 + 2 * PANEL * sizeof(float)));
+        failed += codes == NULL;
+        {  // every thread meets the worksharing loop; one without memory skips its panels
+            float *dw = (float *)(codes + halves * nb * 512), *mw = dw + halves * nb * PANEL;
+            QTileConfig cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 4; t++) cfg.colsb[t] = 64, cfg.rows[t] = AMX_ROWS;     /* C: 16 x 16 int32 */
+            for (int t = 4; t < 6; t++) cfg.colsb[t] = QK, cfg.rows[t] = AMX_ROWS;     /* A: 16 rows x 32 codes */
+            for (int t = 6; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = QK / 4;       /* B: 8 x (16 rows x 4) */
+            _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; p++) {
+                if (codes == NULL) continue;
+                for (int h = 0; h < halves; h++)
+                    unpack_panel((h ? P->up : P->w) + p * P->panel_bytes, nb, fmt, codes + h * nb * 512,
+                                 dw + h * nb * PANEL, mw + h * nb * PANEL);
+                float g[AMX_ROWS * PANEL], u[AMX_ROWS * PANEL];
+                for (int64_t i0 = 0; i0 < m; i0 += AMX_ROWS) {
+                    const amx_block *xt = xa + i0 / AMX_ROWS * nb;
+                    amx_rows_any(xt, nb, codes, dw, mw, fmt, g);
+                    if (P->up) amx_rows_any(xt, nb, codes + nb * 512, dw + nb * PANEL, mw + nb * PANEL, fmt, u);
+                    qfinish(P, p, i0, m - i0 < AMX_ROWS ? (int)(m - i0) : AMX_ROWS, g, P->up ? u : NULL);
+                }
+            }
+            _tile_release();
+            free(codes);
+        }
+    }
+    free(xa);
+    return failed;
+}
+#else
+int ts_quant_amx_init(void) { return 0; }
+static int amx_product(const block_q8x *xq, int64_t m, int64_t nb, const QProduct *P, int fmt, int nthreads) {
+    return -1;  // not in this build; the caller never asks
+}
+#endif
+
 /* y[i, r] = (acc ? y[i, r] : 0) + bias[r] + x[i, :] . w[r, :] for i < m, r < n;
  * w as panels (quant.py pack_panels). Returns nonzero when the input blocks
  * found no memory (nothing is written). */
 int ts_qlinear(const float *x, int64_t m, int64_t k, int64_t ldx, const void *w, int fmt, int64_t n,
-               const float *bias, float *y, int64_t ldy, int acc, int nthreads) {
+               const float *bias, float *y, int64_t ldy, int acc, int amx, int nthreads) {
     QProduct P = {w, NULL, (k / QK) * panel_block_bytes(fmt), n, bias, y, ldy, acc};
-    return qproduct(x, m, k, ldx, &P, fmt, nthreads);
+    return qproduct(x, m, k, ldx, &P, fmt, amx, nthreads);
 }
 
 /* y[i, r] = silu(x[i] . gate[r]) * (x[i] . up[r]) for r < inter. */
 int ts_qgate_up_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const void *gate, const void *up, int fmt,
-                     int64_t inter, float *y, int64_t ldy, int nthreads) {
+                     int64_t inter, float *y, int64_t ldy, int amx, int nthreads) {
     QProduct P = {gate, up, (k / QK) * panel_block_bytes(fmt), inter, NULL, y, ldy, 0};
-    return qproduct(x, m, k, ldx, &P, fmt, nthreads);
+    return qproduct(x, m, k, ldx, &P, fmt, amx, nthreads);
 }
 
 static inline float f16(const uint8_t *p) {

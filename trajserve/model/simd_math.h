@@ -2,6 +2,7 @@
 #ifndef TRAJSERVE_SIMD_MATH_H
 #define TRAJSERVE_SIMD_MATH_H
 #include <immintrin.h>
+#include <stdint.h>
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -39,15 +40,68 @@ DEFINE_EXP(exp8, 256)
 DEFINE_EXP(exp16, 512)
 #endif
 
-/* silu(g) = g / (1 + exp(-g)) on 8 lanes. exp8 holds up to 88 (2^127 is the
+/* silu(g) = g / (1 + exp(-g)) on 8 (or 16) lanes, one definition for both. exp8 holds up to 88 (2^127 is the
  * largest power of two a float holds), so -g is capped there: for g < -88
  * the result is g / (1 + 1.7e38), under 1e-35 in size where the exact one is
  * under 1e-36. The scalar expf this replaces cost the gate/up product ~15 %
  * of its speed (docs/benchmarks.md). */
-static inline __m256 silu8(__m256 g) {
-    __m256 e = exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+#define DEFINE_SILU(NAME, W, EXP)                                                                      \
+    static inline __m##W NAME(__m##W g) {                                                              \
+        __m##W e = EXP(_mm##W##_min_ps(_mm##W##_sub_ps(_mm##W##_setzero_ps(), g), _mm##W##_set1_ps(88.0f))); \
+        return _mm##W##_div_ps(g, _mm##W##_add_ps(_mm##W##_set1_ps(1.0f), e));                       \
+    }
+DEFINE_SILU(silu8, 256, exp8)
+#if defined(__AVX512F__)
+DEFINE_SILU(silu16, 512, exp16)
+#endif
+
+/* Keys per block of the online softmax in every attention kernel (cpu_kernels.c,
+ * attention_bf16.c): blocks are aligned at key 0, so a query's arithmetic does
+ * not depend on which kernel or chunk computes it. */
+#define KB 64
+
+/* The 8 x 8 transpose: c[e] = element e of rows r[0..8). */
+static inline void transpose8(const __m256 *r, __m256 *c) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    c[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    c[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    c[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    c[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    c[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    c[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    c[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    c[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
 }
 
+/* float -> bfloat16 bits in the low half of each 32-bit lane: round to
+ * nearest even, and a denormal to a signed zero (AMX reads bf16 denormals as
+ * zero). One definition for every kernel that rounds to bf16, so K/V stored,
+ * queries and probabilities round the same everywhere. NaN is not handled
+ * (attention inputs are finite). */
+static inline __m256i bf16_bits8(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
+    return _mm256_blendv_epi8(r, _mm256_srli_epi32(_mm256_and_si256(u, _mm256_set1_epi32((int)0x80000000)), 16), tiny);
+}
+
+/* bf16 bits (low halves) -> float, and 8 stored bf16 values -> float. */
+static inline __m256 bf16_float8(__m256i bits) { return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16)); }
+static inline __m256 bf16_load8(const uint16_t *p) {
+    return bf16_float8(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* 8 floats rounded to bf16 and stored as 8 uint16. */
+static inline void bf16_store8(uint16_t *p, __m256 x) {
+    const __m256i b = bf16_bits8(x);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
 
 #endif

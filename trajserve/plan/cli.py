@@ -24,7 +24,8 @@ DEFAULT_CONTEXTS = (8192, 32768, 131072)
 def default_dtypes(device, gguf_file: bool = False) -> tuple[str, str | None]:
     """(KV dtype, weight dtype; None: the model's) when the flags leave them
     out: bf16 KV on accelerators. On this machine's CPU, what the engine runs
-    there by default (engine/dtype.py): KV in its compute dtype (fp32 KV
+    there by default (engine/dtype.py): KV in bf16 where AMX runs the C
+    kernels' prefill on a bf16 pool, else in the compute dtype (fp32 KV
     holds half the tokens bf16 would); a GGUF's weights in the file's own
     blocks where the C kernels run them (--quantization auto: the file's
     bytes, which is what the model's weight_bytes measures), other weights
@@ -32,12 +33,15 @@ def default_dtypes(device, gguf_file: bool = False) -> tuple[str, str | None]:
     if device.key == "cpu-local":
         import torch
 
-        from trajserve.engine.dtype import resolve_dtype, resolve_quantization
+        from trajserve.engine.dtype import resolve_dtype, resolve_kv_dtype, resolve_quantization
+        from trajserve.model import cpu_kernels
 
         dtype = resolve_dtype("auto", torch.device("cpu"))[0]
         engine = "bf16" if dtype == torch.bfloat16 else "fp32"
+        kernels = cpu_kernels.load() if dtype == torch.float32 else None
+        kv = "bf16" if resolve_kv_dtype("auto", dtype, kernels)[0] == torch.bfloat16 else "fp32"
         as_stored = gguf_file and resolve_quantization("auto", dtype, torch.device("cpu"))[0] == "auto"
-        return engine, None if as_stored else engine
+        return kv, None if as_stored else engine
     return "bf16", None
 
 

@@ -1,0 +1,398 @@
+/* Attention over a bfloat16 KV pool: decode and prefill, one arithmetic,
+ * with AMX tiles for prefill where the CPU has them.
+ *
+ * Why: a 2,048-token prefill spent 0.71 of its 1.62 s in float32 attention
+ * at the FMA peak of a 2-core Sapphire Rapids, where torch's bf16 path runs
+ * attention on AMX tiles (docs/benchmarks.md). A bf16 pool also halves the
+ * K/V bytes every decode step reads and every tier moves.
+ *
+ * The arithmetic is AMX's. TDPBF16PS, measured on this project's Sapphire
+ * Rapids (0 mismatches in 10^6 outputs; the SDM's newer pseudocode says the
+ * same), computes for each output, over one instruction's 32 products:
+ *     ev = fma chain over the even elements (from 0), od = over the odd ones,
+ *     c  = c + (ev + od)
+ * with input and output denormals flushed. So every kernel here computes
+ * each query, per head, as:
+ *   q'      = bf16(q * scale);  K, V stored as bf16 (rounded at the store)
+ *   s_i     = over chunks of 32 dims in order: s = s + (ev + od), from 0
+ *   m', p_i = exp8(s_i - m') as in cpu_kernels.c (hidden keys: exactly 0)
+ *   p'_i    = bf16(p_i);  sum = p'_i in lanes i % 8, hsum8's tree
+ *   a       = exp8(m - m');  l = fma(l, a, sum);  o = a * o
+ *   o_c     = over chunks of 32 keys (aligned at 0): o_c = o_c + (ev + od)
+ *   out     = o * (1 / l)
+ * with keys in blocks of KB = 64 aligned at 0, and FTZ/DAZ set for the
+ * task (AMX flushes denormals; the vector code must too). The decode kernel
+ * (AVX2, every build) and the AMX prefill kernel therefore give the same
+ * bits for a query, so a token scores the same decoded, in a chunk, or
+ * recomputed. Without AMX a chunk runs as decodes, one per query.
+ *
+ * Pool layout as in cpu_kernels.c: [num_blocks, hkv, bs, d] uint16 (bf16).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "simd_math.h"
+
+#define MAX_GROUP 16
+#define CHUNK 32 /* elements of one tile product: one AMX row of bf16 pairs */
+#define FTZ_DAZ 0x8040
+
+/* Decode attention for (sequence, kv head h, query heads j0 .. j0 + nh) of
+ * one query over ctx keys; q: the token's q row, out: its output row. */
+static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
+                              const uint16_t *v_cache, int64_t bs, const int64_t *table, int64_t ctx, int64_t h,
+                              int64_t j0, int64_t nh, float scale, float *out) {
+    const int64_t group = hq / hkv, nv = d / 8;
+    float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
+    for (int64_t j = 0; j < nh; j++) {
+        const float *qr = q + (h * group + j0 + j) * d;
+        for (int64_t e = 0; e < d; e += 8) {
+            _mm256_storeu_ps(qs + j * d + e, bf16_float8(bf16_bits8(_mm256_mul_ps(_mm256_loadu_ps(qr + e),
+                                                                                 _mm256_set1_ps(scale)))));
+            _mm256_storeu_ps(o + j * d + e, _mm256_setzero_ps());
+        }
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
+        const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB;
+        const uint16_t *vp[KB];
+        for (int64_t t = 0; t < nk; t += 8) {  // scores of 8 keys, the keys in the lanes
+            const uint16_t *kp[8];
+            for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
+                const int64_t key = kb0 + (t + u < nk ? t + u : nk - 1);
+                const int64_t off = ((table[key / bs] * hkv + h) * bs + key % bs) * d;
+                kp[u] = k_cache + off;
+                if (t + u < nk) vp[t + u] = v_cache + off;
+            }
+            __m256 acc[MAX_GROUP];
+            for (int64_t j = 0; j < nh; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t c0 = 0; c0 < d; c0 += CHUNK) {
+                __m256 ev[MAX_GROUP], od[MAX_GROUP];
+                for (int64_t j = 0; j < nh; j++) ev[j] = od[j] = _mm256_setzero_ps();
+                for (int64_t e0 = c0; e0 < c0 + CHUNK && e0 < d; e0 += 8) {
+                    __m256 r[8], c[8];
+                    for (int u = 0; u < 8; u++) r[u] = bf16_load8(kp[u] + e0);
+                    transpose8(r, c);
+                    for (int64_t j = 0; j < nh; j++)
+                        for (int ee = 0; ee < 8; ee += 2) {
+                            ev[j] = _mm256_fmadd_ps(_mm256_set1_ps(qs[j * d + e0 + ee]), c[ee], ev[j]);
+                            od[j] = _mm256_fmadd_ps(_mm256_set1_ps(qs[j * d + e0 + ee + 1]), c[ee + 1], od[j]);
+                        }
+                }
+                for (int64_t j = 0; j < nh; j++) acc[j] = _mm256_add_ps(acc[j], _mm256_add_ps(ev[j], od[j]));
+            }
+            for (int64_t j = 0; j < nh; j++) _mm256_storeu_ps(s + j * KB + t, acc[j]);
+        }
+        for (int64_t j = 0; j < nh; j++) {
+            float *sj = s + j * KB, mx = m[j];
+            for (int64_t i = 0; i < nk; i++) mx = sj[i] > mx ? sj[i] : mx;
+            const __m256 mxv = _mm256_set1_ps(mx);
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t t = 0; t < nk; t += 8) {
+                __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv));
+                if (nk - t < 8) {  // lanes past the context: exactly 0
+                    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                    p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - t)), lane)));
+                }
+                p = bf16_float8(bf16_bits8(p));
+                _mm256_storeu_ps(sj + t, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float a8[8];
+            _mm256_storeu_ps(a8, exp8(_mm256_set1_ps(m[j] - mx)));
+            const float a = a8[0];
+            m[j] = mx;
+            l[j] = fmaf(l[j], a, hsum8(sum));
+            float *oj = o + j * d;
+            const __m256 av = _mm256_set1_ps(a);
+            for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(oj + e, _mm256_mul_ps(av, _mm256_loadu_ps(oj + e)));
+            for (int64_t i0 = 0; i0 < nk; i0 += CHUNK) {  // keys in chunks of 32, even and odd keys apart
+                __m256 ev[32], od[32];
+                for (int64_t c = 0; c < nv; c++) ev[c] = od[c] = _mm256_setzero_ps();
+                for (int64_t i = i0; i < i0 + CHUNK && i < nk; i += 2) {
+                    const __m256 pe = _mm256_set1_ps(sj[i]);
+                    for (int64_t c = 0; c < nv; c++) ev[c] = _mm256_fmadd_ps(bf16_load8(vp[i] + 8 * c), pe, ev[c]);
+                    if (i + 1 < nk) {
+                        const __m256 po = _mm256_set1_ps(sj[i + 1]);
+                        for (int64_t c = 0; c < nv; c++) od[c] = _mm256_fmadd_ps(bf16_load8(vp[i + 1] + 8 * c), po, od[c]);
+                    }
+                }
+                for (int64_t c = 0; c < nv; c++)
+                    _mm256_storeu_ps(oj + 8 * c, _mm256_add_ps(_mm256_loadu_ps(oj + 8 * c), _mm256_add_ps(ev[c], od[c])));
+            }
+        }
+    }
+    for (int64_t j = 0; j < nh; j++) {
+        float *orow = out + (h * group + j0 + j) * d;
+        const float inv = 1.0f / l[j];
+        for (int64_t e = 0; e < d; e++) orow[e] = o[j * d + e] * inv;
+    }
+}
+
+/* As ts_decode_attention (cpu_kernels.c), over a bf16 pool. d % 8 == 0, d <= 256. */
+void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                              const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *tables,
+                              const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
+                              float *out, int64_t ldo, int nthreads) {
+    const int64_t group = hq / hkv;
+    const int64_t per = n * hkv >= nthreads && group <= MAX_GROUP ? group : 1, runs = group / per;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t si = 0; si < n; si++)
+        for (int64_t t = 0; t < hkv * runs; t++) {
+            const unsigned csr = _mm_getcsr();
+            _mm_setcsr(csr | FTZ_DAZ);
+            const int64_t h = t / runs, j0 = (t % runs) * per;
+            decode_heads_bf16(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si], ctx[si],
+                              h, j0, per, scale, out + rows[si] * ldo);
+            _mm_setcsr(csr);
+        }
+}
+
+/* A sequence's chunk of n queries (the last at position ctx - 1) as n
+ * decodes, query i over the ctx - n + i + 1 keys it sees: the prefill of a
+ * CPU without AMX, and of chunks of a few queries (cpu_kernels.py
+ * AMX_MIN_QUERIES), for which a V^T copy of the whole context costs more. */
+void ts_prefill_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                               const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *table,
+                               int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
+    const int64_t group = hq / hkv, per = group <= MAX_GROUP ? group : 1, runs = group / per;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t i = n - 1; i >= 0; i--)
+        for (int64_t t = 0; t < hkv * runs; t++) {
+            const unsigned csr = _mm_getcsr();
+            _mm_setcsr(csr | FTZ_DAZ);
+            const int64_t h = t / runs, j0 = (t % runs) * per;
+            decode_heads_bf16(q + i * ldq, hq, hkv, d, k_cache, v_cache, bs, table, ctx - n + i + 1, h, j0, per,
+                              scale, out + i * ldo);
+            _mm_setcsr(csr);
+        }
+}
+
+#if defined(__AVX512F__)
+/* ------------------------------------------------------------------ AMX prefill
+ *
+ * Task (block of AQ = 16 queries, kv head), tiles of 16 rows x 64 bytes:
+ *   scores S^T [16 keys x 16 queries] = K rows (A, loaded straight from the
+ *     pool: 16 keys of a block are contiguous) x Q^T as bf16 pairs (B);
+ *   the softmax as in cpu_kernels.c's prefill, queries in the 16 lanes;
+ *   O^T [16 dims x 16 queries] += V^T (A: V transposed once per call into a
+ *     [hkv][d][ctx] buffer) x P as pairs of keys (B: two rows of p' interleaved).
+ * Each C element is one AMX dot product over 32 elements, as above.
+ * Requires d % 32 == 0, d <= 256, bs % 16 == 0. */
+#define AQ 16
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Asks Linux for the AMX tile state (once per process): 1 if granted. */
+int ts_amx_init(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+static inline int64_t hidden_queries(int64_t key, int64_t first) {  /* of the block's AQ queries */
+    const int64_t t = key - first;
+    return t <= 0 ? 0 : (t < AQ ? t : AQ);
+}
+
+/* S^T of keys kb0 .. kb0 + 16 ng (ng <= 4) for one head: tmm0-3 hold the
+ * ng score tiles at once (independent products overlap in the tile unit;
+ * one at a time, each store waited for its product), tmm4/5 the K rows, tmm6
+ * the queries' chunk. Tile numbers must be constants: one line per tile. */
+#define SCORE_TILE(g, A)                                                                          \
+    if (ng > g) {                                                                                 \
+        _tile_loadd(A, k_cache + ((table[(kb0 + 16 * g) / bs] * hkv + h) * bs + (kb0 + 16 * g) % bs) * d + c, \
+                    d * 2);                                                                       \
+        _tile_dpbf16ps(g, A, 6);                                                                  \
+    }
+__attribute__((target("amx-tile,amx-bf16"))) static inline void scores_tiles(
+    const uint16_t *k_cache, const int64_t *table, int64_t bs, int64_t hkv, int64_t h, int64_t d, int64_t kb0,
+    int64_t ng, const uint32_t *qt, float *s) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < d; c += CHUNK) {
+        _tile_loadd(6, qt + c / 2 * AQ, 64);
+        SCORE_TILE(0, 4) SCORE_TILE(1, 5) SCORE_TILE(2, 4) SCORE_TILE(3, 5)
+    }
+    _tile_stored(0, s, 64);
+    if (ng > 1) _tile_stored(1, s + 16 * AQ, 64);
+    if (ng > 2) _tile_stored(2, s + 32 * AQ, 64);
+    if (ng > 3) _tile_stored(3, s + 48 * AQ, 64);
+}
+
+/* O^T [d x 16] += V^T [d x 32 nc keys] (vt: the block's first key, rows of
+ * ctxp) x P pairs (tmm6, tmm7), four 16-dim tiles at a time in tmm0-3. */
+#define PV_TILE(t, A)                                                                             \
+    if (c0 + 16 * t < d) {                                                                        \
+        _tile_loadd(A, vt + (c0 + 16 * t) * ctxp, ctxp * 2);                                      \
+        _tile_dpbf16ps(t, A, 6);                                                                  \
+        if (nc > 1) {                                                                             \
+            _tile_loadd(A, vt + (c0 + 16 * t) * ctxp + CHUNK, ctxp * 2);                          \
+            _tile_dpbf16ps(t, A, 7);                                                              \
+        }                                                                                         \
+    }
+#define PV_LOAD(t) if (c0 + 16 * t < d) _tile_loadd(t, o + (c0 + 16 * t) * AQ, 64);
+#define PV_STORE(t) if (c0 + 16 * t < d) _tile_stored(t, o + (c0 + 16 * t) * AQ, 64);
+__attribute__((target("amx-tile,amx-bf16"))) static inline void pv_tiles(const uint16_t *vt, int64_t ctxp, int64_t d,
+                                                                        int64_t nc, const uint32_t *pp, float *o) {
+    _tile_loadd(6, pp, 64);
+    if (nc > 1) _tile_loadd(7, pp + 16 * AQ, 64);
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+        PV_LOAD(0) PV_LOAD(1) PV_LOAD(2) PV_LOAD(3)
+        PV_TILE(0, 4) PV_TILE(1, 5) PV_TILE(2, 4) PV_TILE(3, 5)
+        PV_STORE(0) PV_STORE(1) PV_STORE(2) PV_STORE(3)
+    }
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static int amx_task(
+    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
+    const uint16_t *vt, int64_t ctxp, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out,
+    int64_t ldo, int64_t b, int64_t h) {
+    const int64_t group = hq / hkv, q0 = b * AQ, rows = n - q0 < AQ ? n - q0 : AQ;
+    const int64_t first = ctx - n + q0, kend = first + rows;
+    /* per group head: Q^T pairs [d/2][16] u32, O^T [d][16] f32, m, l [16]; shared: S^T [KB][16], P pairs [KB/2][16] */
+    uint8_t *buf = aligned_alloc(64, (size_t)group * (d * 32 + d * 64 + 128) + KB * 64 + KB * 32);
+    if (buf == NULL) return 1;
+    uint32_t *qt = (uint32_t *)buf;
+    float *ot = (float *)(buf + group * d * 32), *ml = ot + group * d * 16;
+    float *s = ml + group * 32;
+    uint32_t *pp = (uint32_t *)(s + KB * AQ);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < group; j++) {
+        uint32_t row[128];  // one query's q' as bf16 pairs (d <= 256), then into lane r of Q^T
+        for (int64_t r = 0; r < AQ; r++) {  // rows past the chunk: 0
+            const float *qr = q + (q0 + r) * ldq + (h * group + j) * d;
+            for (int64_t e = 0; e < d; e += 16) {
+                const __m512 x = r < rows ? _mm512_mul_ps(_mm512_loadu_ps(qr + e), _mm512_set1_ps(scale))
+                                          : _mm512_setzero_ps();
+                _mm256_storeu_si256((__m256i *)(row + e / 2), (__m256i)_mm512_cvtneps_pbh(x));
+            }
+            for (int64_t e = 0; e < d / 2; e++) qt[(j * d / 2 + e) * AQ + r] = row[e];
+        }
+        _mm512_storeu_ps(ml + j * 32, ninf);
+        _mm512_storeu_ps(ml + j * 32 + 16, _mm512_setzero_ps());
+    }
+    memset(ot, 0, sizeof(float) * group * d * 16);
+    for (int64_t kb0 = 0; kb0 < kend; kb0 += KB) {
+        const int64_t nk = kend - kb0 < KB ? kend - kb0 : KB, ng = (nk + 15) / 16, nc = (nk + CHUNK - 1) / CHUNK;
+        const int masked = kb0 + ng * 16 - 1 > first;
+        for (int64_t j = 0; j < group; j++) {
+            scores_tiles(k_cache, table, bs, hkv, h, d, kb0, ng, qt + j * d / 2 * AQ, s);
+            if (masked)
+                for (int64_t i = 0; i < ng * 16; i++) {
+                    const int64_t hr = kb0 + i >= kend ? AQ : hidden_queries(kb0 + i, first);
+                    if (hr) _mm512_storeu_ps(s + i * AQ, _mm512_mask_mov_ps(_mm512_loadu_ps(s + i * AQ),
+                                                                             (__mmask16)((1u << hr) - 1), ninf));
+                }
+            float *mj = ml + j * 32, *lj = mj + 16, *oj = ot + j * d * 16;
+            __m512 mx = _mm512_loadu_ps(mj);
+            for (int64_t i = 0; i < ng * 16; i++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i * AQ));
+            __m512 part[8];
+            for (int u = 0; u < 8; u++) part[u] = _mm512_setzero_ps();
+            // Keys i, i + 1 -> one vector of pairs: VCVTNE2PS2BF16 rounds as bf16_bits8 does (checked on every
+            // finite float), the permute interleaves the two keys' halves, and p' comes back from the pairs.
+            const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                   23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+            for (int64_t i0 = 0; i0 < nc * CHUNK; i0 += 8)  // 8 keys a step: part[] indices are constants
+#pragma GCC unroll 4
+                for (int u = 0; u < 8; u += 2) {
+                    const int64_t i = i0 + u;
+                    __m512 p[2];
+                    for (int v = 0; v < 2; v++) {
+                        p[v] = _mm512_setzero_ps();
+                        if (i + v < ng * 16) {
+                            const __m512 x = _mm512_loadu_ps(s + (i + v) * AQ);
+                            p[v] = exp16(_mm512_sub_ps(x, mx));
+                            if (masked) p[v] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ), p[v]);
+                        }
+                    }
+                    const __m512i pb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                    part[u] = _mm512_add_ps(part[u], _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)));
+                    part[u + 1] = _mm512_add_ps(part[u + 1], _mm512_castsi512_ps(_mm512_and_si512(
+                                                                 pb, _mm512_set1_epi32((int)0xFFFF0000))));
+                    _mm512_storeu_si512(pp + i / 2 * AQ, pb);
+                }
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
+                                             _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
+            const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(mj), mx));
+            _mm512_storeu_ps(lj, _mm512_fmadd_ps(_mm512_loadu_ps(lj), a, sum));
+            _mm512_storeu_ps(mj, mx);
+            if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))  // a == 1 everywhere: o * 1 == o
+                for (int64_t c = 0; c < d; c++) _mm512_storeu_ps(oj + c * AQ, _mm512_mul_ps(a, _mm512_loadu_ps(oj + c * AQ)));
+            pv_tiles(vt + h * d * ctxp + kb0, ctxp, d, nc, pp, oj);
+        }
+    }
+    for (int64_t j = 0; j < group; j++)
+        for (int64_t r = 0; r < rows; r++) {
+            float *orow = out + (q0 + r) * ldo + (h * group + j) * d;
+            const float inv = 1.0f / ml[j * 32 + 16 + r], *oj = ot + j * d * 16;
+            for (int64_t c = 0; c < d; c++) orow[c] = oj[c * AQ + r] * inv;
+        }
+    free(buf);
+    return 0;
+}
+
+/* Requires ts_amx_init() == 1, d % 32 == 0, d <= 256, bs % 16 == 0, n <= ctx.
+ * Returns the number of tasks that found no memory (outputs not written). */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention_amx(
+    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
+    const uint16_t *v_cache, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out, int64_t ldo,
+    int nthreads) {
+    const int64_t ctxp = (ctx + KB - 1) / KB * KB, nqb = (n + AQ - 1) / AQ;
+    uint16_t *vt = aligned_alloc(64, sizeof(uint16_t) * hkv * d * ctxp);
+    if (vt == NULL) return (int)(nqb * hkv);
+    // V^T per kv head, zero past the context: the A operand of the PV tiles.
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
+    for (int64_t h = 0; h < hkv; h++)
+        for (int64_t k0 = 0; k0 < ctxp; k0 += KB) {
+            const uint16_t *v[KB];
+            for (int64_t i = 0; i < KB; i++)
+                v[i] = k0 + i < ctx ? v_cache + ((table[(k0 + i) / bs] * hkv + h) * bs + (k0 + i) % bs) * d : NULL;
+            for (int64_t c = 0; c < d; c++) {  // rows of V^T written in order, the block's V rows stay in L1
+                uint16_t *row = vt + (h * d + c) * ctxp + k0;
+                for (int64_t i = 0; i < KB; i++) row[i] = v[i] ? v[i][c] : 0;
+            }
+        }
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(+ : failed)
+    {
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | FTZ_DAZ);
+        _tile_loadconfig(&cfg);
+        // Later query blocks see more keys: hand them out first.
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = nqb - 1; b >= 0; b--)
+            for (int64_t h = 0; h < hkv; h++)
+                failed += amx_task(q, ldq, n, hq, hkv, d, k_cache, vt, ctxp, bs, table, ctx, scale, out, ldo, b, h);
+        _tile_release();
+        _mm_setcsr(csr);
+    }
+    free(vt);
+    return failed;
+}
+#else
+int ts_amx_init(void) { return 0; }
+int ts_prefill_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                             const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *table,
+                             int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
+    return -1;  // not in this build
+}
+#endif

@@ -403,65 +403,65 @@ static void amx_repack(const block_q8x *x, int64_t m, int64_t nb, amx_block *out
         }
 }
 
-#define AMX_PRODUCT(t, A, B)                                                                   \
-    if (b0 + t < nb) {                                                                         \
-        _tile_loadd(A, x[b0 + t].q, QK);                                                       \
-        _tile_loadd(B, codes + (b0 + t) * 512, 64);                                            \
+/* Block b's tile product into tmm t (A and B tiles alternate between two
+ * pairs, 4/6 and 5/7; tile numbers must be constants). */
+#define AMX_PRODUCT(t, A, B, b)                                                                \
+    {                                                                                          \
+        _tile_zero(t);                                                                         \
+        _tile_loadd(A, x[b].q, QK);                                                            \
+        _tile_loadd(B, codes + (b) * 512, 64);                                                 \
         _tile_dpbsud(t, A, B);                                                                 \
     }
-#define AMX_ISSUE()                                                                            \
-    _tile_zero(0);                                                                             \
-    _tile_zero(1);                                                                             \
-    _tile_zero(2);                                                                             \
-    _tile_zero(3);                                                                             \
-    AMX_PRODUCT(0, 4, 6) AMX_PRODUCT(1, 5, 7) AMX_PRODUCT(2, 4, 6) AMX_PRODUCT(3, 5, 7)
 
-/* The scale step of blocks [first, first + nblk) from their stored sums:
- * the vector kernel's float steps, block by block. */
-static inline __attribute__((always_inline)) void amx_scale(const amx_block *x, const int32_t *c, int64_t first,
-                                                           int64_t nblk, const float *dw, const float *mw,
-                                                           const int fmt, __m512 *acc) {
+/* The scale step of block b from its stored sums c: the vector kernel's
+ * float steps, row by row. */
+static inline __attribute__((always_inline)) void amx_scale(const amx_block *xb, const int32_t *c, const float *dw,
+                                                           const float *mw, const int fmt, __m512 *acc) {
     const int offset = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
-    for (int64_t t = 0; t < nblk; t++) {
-        const int64_t b = first + t;
-        const amx_block *xb = x + b;
-        const __m512 dwv = _mm512_loadu_ps(dw + b * PANEL);
-        for (int i = 0; i < AMX_ROWS; i++) {
-            __m512i isum = _mm512_load_si512(c + (t * AMX_ROWS + i) * PANEL);
-            if (offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * xb->sum[i]));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv, _mm512_set1_ps(xb->d[i])), acc[i]);
-            if (fmt == FMT_Q4_1) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mw + b * PANEL), _mm512_set1_ps(xb->s[i]), acc[i]);
-        }
+    const __m512 dwv = _mm512_loadu_ps(dw);
+    for (int i = 0; i < AMX_ROWS; i++) {
+        __m512i isum = _mm512_load_si512(c + i * PANEL);
+        if (offset) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset * xb->sum[i]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv, _mm512_set1_ps(xb->d[i])), acc[i]);
+        if (fmt == FMT_Q4_1) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(mw), _mm512_set1_ps(xb->s[i]), acc[i]);
     }
 }
 
 /* o[i * 16 + c] = input row i of the tile x (nb blocks) . panel column c.
- * A three-stage pipeline over groups of four blocks: group g's sums are
- * stored, group g + 1's products issued, then group g - 1 scaled (its
- * stores long done: a load right after a tile store waits for it). */
+ * Blocks in groups of four, one per C tile (tmm0-3). At group g: its sums
+ * are stored, then each of group g + 1's four products is issued between
+ * the scale steps of group g - 1's blocks (stored one group earlier, so
+ * long in L1): the tile unit multiplies while the vector unit scales. Issued
+ * all at once instead, the products' waits on their A/B tiles held up the
+ * scale steps behind them, and the two ran one after the other. */
+#define AMX_STEP(t, A, B)                                                                      \
+    if (next + t < nb) AMX_PRODUCT(t, A, B, next + t)                                          \
+    if (g > 0) amx_scale(x + last + t, sums[(g - 1) & 1] + t * AMX_ROWS * PANEL, dw + (last + t) * PANEL, \
+                         mw + (last + t) * PANEL, fmt, acc);
 __attribute__((target("amx-tile,amx-int8"))) static void amx_rows(const amx_block *x, int64_t nb,
                                                                  const uint8_t *codes, const float *dw,
                                                                  const float *mw, const int fmt, float *o) {
     int32_t sums[2][AMX_GROUP * AMX_ROWS * PANEL] __attribute__((aligned(64)));
     __m512 acc[AMX_ROWS];
     for (int i = 0; i < AMX_ROWS; i++) acc[i] = _mm512_setzero_ps();
-    int64_t b0 = 0, prev = -1, prev_n = 0;
-    AMX_ISSUE()
-    for (int64_t g = 0; b0 < nb; g++) {
+    const int64_t groups = (nb + AMX_GROUP - 1) / AMX_GROUP;
+    AMX_PRODUCT(0, 4, 6, 0)
+    if (nb > 1) AMX_PRODUCT(1, 5, 7, 1)
+    if (nb > 2) AMX_PRODUCT(2, 4, 6, 2)
+    if (nb > 3) AMX_PRODUCT(3, 5, 7, 3)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t first = g * AMX_GROUP, next = first + AMX_GROUP, last = first - AMX_GROUP;
         int32_t *c = sums[g & 1];
-        const int64_t first = b0, nblk = nb - b0 < AMX_GROUP ? nb - b0 : AMX_GROUP;
         _tile_stored(0, c, 64);
-        if (nblk > 1) _tile_stored(1, c + 1 * AMX_ROWS * PANEL, 64);
-        if (nblk > 2) _tile_stored(2, c + 2 * AMX_ROWS * PANEL, 64);
-        if (nblk > 3) _tile_stored(3, c + 3 * AMX_ROWS * PANEL, 64);
-        b0 += AMX_GROUP;
-        if (b0 < nb) {
-            AMX_ISSUE()
-        }
-        if (prev >= 0) amx_scale(x, sums[(g - 1) & 1], prev, prev_n, dw, mw, fmt, acc);
-        prev = first, prev_n = nblk;
+        if (first + 1 < nb) _tile_stored(1, c + 1 * AMX_ROWS * PANEL, 64);
+        if (first + 2 < nb) _tile_stored(2, c + 2 * AMX_ROWS * PANEL, 64);
+        if (first + 3 < nb) _tile_stored(3, c + 3 * AMX_ROWS * PANEL, 64);
+        AMX_STEP(0, 4, 6) AMX_STEP(1, 5, 7) AMX_STEP(2, 4, 6) AMX_STEP(3, 5, 7)
     }
-    amx_scale(x, sums[(prev / AMX_GROUP) & 1], prev, prev_n, dw, mw, fmt, acc);
+    const int64_t first = (groups - 1) * AMX_GROUP;  // the last group, stored above
+    for (int64_t t = 0; t < AMX_GROUP && first + t < nb; t++)
+        amx_scale(x + first + t, sums[(groups - 1) & 1] + t * AMX_ROWS * PANEL, dw + (first + t) * PANEL,
+                  mw + (first + t) * PANEL, fmt, acc);
     for (int i = 0; i < AMX_ROWS; i++) _mm512_storeu_ps(o + i * PANEL, acc[i]);
 }
 

@@ -20,6 +20,7 @@ import random
 import time
 
 from trajserve.bench.common import command_line, machine_info, read_bandwidth, spread
+from trajserve.config import SchedulerConfig
 from trajserve.sampling import SamplingParams
 
 TARGETS = {
@@ -102,7 +103,10 @@ def run(args: argparse.Namespace) -> int:
     longest = args.context + args.decode_steps + 8 + max(batches) * args.context // args.max_num_batched_tokens
     need_tokens = max(batches) * (longest + args.block_size) + args.prefill_tokens + 64
     if args.num_blocks is None and args.kv_cache_memory is None:
-        args.num_blocks = need_tokens // args.block_size + 64
+        # Under the admission ceiling, or the last sequences of a long-context batch wait in the queue
+        # (3,000-token prompts at batch 16 decoded 14 of 16).
+        ceiling = SchedulerConfig().admission_ceiling
+        args.num_blocks = int(need_tokens / ceiling) // args.block_size + 64
     llm = LLM.from_args(args)
     engine = llm.engine
     rng = random.Random(args.seed)

@@ -173,6 +173,18 @@ def test_amx_int8_products_give_the_vector_kernels_bits(m, blocks, n, fmt, bias,
 
 
 @needs_amx_int8
+def test_rows_wider_than_the_tile_path_takes_run_on_the_vector_kernel():
+    K = cpu_kernels.load()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(20, 32 * 300, generator=g)  # 300 blocks a row: over the 256 the tiles' repacking holds
+    w = QuantizedWeight.quantize(torch.randn(24, 32 * 300, generator=g), "q4_1").pack()
+    K.amx_int8 = False
+    want = K.qlinear(x, w)
+    K.amx_int8 = True
+    assert torch.equal(K.qlinear(x, w), want)
+
+
+@needs_amx_int8
 def test_amx_int8_gate_up_gives_the_vector_kernels_bits():
     K = cpu_kernels.load()
     g = torch.Generator().manual_seed(5)

@@ -247,7 +247,8 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
 
 /* Input rows in blocks of QROW_BLOCK stay in L1/L2 while every panel passes over them. */
 #define QROW_BLOCK 32
-#define AMX_ROWS 16 /* input rows of an AMX tile product (amx_product) */
+#define AMX_ROWS 16        /* input rows of an AMX tile product (amx_product) */
+#define AMX_MAX_BLOCKS 256 /* blocks of 32 in an input row the AMX path takes */
 
 typedef struct {
     const uint8_t *w, *up;  /* up: the gate product's second matrix, else NULL */
@@ -302,19 +303,16 @@ static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, 
 }
 
 /* The AMX-INT8 products (below), for inputs of at least AMX_ROWS rows. */
-static int amx_product(const block_q8x *xq, int64_t m, int64_t nb, const QProduct *P, int fmt, int nthreads);
+static int amx_product(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int nthreads);
 
 static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int amx,
                     int nthreads) {
     const int64_t nb = k / QK, panels = (P->n + PANEL - 1) / PANEL;
+    // Tiles for prefill-sized inputs; rows of up to 8,192 values (a row's blocks are repacked on the stack).
+    if (amx && m >= AMX_ROWS && nb <= AMX_MAX_BLOCKS) return amx_product(x, m, k, ldx, P, fmt, nthreads);
     block_q8x *xq = malloc(sizeof(block_q8x) * (m * nb > 0 ? m * nb : 1));
     if (xq == NULL) return 1;
     ts_quantize_rows_q8(x, m, k, ldx, xq, nthreads);
-    if (amx && m >= AMX_ROWS) {
-        const int failed = amx_product(xq, m, nb, P, fmt, nthreads);
-        free(xq);
-        return failed;
-    }
 #pragma omp parallel num_threads(nthreads)
     for (int64_t m0 = 0; m0 < m; m0 += QROW_BLOCK) {
         const int64_t m1 = m - m0 < QROW_BLOCK ? m : m0 + QROW_BLOCK;
@@ -384,23 +382,24 @@ typedef struct {
     int32_t pad[AMX_ROWS];
 } amx_block;
 
-static void amx_repack(const block_q8x *x, int64_t m, int64_t nb, amx_block *out, int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t t = 0; t < (m + AMX_ROWS - 1) / AMX_ROWS; t++)
+/* Row tile t of x quantized straight into its amx_blocks (rows past m: zero blocks). */
+static void amx_quantize_tile(const float *x, int64_t m, int64_t k, int64_t ldx, int64_t t, amx_block *out) {
+    const int64_t nb = k / QK;
+    block_q8x row[AMX_MAX_BLOCKS];
+    for (int i = 0; i < AMX_ROWS; i++) {
+        const int64_t r = t * AMX_ROWS + i;
+        if (r < m) quantize_row(x + r * ldx, k, row);
         for (int64_t b = 0; b < nb; b++) {
             amx_block *o = out + t * nb + b;
-            for (int i = 0; i < AMX_ROWS; i++) {
-                const int64_t r = t * AMX_ROWS + i;
-                if (r < m) {
-                    const block_q8x *xb = x + r * nb + b;
-                    memcpy(o->q[i], xb->q, QK);
-                    o->d[i] = xb->d, o->s[i] = xb->s, o->sum[i] = xb->sum;
-                } else {
-                    memset(o->q[i], 0, QK);
-                    o->d[i] = o->s[i] = 0.0f, o->sum[i] = 0;
-                }
+            if (r < m) {
+                memcpy(o->q[i], row[b].q, QK);
+                o->d[i] = row[b].d, o->s[i] = row[b].s, o->sum[i] = row[b].sum;
+            } else {
+                memset(o->q[i], 0, QK);
+                o->d[i] = o->s[i] = 0.0f, o->sum[i] = 0;
             }
         }
+    }
 }
 
 /* Block b's tile product into tmm t (A and B tiles alternate between two
@@ -483,15 +482,18 @@ int ts_quant_amx_init(void) {
 
 /* Panels split across threads; each unpacks its panel once (and the up
  * panel of a gate), then runs every 16-row tile of the input against it. */
-__attribute__((target("amx-tile,amx-int8"))) static int amx_product(const block_q8x *xq, int64_t m, int64_t nb,
-                                                                   const QProduct *P, int fmt, int nthreads) {
-    const int64_t panels = (P->n + PANEL - 1) / PANEL, tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
+__attribute__((target("amx-tile,amx-int8"))) static int amx_product(const float *x, int64_t m, int64_t k,
+                                                                   int64_t ldx, const QProduct *P, int fmt,
+                                                                   int nthreads) {
+    const int64_t nb = k / QK, panels = (P->n + PANEL - 1) / PANEL, tiles = (m + AMX_ROWS - 1) / AMX_ROWS;
     amx_block *xa = aligned_alloc(64, sizeof(amx_block) * tiles * nb);
     if (xa == NULL) return 1;
-    amx_repack(xq, m, nb, xa, nthreads);
     int failed = 0;
+    // One parallel region: the input rows quantized into tiles, then the panels (one barrier between).
 #pragma omp parallel num_threads(nthreads) reduction(+ : failed)
     {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) amx_quantize_tile(x, m, k, ldx, t, xa);
         const int halves = P->up ? 2 : 1;
         uint8_t *codes = aligned_alloc(64, (size_t)halves * nb * (512 + 2 * PANEL * sizeof(float)));
         failed += codes == NULL;
@@ -527,7 +529,7 @@ __attribute__((target("amx-tile,amx-int8"))) static int amx_product(const block_
 }
 #else
 int ts_quant_amx_init(void) { return 0; }
-static int amx_product(const block_q8x *xq, int64_t m, int64_t nb, const QProduct *P, int fmt, int nthreads) {
+static int amx_product(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int nthreads) {
     return -1;  // not in this build; the caller never asks
 }
 #endif

@@ -90,28 +90,8 @@ static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d
             for (int64_t j = 0; j < nh; j++) _mm256_storeu_ps(s + j * KB + t, acc[j]);
         }
         for (int64_t j = 0; j < nh; j++) {
-            float *sj = s + j * KB, mx = m[j];
-            for (int64_t i = 0; i < nk; i++) mx = sj[i] > mx ? sj[i] : mx;
-            const __m256 mxv = _mm256_set1_ps(mx);
-            __m256 sum = _mm256_setzero_ps();
-            for (int64_t t = 0; t < nk; t += 8) {
-                __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv));
-                if (nk - t < 8) {  // lanes past the context: exactly 0
-                    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-                    p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - t)), lane)));
-                }
-                p = bf16_float8(bf16_bits8(p));
-                _mm256_storeu_ps(sj + t, p);
-                sum = _mm256_add_ps(sum, p);
-            }
-            float a8[8];
-            _mm256_storeu_ps(a8, exp8(_mm256_set1_ps(m[j] - mx)));
-            const float a = a8[0];
-            m[j] = mx;
-            l[j] = fmaf(l[j], a, hsum8(sum));
-            float *oj = o + j * d;
-            const __m256 av = _mm256_set1_ps(a);
-            for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(oj + e, _mm256_mul_ps(av, _mm256_loadu_ps(oj + e)));
+            float *sj = s + j * KB, *oj = o + j * d;
+            decode_softmax_block(sj, nk, m + j, l + j, oj, d, 1);
             for (int64_t i0 = 0; i0 < nk; i0 += CHUNK) {  // keys in chunks of 32, even and odd keys apart
                 __m256 ev[32], od[32];
                 for (int64_t c = 0; c < nv; c++) ev[c] = od[c] = _mm256_setzero_ps();

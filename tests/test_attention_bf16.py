@@ -226,17 +226,19 @@ def test_amx_is_used_only_where_it_runs_and_gives_the_same_bits(monkeypatch, cap
 def test_kv_dtype_resolution():
     from trajserve.engine.dtype import resolve_kv_dtype
 
-    class Kern:
+    class Kern(cpu_kernels.CpuKernels):
         def __init__(self, amx):
             self.amx = amx
 
     f32, bf16 = torch.float32, torch.bfloat16
     assert resolve_kv_dtype("auto", f32, Kern(True))[0] == bf16
+    assert resolve_kv_dtype("auto", f32, Kern(True), head_dim=80)[0] == f32  # no tiles for 80 dims
+    assert resolve_kv_dtype("auto", f32, Kern(True), block_size=8)[0] == f32  # nor 8-key blocks
     assert resolve_kv_dtype("auto", f32, Kern(False))[0] == f32  # a chunk as decodes: slower, not chosen
     assert resolve_kv_dtype("auto", f32, None)[0] == f32
     assert resolve_kv_dtype("auto", bf16, None)[0] == bf16
-    assert resolve_kv_dtype("bfloat16", f32, Kern(False)) == (bf16, "requested (no AMX here: a prefill chunk "
-                                                                       "runs as decodes, slower)")
+    assert resolve_kv_dtype("bfloat16", f32, Kern(False)) == (bf16, "requested (no AMX tiles for it here: a "
+                                                                       "prefill chunk runs as decodes, slower)")
     with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) bfloat16 .* C kernels"):
         resolve_kv_dtype("bfloat16", f32, None)
     with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) float32 cannot run under"):

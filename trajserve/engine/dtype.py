@@ -90,19 +90,21 @@ def resolve_quantization(name: str, dtype: torch.dtype, device: torch.device,
     return name, "requested" if name != "auto" else "GGUF block types as stored, other matrices float"
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels) -> tuple[torch.dtype, str]:
+def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
+                     block_size: int = 16) -> tuple[torch.dtype, str]:
     """What the KV pool stores (--kv-cache-dtype) and why, for the start-up
     line. `kernels`: the model's CpuKernels, or None where torch runs it.
 
     A bfloat16 pool under float32 compute runs in the C kernels only
     (model/attention_bf16.c: K/V, queries and probabilities rounded to bf16,
-    float32 sums). auto picks it where AMX tiles run its prefill: a
-    2,048-token prefill's attention 2.5x faster than the float32 kernel
-    (docs/benchmarks.md), at half the bytes per token. Without AMX a bf16
-    chunk runs as one decode per query (~6x the float32 kernel's time), so
-    auto keeps float32 there; asked for explicitly it runs."""
+    float32 sums). auto picks it where AMX tiles run its prefill for this
+    head_dim and block size: a 512-token chunk's attention over 2,048 keys
+    3.2x faster than the float32 kernel (docs/benchmarks.md), at half the
+    bytes per token. Without AMX a bf16 chunk runs as one decode per query
+    (~6x the float32 kernel's time), so auto keeps float32 there; asked for
+    explicitly it runs."""
     if name == "auto":
-        if dtype == torch.float32 and kernels is not None and kernels.amx:
+        if dtype == torch.float32 and kernels is not None and kernels.amx_attention(head_dim, block_size):
             return torch.bfloat16, "auto: AMX tiles run the prefill attention on bf16 K/V"
         return dtype, "auto: as the compute dtype"
     if name not in ("float32", "bfloat16"):
@@ -115,7 +117,9 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels) -> tuple[torch.dtyp
             raise ValueError("kv_cache_dtype (--kv-cache-dtype) bfloat16 under float32 compute runs in the C "
                              "kernels, which are off here (--no-cpu-kernels, no compiler, an unsupported "
                              "head_dim, or not a CPU): use --kv-cache-dtype float32 or --dtype bfloat16")
-        return want, "requested" + ("" if kernels.amx else " (no AMX here: a prefill chunk runs as decodes, slower)")
+        fast = kernels.amx_attention(head_dim, block_size)
+        return want, "requested" + ("" if fast else " (no AMX tiles for it here: a prefill chunk runs as decodes, "
+                                                     "slower)")
     raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {name} cannot run under --dtype "
                      f"{str(dtype).removeprefix('torch.')}: the pool stores the compute dtype or, under float32 "
                      f"with the C kernels, bfloat16")

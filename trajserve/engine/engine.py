@@ -89,7 +89,8 @@ class LLMEngine:
         del weights
 
         cc = config.cache
-        self.kv_dtype, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels)
+        self.kv_dtype, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels, mc.head_dim,
+                                                    cc.block_size)
         self.num_blocks = num_blocks_for(cc, mc, self.kv_dtype, self.device)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
                                  enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)

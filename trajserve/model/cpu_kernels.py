@@ -303,6 +303,10 @@ class CpuKernels:
         # The integer dot product the build compiled (1 AVX2, 2 AVX512-VNNI).
         self.dot_product = {1: "avx2 vpmaddubsw", 2: "avx512 vpdpbusd"}[lib.ts_quant_isa()]
 
+    def amx_attention(self, head_dim: int, block_size: int) -> bool:
+        """Whether a bf16 pool's prefill runs on AMX tiles for this shape."""
+        return self.amx and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0
+
     @staticmethod
     def threads() -> int:
         return torch.get_num_threads()
@@ -375,7 +379,7 @@ class CpuKernels:
             raise ValueError(f"chunk of {n} tokens, context {ctx_len}, {block_ids.shape[0]} blocks of {bs}")
         prefill = self.lib.ts_prefill_attention
         if _pool_bf16(k_cache, v_cache):
-            amx = self.amx and d % 32 == 0 and d <= 256 and bs % 16 == 0 and n >= AMX_MIN_QUERIES
+            amx = self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES
             prefill = self.lib.ts_prefill_attention_amx if amx else self.lib.ts_prefill_attention_bf16
         failed = prefill(
             q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),

@@ -21,7 +21,7 @@ def _ints(text: str) -> tuple[int, ...]:
 DEFAULT_CONTEXTS = (8192, 32768, 131072)
 
 
-def default_dtypes(device, gguf_file: bool = False) -> tuple[str, str | None]:
+def default_dtypes(device, gguf_file: bool = False, head_dim: int = 64) -> tuple[str, str | None]:
     """(KV dtype, weight dtype; None: the model's) when the flags leave them
     out: bf16 KV on accelerators. On this machine's CPU, what the engine runs
     there by default (engine/dtype.py): KV in bf16 where AMX runs the C
@@ -39,7 +39,7 @@ def default_dtypes(device, gguf_file: bool = False) -> tuple[str, str | None]:
         dtype = resolve_dtype("auto", torch.device("cpu"))[0]
         engine = "bf16" if dtype == torch.bfloat16 else "fp32"
         kernels = cpu_kernels.load() if dtype == torch.float32 else None
-        kv = "bf16" if resolve_kv_dtype("auto", dtype, kernels)[0] == torch.bfloat16 else "fp32"
+        kv = "bf16" if resolve_kv_dtype("auto", dtype, kernels, head_dim)[0] == torch.bfloat16 else "fp32"
         as_stored = gguf_file and resolve_quantization("auto", dtype, torch.device("cpu"))[0] == "auto"
         return kv, None if as_stored else engine
     return "bf16", None
@@ -104,7 +104,7 @@ def request_from(args: argparse.Namespace):
         raise ValueError(f"--context {max(contexts):,} is over the model's context of {limit:,} tokens "
                          f"(max_position_embeddings); the engine refuses such a max_model_len too")
     device = get_device(args.gpu)
-    kv_dtype, weight_dtype = default_dtypes(device, str(args.model).endswith(".gguf"))
+    kv_dtype, weight_dtype = default_dtypes(device, str(args.model).endswith(".gguf"), model.config.head_dim)
     return PlanRequest(
         model=model, device=device, contexts=contexts, num_gpus=args.num_gpus,
         tp=args.tp, pp=args.pp, output_tokens=args.output_tokens, shared_prefix=args.shared_prefix,

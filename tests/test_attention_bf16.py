@@ -1,5 +1,5 @@
 """Attention over a bfloat16 KV pool (trajserve/model/attention_bf16.c) and
-the AMX tiles of prefill: one arithmetic per query, bit for bit, whichever
+its AMX tiles: one arithmetic per query, bit for bit, whichever
 kernel and build computes it; close to float64 within bf16's rounding; and
 the engine's --kv-cache-dtype choosing and reporting it.
 
@@ -41,13 +41,19 @@ def _prefill(K, q, kc, vc, table, ctx, amx: bool) -> torch.Tensor:
     return out
 
 
-def _decodes(K, q, kc, vc, table, ctx) -> torch.Tensor:
-    """Each query of a chunk decoded alone over the keys it sees."""
+def _decodes(K, q, kc, vc, table, ctx, amx: bool | None = None) -> torch.Tensor:
+    """Each query of a chunk decoded alone over the keys it sees (amx: on
+    tiles or not; None: as K stands)."""
     n, nb = q.shape[0], table.shape[0]
     out = torch.empty_like(q)
-    K.decode_attention(q, kc, vc, table.repeat(n), torch.arange(n, dtype=torch.int64) * nb,
-                       torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64), torch.arange(n, dtype=torch.int64),
-                       q.shape[-1] ** -0.5, out)
+    was = K.amx
+    K.amx = was if amx is None else amx
+    try:
+        K.decode_attention(q, kc, vc, table.repeat(n), torch.arange(n, dtype=torch.int64) * nb,
+                           torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64), torch.arange(n, dtype=torch.int64),
+                           q.shape[-1] ** -0.5, out)
+    finally:
+        K.amx = was
     return out
 
 
@@ -68,9 +74,9 @@ def _dense(q, kc, vc, table, ctx) -> torch.Tensor:
        heads=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([32, 64, 128]),
        seed=st.integers(0, 2**16))
 def test_a_query_scores_the_same_decoded_and_in_any_prefill(K, ctx, n, bs, heads, d, seed):
-    """The decode kernel, a chunk run as decodes and (with AMX) the tile
-    prefill give the same bits for every query: a token scores the same
-    decoded, in a chunk, or recomputed after preemption."""
+    """The vector decode kernel, a chunk run as decodes and (with AMX) the
+    tile prefill and tile decode give the same bits for every query: a token
+    scores the same decoded, in a chunk, or recomputed after preemption."""
     hq, hkv = heads
     n = min(n, ctx)
     g = torch.Generator().manual_seed(seed)
@@ -78,10 +84,11 @@ def test_a_query_scores_the_same_decoded_and_in_any_prefill(K, ctx, n, bs, heads
     kc, vc = _pool(g, nb + 2, hkv, bs, d)
     table = torch.randperm(nb + 2, generator=g)[:nb].to(torch.int64)
     q = torch.randn(n, hq, d, generator=g)
-    dec = _decodes(K, q, kc, vc, table, ctx)
+    dec = _decodes(K, q, kc, vc, table, ctx, amx=False)
     assert torch.equal(_prefill(K, q, kc, vc, table, ctx, amx=False), dec)
-    if K.amx:  # tiles need 16 contiguous keys a block: bs 8 runs as decodes, which the equality also covers
+    if K.amx:  # tiles need 16 contiguous keys a block: bs 8 runs on the vector kernel, which the equality also covers
         assert torch.equal(_prefill(K, q, kc, vc, table, ctx, amx=True), dec)
+        assert torch.equal(_decodes(K, q, kc, vc, table, ctx, amx=True), dec)
 
 
 @needs_kernels
@@ -99,7 +106,8 @@ def test_bf16_attention_is_within_bf16_rounding_of_float64(K, n, ctx, d):
     for amx in (False, True) if K.amx else (False,):
         err = (_prefill(K, q, kc, vc, table, ctx, amx).double() - ref).abs().max().item()
         assert err < 0.02, (amx, err)
-    assert (_decodes(K, q, kc, vc, table, ctx).double() - ref).abs().max().item() < 0.02
+    for amx in (False, True) if K.amx else (False,):
+        assert (_decodes(K, q, kc, vc, table, ctx, amx).double() - ref).abs().max().item() < 0.02
 
 
 @pytest.mark.skipif(len(ISAS) < 2, reason="one kernel build runs here: nothing to compare it with")
@@ -220,7 +228,7 @@ def test_amx_is_used_only_where_it_runs_and_gives_the_same_bits(monkeypatch, cap
             assert not cpu_kernels._amx_usable(K)
     finally:
         K.amx = True  # the shared instance, as load() left it
-    assert "differs from the decode kernel" in caplog.text
+    assert "differs from the vector decode kernel" in caplog.text
 
 
 def test_kv_dtype_resolution():

@@ -368,8 +368,149 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
     free(vt);
     return failed;
 }
+/* AMX decode: one task per (sequence, kv head), the group's query heads as
+ * the lanes (up to 16): S^T = K rows x Q^T pairs (scores_tiles, as in
+ * prefill), the softmax with heads in the lanes, then O [heads x d] += P
+ * [heads x 32 keys] x V pairs (two key rows interleaved). Every output
+ * element is the same chain as in the prefill tiles and the vector decode
+ * kernel, so the bits are theirs; only the work per key drops (the vector
+ * kernel transposed every 8 x 8 K tile and ran 3 heads' FMAs per dim).
+ * Requires hq / hkv <= 16 and the AMX prefill's shapes. */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_task(
+    const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs,
+    const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
+    const int64_t group = hq / hkv;
+    uint32_t qt[128 * AQ] __attribute__((aligned(64)));        /* Q^T pairs [d/2][16 heads] */
+    float s[KB * AQ] __attribute__((aligned(64)));             /* S^T [keys][heads] */
+    uint32_t pp[KB / 2 * AQ] __attribute__((aligned(64)));     /* p' pairs [key pairs][heads] */
+    uint16_t pa[AQ * KB] __attribute__((aligned(64)));         /* P [heads][keys]: the A operand */
+    uint16_t vp[2 * 16 * 16 * 32] __attribute__((aligned(64))); /* V pairs [chunk][dim group <= 16][pair][32] */
+    float o[AQ * 256] __attribute__((aligned(64)));            /* O [heads][d] */
+    float ml[2 * AQ] __attribute__((aligned(64)));             /* m, l per head lane */
+    memset(qt, 0, sizeof(uint32_t) * d / 2 * AQ);
+    for (int64_t j = 0; j < group; j++) {
+        const float *qr = q + (h * group + j) * d;
+        uint32_t row[128];
+        for (int64_t e = 0; e < d; e += 16)
+            _mm256_storeu_si256((__m256i *)(row + e / 2),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + e), _mm512_set1_ps(scale))));
+        for (int64_t e = 0; e < d / 2; e++) qt[e * AQ + j] = row[e];
+    }
+    memset(pa, 0, sizeof pa);
+    memset(o, 0, sizeof(float) * AQ * d);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    _mm512_storeu_ps(ml, ninf);
+    _mm512_storeu_ps(ml + AQ, _mm512_setzero_ps());
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
+        const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, ng = (nk + 15) / 16, nc = (nk + CHUNK - 1) / CHUNK;
+        scores_tiles(k_cache, table, bs, hkv, h, d, kb0, ng, qt, s);
+        for (int64_t i = nk; i < ng * 16; i++) _mm512_storeu_ps(s + i * AQ, ninf);  // past the context
+        __m512 mx = _mm512_loadu_ps(ml);
+        for (int64_t i = 0; i < ng * 16; i++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i * AQ));
+        __m512 part[8];
+        for (int u = 0; u < 8; u++) part[u] = _mm512_setzero_ps();
+        const int masked = nk < ng * 16;
+        for (int64_t i0 = 0; i0 < nc * CHUNK; i0 += 8)
+#pragma GCC unroll 4
+            for (int u = 0; u < 8; u += 2) {
+                const int64_t i = i0 + u;
+                __m512 p[2];
+                for (int v = 0; v < 2; v++) {
+                    p[v] = _mm512_setzero_ps();
+                    if (i + v < ng * 16) {
+                        const __m512 x = _mm512_loadu_ps(s + (i + v) * AQ);
+                        p[v] = exp16(_mm512_sub_ps(x, mx));
+                        if (masked) p[v] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ), p[v]);
+                    }
+                }
+                const __m512i pb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+                part[u] = _mm512_add_ps(part[u], _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)));
+                part[u + 1] = _mm512_add_ps(part[u + 1], _mm512_castsi512_ps(_mm512_and_si512(
+                                                             pb, _mm512_set1_epi32((int)0xFFFF0000))));
+                _mm512_storeu_si512(pp + i / 2 * AQ, pb);
+            }
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
+                                         _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
+        const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(ml), mx));
+        _mm512_storeu_ps(ml + AQ, _mm512_fmadd_ps(_mm512_loadu_ps(ml + AQ), a, sum));
+        _mm512_storeu_ps(ml, mx);
+        float av[AQ];
+        _mm512_storeu_ps(av, a);
+        // P as rows per head (the pairs' lane j), V as pairs of key rows, then O += P x V.
+        for (int64_t j = 0; j < group; j++) {
+            uint32_t *row = (uint32_t *)(pa + j * KB);
+            for (int64_t r = 0; r < nc * CHUNK / 2; r++) row[r] = pp[r * AQ + j];
+            if (av[j] != 1.0f)  // o * 1 == o
+                for (int64_t c = 0; c < d; c += 16)
+                    _mm512_storeu_ps(o + j * d + c, _mm512_mul_ps(_mm512_set1_ps(av[j]), _mm512_loadu_ps(o + j * d + c)));
+        }
+        const __m512i inter = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                               39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        for (int64_t r = 0; r < nc * CHUNK / 2; r++) {
+            const int64_t k0 = kb0 + 2 * r, k1 = k0 + 1;
+            const uint16_t *v0 = v_cache + ((table[k0 / bs] * hkv + h) * bs + k0 % bs) * d;
+            const uint16_t *v1 = k1 < ctx ? v_cache + ((table[k1 / bs] * hkv + h) * bs + k1 % bs) * d : NULL;
+            for (int64_t c0 = 0; c0 < d; c0 += 16) {  // keys past the context: zero (their p' is 0 too)
+                const __m512i a0 = k0 < ctx ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c0)))
+                                            : _mm512_setzero_si512();
+                const __m512i a1 = v1 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + c0)))
+                                      : _mm512_setzero_si512();
+                _mm512_storeu_si512(vp + (((r / 16) * 16 + c0 / 16) * 16 + r % 16) * 32,
+                                    _mm512_permutex2var_epi16(a0, inter, a1));
+            }
+        }
+        _tile_loadd(6, pa, KB * 2);
+        if (nc > 1) _tile_loadd(7, pa + CHUNK, KB * 2);
+        for (int64_t c0 = 0; c0 < d; c0 += 16) {
+            _tile_loadd(0, o + c0, d * 4);
+            _tile_loadd(4, vp + (0 * 16 + c0 / 16) * 16 * 32, 64);
+            _tile_dpbf16ps(0, 6, 4);
+            if (nc > 1) {
+                _tile_loadd(5, vp + (1 * 16 + c0 / 16) * 16 * 32, 64);
+                _tile_dpbf16ps(0, 7, 5);
+            }
+            _tile_stored(0, o + c0, d * 4);
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *orow = out + (h * group + j) * d;
+        const float inv = 1.0f / ml[AQ + j];
+        for (int64_t c = 0; c < d; c++) orow[c] = o[j * d + c] * inv;
+    }
+}
+
+/* As ts_decode_attention_bf16, on tiles. Requires ts_amx_init() == 1,
+ * d % 32 == 0, d <= 256, bs % 16 == 0, hq / hkv <= 16. */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention_amx(
+    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
+    const uint16_t *v_cache, int64_t bs, const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
+    const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | FTZ_DAZ);
+        _tile_loadconfig(&cfg);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t si = 0; si < n; si++)
+            for (int64_t h = 0; h < hkv; h++)
+                amx_decode_task(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si],
+                                ctx[si], h, scale, out + rows[si] * ldo);
+        _tile_release();
+        _mm_setcsr(csr);
+    }
+}
 #else
 int ts_amx_init(void) { return 0; }
+void ts_decode_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                             const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *tables,
+                             const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
+                             float *out, int64_t ldo, int nthreads) {}  // not in this build; never called
 int ts_prefill_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                              const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *table,
                              int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {

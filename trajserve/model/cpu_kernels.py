@@ -69,6 +69,7 @@ _SIGNATURES = {
     "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
+    "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_amx_init": [],
     "ts_quant_isa": [],
     "ts_quantize_rows_q8": [_P, _I, _I, _I, _P, _C],
@@ -166,9 +167,11 @@ def _bf16_pool(rng: np.random.Generator, blocks: int, hkv: int, bs: int, d: int)
 
 
 def _amx_usable(k: CpuKernels) -> bool:
-    """Whether the AMX prefill runs here and gives the decode kernel's bits:
+    """Whether the AMX attention (prefill and decode) runs here and gives the
+    vector decode kernel's bits:
     an avx512 build, AMX-BF16 in /proc/cpuinfo, the tile state granted by
-    Linux, and a chunk computed both ways bit for bit equal."""
+    Linux, and a chunk computed on tiles, and its queries decoded on tiles,
+    bit for bit equal to the vector kernel's decodes."""
     flags = cpu_flags()
     if k.isa != "avx512" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags or not k.lib.ts_amx_init():
         return False
@@ -176,14 +179,18 @@ def _amx_usable(k: CpuKernels) -> bool:
     kv = _bf16_pool(rng, 9, 2, 16, 64)
     q = torch.from_numpy(rng.standard_normal((40, 6, 64), dtype=np.float32))
     table = torch.tensor([4, 0, 7, 2, 8, 1, 3], dtype=torch.int64)
-    tiles, decodes = torch.empty_like(q), torch.empty_like(q)
+    tiles, decodes, tile_decodes = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    n = q.shape[0]  # each query also decoded alone over the keys it sees, on tiles
+    per_query = (table.repeat(n), torch.arange(n, dtype=torch.int64) * table.shape[0],
+                 torch.arange(100 - n + 1, 101, dtype=torch.int64), torch.arange(n, dtype=torch.int64))
     k.amx = True
     k.prefill_attention(q, kv[0], kv[1], table, 100, 0.125, tiles)
+    k.decode_attention(q, kv[0], kv[1], *per_query, 0.125, tile_decodes)
     k.amx = False
     k.prefill_attention(q, kv[0], kv[1], table, 100, 0.125, decodes)
-    if not torch.equal(tiles, decodes):
-        log.warning("CPU kernels: the AMX prefill attention differs from the decode kernel's bits; prefill of a "
-                    "bf16 KV pool runs as decodes (slower)")
+    if not (torch.equal(tiles, decodes) and torch.equal(tile_decodes, decodes)):
+        log.warning("CPU kernels: the AMX attention differs from the vector decode kernel's bits; a bf16 KV "
+                    "pool runs on the vector kernel (prefill as decodes: slower)")
         return False
     return True
 
@@ -296,8 +303,8 @@ class CpuKernels:
             getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_INT else None
         self.lib = lib
         self.isa = isa
-        # AMX tiles (set by load() after their checks): the prefill attention
-        # of a bf16 pool (AMX-BF16), quantized products of >= 16 rows (AMX-INT8).
+        # AMX tiles (set by load() after their checks): the attention over a
+        # bf16 pool (AMX-BF16), quantized products of >= 16 rows (AMX-INT8).
         self.amx = False
         self.amx_int8 = False
         # The integer dot product the build compiled (1 AVX2, 2 AVX512-VNNI).
@@ -359,7 +366,10 @@ class CpuKernels:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows]."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
-        decode = self.lib.ts_decode_attention_bf16 if _pool_bf16(k_cache, v_cache) else self.lib.ts_decode_attention
+        decode = self.lib.ts_decode_attention
+        if _pool_bf16(k_cache, v_cache):
+            amx = self.amx_attention(d, k_cache.shape[2]) and num_heads // k_cache.shape[1] <= 16
+            decode = self.lib.ts_decode_attention_amx if amx else self.lib.ts_decode_attention_bf16
         decode(
             q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),

@@ -206,6 +206,22 @@ def test_bench_paths_are_the_ones_this_cpu_runs():
     assert ("bfloat16 torch" in names) == cpu_has_native_bf16()
 
 
+def test_bench_paths_hold_auto_against_the_other_configurations():
+    from trajserve.bench.paths import auto_versus
+
+    def row(path, config, b1, prefill):
+        return {"path": path, "config": config, "tokens_per_s": {"1": b1}, "prefill_tokens_per_s": prefill}
+
+    ok = [row("auto", ["float32", "bfloat16", "auto", "C (avx512)"], 180.0, 3000.0),
+          row("twin", ["float32", "bfloat16", "auto", "C (avx512)"], 220.0, 3100.0),  # auto's own path, run again
+          row("f32 KV", ["float32", "float32", "auto", "C (avx512)"], 200.0, 1900.0),
+          row("torch", ["bfloat16", "bfloat16", "none", "torch"], 30.0, 2950.0)]
+    twin, versus = auto_versus(ok, ["b=1", "prefill"])
+    assert twin == "twin"
+    assert versus["b=1"]["fastest"] == "f32 KV" and versus["b=1"]["auto_over_fastest"] == 0.9
+    assert versus["prefill"]["fastest"] == "torch" and abs(versus["prefill"]["auto_over_fastest"] - 3000 / 2950) < 1e-9
+
+
 @pytest.mark.slow
 def test_quant_agreement_bench_reports_every_prompt(capsys):
     import argparse

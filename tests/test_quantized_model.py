@@ -206,6 +206,18 @@ def test_bench_paths_are_the_ones_this_cpu_runs():
     assert ("bfloat16 torch" in names) == cpu_has_native_bf16()
 
 
+def test_bench_prefill_after_a_cached_prefix_is_served_from_the_cache(engine_f32):
+    """bench throughput --cached-prefix: the timed request hits the prefix
+    the untimed one left (else it raises instead of reporting a cold prompt)."""
+    import random
+
+    from trajserve.bench.throughput import prefill_run
+
+    r = prefill_run(engine_f32, 24, 1, random.Random(3), cached_prefix=64)
+    assert r["cached_prefix"] == 64 and r["tokens"] == 24 and r["tokens_per_s"] > 0
+    engine_f32.kv.clear_cache()
+
+
 def test_bench_paths_hold_auto_against_the_other_configurations():
     from trajserve.bench.paths import auto_versus
 

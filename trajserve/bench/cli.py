@@ -60,6 +60,9 @@ def add_bench_parser(sub) -> None:
     t.add_argument("--context", type=int, default=128, help="prompt tokens per sequence for decode runs")
     t.add_argument("--decode-steps", type=int, default=32)
     t.add_argument("--prefill-tokens", type=int, default=2048)
+    t.add_argument("--cached-prefix", type=int, default=0,
+                   help="measure the prefill of --prefill-tokens new tokens after this many the prefix cache "
+                        "holds (an agent's next turn; default 0: a cold prompt)")
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--json", action="store_true", help="print only JSON")
     t.add_argument("--paths", action="store_true",

@@ -49,7 +49,8 @@ def machine_paths() -> list[dict]:
 
 def _passed_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--batch-sizes", args.batch_sizes, "--context", str(args.context), "--decode-steps",
-             str(args.decode_steps), "--prefill-tokens", str(args.prefill_tokens), "--repeats", str(args.repeats)]
+             str(args.decode_steps), "--prefill-tokens", str(args.prefill_tokens), "--repeats", str(args.repeats),
+             "--cached-prefix", str(args.cached_prefix)]
     for name, flag in (("model", "--model"), ("num_threads", "--threads"), ("num_blocks", "--num-blocks")):
         if getattr(args, name, None) is not None:
             flags += [flag, str(getattr(args, name))]

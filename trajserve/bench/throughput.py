@@ -70,18 +70,34 @@ def decode_run(engine, batch: int, context: int, steps: int, rng: random.Random)
             "forward_ms": spread(fwd)["median"] * 1e3, "outside_share": outside["median"]}
 
 
-def prefill_run(engine, tokens: int, repeats: int, rng: random.Random) -> dict:
+def prefill_run(engine, tokens: int, repeats: int, rng: random.Random, cached_prefix: int = 0) -> dict:
+    """Prefill tokens/s of a `tokens`-token prompt; with cached_prefix, of
+    `tokens` new tokens after that many the prefix cache holds (an agent's
+    next turn: the earlier turns are run first, untimed)."""
     vocab = engine.model_config.vocab_size
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def finish() -> list:
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+        return done
+
     times = []
     for _ in range(repeats + 1):  # first run is warm-up
-        engine.add_request([rng.randrange(vocab) for _ in range(tokens)],
-                           SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        prefix = [rng.randrange(vocab) for _ in range(cached_prefix)]
+        if prefix:
+            engine.add_request(prefix, one)
+            finish()
+        engine.add_request(prefix + [rng.randrange(vocab) for _ in range(tokens)], one)
         t = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
+        out = finish()
         times.append(time.perf_counter() - t)
+        hit = out[0].num_cached_tokens
+        if prefix and engine.kv.radix is not None and hit < cached_prefix - engine.kv.block_size:
+            raise RuntimeError(f"the {cached_prefix}-token prefix was not served from the cache ({hit} tokens were)")
     s = spread(times[1:])
-    return {"tokens": tokens, "chunk": engine.scheduler.config.max_prefill_chunk,
+    return {"tokens": tokens, "cached_prefix": cached_prefix, "chunk": engine.scheduler.config.max_prefill_chunk,
             "seconds": s["median"], "seconds_p10": s["p10"], "seconds_p90": s["p90"],
             "tokens_per_s": tokens / s["median"]}
 
@@ -101,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     # The pool must hold the largest batch.
     longest = args.context + args.decode_steps + 8 + max(batches) * args.context // args.max_num_batched_tokens
-    need_tokens = max(batches) * (longest + args.block_size) + args.prefill_tokens + 64
+    need_tokens = max(max(batches) * (longest + args.block_size), 2 * args.cached_prefix) + args.prefill_tokens + 64
     if args.num_blocks is None and args.kv_cache_memory is None:
         # Under the admission ceiling, or the last sequences of a long-context batch wait in the queue
         # (3,000-token prompts at batch 16 decoded 14 of 16).
@@ -115,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     wbytes = weight_bytes(engine.model)
     floor_s = wbytes / bw
     decode = [decode_run(engine, b, args.context, args.decode_steps, rng) for b in batches]
-    prefill = prefill_run(engine, args.prefill_tokens, args.repeats, rng)
+    prefill = prefill_run(engine, args.prefill_tokens, args.repeats, rng, args.cached_prefix)
 
     by_batch = {d["batch"]: d for d in decode}
     derived = {}
@@ -150,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     for d in decode:
         print(f"{d['batch']:>5} {d['step_ms']:>9.1f} {d['step_ms_p10']:>6.1f}-{d['step_ms_p90']:<6.1f} "
               f"{d['tokens_per_s']:>8.1f} {d['forward_ms']:>8.1f} {d['outside_share'] * 100:>7.1f}%")
-    print(f"\nprefill {prefill['tokens']} tokens (chunk {prefill['chunk']}): {prefill['seconds'] * 1e3:.0f} ms "
+    after = f" after {prefill['cached_prefix']:,} cached" if prefill["cached_prefix"] else ""
+    print(f"\nprefill {prefill['tokens']} tokens{after} (chunk {prefill['chunk']}): {prefill['seconds'] * 1e3:.0f} ms "
           f"= {prefill['tokens_per_s']:.0f} tokens/s (p10-p90 {prefill['seconds_p10'] * 1e3:.0f}-"
           f"{prefill['seconds_p90'] * 1e3:.0f} ms)\n")
     for k, t in result["targets"].items():

@@ -1,5 +1,5 @@
 /* Attention over a bfloat16 KV pool: decode and prefill, one arithmetic,
- * with AMX tiles for prefill where the CPU has them.
+ * on AMX tiles where the CPU has them.
  *
  * Why: a 2,048-token prefill spent 0.71 of its 1.62 s in float32 attention
  * at the FMA peak of a 2-core Sapphire Rapids, where torch's bf16 path runs
@@ -21,10 +21,11 @@
  *   o_c     = over chunks of 32 keys (aligned at 0): o_c = o_c + (ev + od)
  *   out     = o * (1 / l)
  * with keys in blocks of KB = 64 aligned at 0, and FTZ/DAZ set for the
- * task (AMX flushes denormals; the vector code must too). The decode kernel
- * (AVX2, every build) and the AMX prefill kernel therefore give the same
- * bits for a query, so a token scores the same decoded, in a chunk, or
- * recomputed. Without AMX a chunk runs as decodes, one per query.
+ * task (AMX flushes denormals; the vector code must too). The vector decode
+ * kernel (AVX2, every build) and the AMX prefill and decode kernels
+ * therefore give the same bits for a query, so a token scores the same
+ * decoded, in a chunk, or recomputed. Without AMX a chunk runs as decodes,
+ * one per query.
  *
  * Pool layout as in cpu_kernels.c: [num_blocks, hkv, bs, d] uint16 (bf16).
  */

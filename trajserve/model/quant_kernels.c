@@ -331,15 +331,16 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
  * Where the CPU has AMX-INT8 and a product has >= 16 input rows (prefill
  * chunks), the integer dot products run as tile products: TDPBSUD
  * multiplies 16 input rows' codes of one block (A: 16 x 32 signed bytes,
- * read in place from the block_q8x rows) by one panel's codes of that block
+ * the rows quantized straight into contiguous tiles, amx_block) by one panel's codes of that block
  * (B: 8 x 64 unsigned bytes, the panel's code groups as they are for Q8_0,
  * the 4-bit codes unpacked once per panel for Q4), into 16 x 16 exact int32
  * sums: the same integers as vpdpbusd. The float steps after them are the
  * VNNI tile's, block by block in order (convert, scale by d_w * d_x, add;
  * Q4_1's m_w * s_x), so the results are bit-identical to the other builds.
- * The scale step bounds the speed (it is per block: the formats have no
- * scale shared across blocks), so four blocks' products are in flight in
- * tmm0-3 while the vector unit scales the four before them. */
+ * The scale step is per block (the formats share no scale across blocks)
+ * and the tile products run at the tile unit's latency (8 tile registers:
+ * four accumulators, two A/B pairs), so each product is issued between the
+ * scale steps of earlier blocks (amx_rows): 1.2-1.4x the VNNI kernel. */
 #define AMX_GROUP 4
 
 typedef struct {

@@ -239,6 +239,50 @@ __attribute__((target("amx-tile,amx-bf16"))) static inline void pv_tiles(const u
     }
 }
 
+/* The softmax step of one key block over S^T (s: [ng * 16 keys][16 lanes],
+ * hidden scores -inf where `masked`), the lanes being queries (prefill) or
+ * heads (decode): m and l (16 lanes each) updated, p' written as key pairs
+ * into pp (the B operand of O^T += V^T x P, or the rows of the decode's P),
+ * a = exp16(m_old - m) returned for the caller's rescale of o. Keys i, i + 1
+ * make one vector of pairs: VCVTNE2PS2BF16 rounds as bf16_bits8 does
+ * (checked on every finite float), the permute interleaves the two keys'
+ * halves, and p' comes back from the pairs for the sum. */
+__attribute__((target("avx512bf16"))) static inline __m512 tile_softmax(const float *s, int64_t ng, int64_t nc,
+                                                                      int masked, float *m, float *l, uint32_t *pp) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 mx = _mm512_loadu_ps(m);
+    for (int64_t i = 0; i < ng * 16; i++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i * AQ));
+    __m512 part[8];
+    for (int u = 0; u < 8; u++) part[u] = _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < nc * CHUNK; i0 += 8)  // 8 keys a step: part[] indices are constants
+#pragma GCC unroll 4
+        for (int u = 0; u < 8; u += 2) {
+            const int64_t i = i0 + u;
+            __m512 p[2];
+            for (int v = 0; v < 2; v++) {
+                p[v] = _mm512_setzero_ps();
+                if (i + v < ng * 16) {
+                    const __m512 x = _mm512_loadu_ps(s + (i + v) * AQ);
+                    p[v] = exp16(_mm512_sub_ps(x, mx));
+                    if (masked) p[v] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ), p[v]);
+                }
+            }
+            const __m512i pb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+            part[u] = _mm512_add_ps(part[u], _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)));
+            part[u + 1] = _mm512_add_ps(part[u + 1], _mm512_castsi512_ps(_mm512_and_si512(
+                                                         pb, _mm512_set1_epi32((int)0xFFFF0000))));
+            _mm512_storeu_si512(pp + i / 2 * AQ, pb);
+        }
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
+                                     _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
+    const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(m), mx));
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, sum));
+    _mm512_storeu_ps(m, mx);
+    return a;
+}
+
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static int amx_task(
     const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
     const uint16_t *vt, int64_t ctxp, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out,
@@ -280,38 +324,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static int amx_task(
                                                                              (__mmask16)((1u << hr) - 1), ninf));
                 }
             float *mj = ml + j * 32, *lj = mj + 16, *oj = ot + j * d * 16;
-            __m512 mx = _mm512_loadu_ps(mj);
-            for (int64_t i = 0; i < ng * 16; i++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i * AQ));
-            __m512 part[8];
-            for (int u = 0; u < 8; u++) part[u] = _mm512_setzero_ps();
-            // Keys i, i + 1 -> one vector of pairs: VCVTNE2PS2BF16 rounds as bf16_bits8 does (checked on every
-            // finite float), the permute interleaves the two keys' halves, and p' comes back from the pairs.
-            const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                   23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-            for (int64_t i0 = 0; i0 < nc * CHUNK; i0 += 8)  // 8 keys a step: part[] indices are constants
-#pragma GCC unroll 4
-                for (int u = 0; u < 8; u += 2) {
-                    const int64_t i = i0 + u;
-                    __m512 p[2];
-                    for (int v = 0; v < 2; v++) {
-                        p[v] = _mm512_setzero_ps();
-                        if (i + v < ng * 16) {
-                            const __m512 x = _mm512_loadu_ps(s + (i + v) * AQ);
-                            p[v] = exp16(_mm512_sub_ps(x, mx));
-                            if (masked) p[v] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ), p[v]);
-                        }
-                    }
-                    const __m512i pb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-                    part[u] = _mm512_add_ps(part[u], _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)));
-                    part[u + 1] = _mm512_add_ps(part[u + 1], _mm512_castsi512_ps(_mm512_and_si512(
-                                                                 pb, _mm512_set1_epi32((int)0xFFFF0000))));
-                    _mm512_storeu_si512(pp + i / 2 * AQ, pb);
-                }
-            const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
-                                             _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
-            const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(mj), mx));
-            _mm512_storeu_ps(lj, _mm512_fmadd_ps(_mm512_loadu_ps(lj), a, sum));
-            _mm512_storeu_ps(mj, mx);
+            const __m512 a = tile_softmax(s, ng, nc, masked, mj, lj, pp);
             if (_mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ))  // a == 1 everywhere: o * 1 == o
                 for (int64_t c = 0; c < d; c++) _mm512_storeu_ps(oj + c * AQ, _mm512_mul_ps(a, _mm512_loadu_ps(oj + c * AQ)));
             pv_tiles(vt + h * d * ctxp + kb0, ctxp, d, nc, pp, oj);
@@ -402,41 +415,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_t
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     _mm512_storeu_ps(ml, ninf);
     _mm512_storeu_ps(ml + AQ, _mm512_setzero_ps());
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
         const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, ng = (nk + 15) / 16, nc = (nk + CHUNK - 1) / CHUNK;
         scores_tiles(k_cache, table, bs, hkv, h, d, kb0, ng, qt, s);
         for (int64_t i = nk; i < ng * 16; i++) _mm512_storeu_ps(s + i * AQ, ninf);  // past the context
-        __m512 mx = _mm512_loadu_ps(ml);
-        for (int64_t i = 0; i < ng * 16; i++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i * AQ));
-        __m512 part[8];
-        for (int u = 0; u < 8; u++) part[u] = _mm512_setzero_ps();
-        const int masked = nk < ng * 16;
-        for (int64_t i0 = 0; i0 < nc * CHUNK; i0 += 8)
-#pragma GCC unroll 4
-            for (int u = 0; u < 8; u += 2) {
-                const int64_t i = i0 + u;
-                __m512 p[2];
-                for (int v = 0; v < 2; v++) {
-                    p[v] = _mm512_setzero_ps();
-                    if (i + v < ng * 16) {
-                        const __m512 x = _mm512_loadu_ps(s + (i + v) * AQ);
-                        p[v] = exp16(_mm512_sub_ps(x, mx));
-                        if (masked) p[v] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_UQ), p[v]);
-                    }
-                }
-                const __m512i pb = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
-                part[u] = _mm512_add_ps(part[u], _mm512_castsi512_ps(_mm512_slli_epi32(pb, 16)));
-                part[u + 1] = _mm512_add_ps(part[u + 1], _mm512_castsi512_ps(_mm512_and_si512(
-                                                             pb, _mm512_set1_epi32((int)0xFFFF0000))));
-                _mm512_storeu_si512(pp + i / 2 * AQ, pb);
-            }
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(part[0], part[4]), _mm512_add_ps(part[2], part[6])),
-                                         _mm512_add_ps(_mm512_add_ps(part[1], part[5]), _mm512_add_ps(part[3], part[7])));
-        const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(ml), mx));
-        _mm512_storeu_ps(ml + AQ, _mm512_fmadd_ps(_mm512_loadu_ps(ml + AQ), a, sum));
-        _mm512_storeu_ps(ml, mx);
+        const __m512 a = tile_softmax(s, ng, nc, nk < ng * 16, ml, ml + AQ, pp);
         float av[AQ];
         _mm512_storeu_ps(av, a);
         // P as rows per head (the pairs' lane j), V as pairs of key rows, then O += P x V.

@@ -94,6 +94,28 @@ def test_gate_up_silu_matches_torch(K, m, k, inter):
 
 
 @needs_kernels
+@pytest.mark.parametrize("ftz", [0, 1])  # SiLU runs without FTZ/DAZ, the bf16 attention with them
+def test_exp_gives_the_same_bits_at_both_widths(K, ftz):
+    # The avx512 build's exp16 scales by 2^n in one VSCALEFPS where exp8
+    # builds 2^n from its bits; a row's softmax and SiLU must not depend on
+    # the build. Every 16th float of the range exp is asked for (x <= 88:
+    # ~7.6 million inputs, the clamp at -87.3 and denormal results included),
+    # then the edges.
+    lo, hi = np.float32(-100.0).view(np.int32), np.float32(88.0).view(np.int32)
+    neg = np.arange(np.float32(-0.0).view(np.int32), lo + 1, 16, dtype=np.int64).astype(np.uint32).view(np.float32)
+    pos = np.arange(0, hi + 1, 16, dtype=np.int32).view(np.float32)
+    edges = np.array([-np.inf, np.nan, -87.3, -87.29, -87.31, -86.9, -0.0, 0.0, 1e-45, -1e-45, 88.0, 87.99],
+                     np.float32)
+    x = np.concatenate([neg, pos, edges])
+    x = np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
+    narrow, wide = np.empty_like(x), np.empty_like(x)
+    K.lib.ts_exp_widths(x.ctypes.data, len(x), narrow.ctypes.data, wide.ctypes.data, ftz)
+    assert np.array_equal(narrow.view(np.uint32), wide.view(np.uint32))
+    finite = np.isfinite(x) & (x > -80)  # and exp itself: ~1 ulp
+    np.testing.assert_allclose(narrow[finite], np.exp(x[finite].astype(np.float64)), rtol=3e-7)
+
+
+@needs_kernels
 def test_gate_up_silu_holds_at_extreme_gates(K):
     # The vector SiLU's exp(-g) is capped at exp(88): past it the exponent
     # would overflow into garbage. Gates up to +-1000 (and 21 of them: the

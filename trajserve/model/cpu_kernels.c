@@ -557,3 +557,18 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
     }
     return failed;
 }
+
+/* exp8 and (in the avx512 build; else exp8 again) exp16 of x[0 .. n), n a
+ * multiple of 16, under FTZ/DAZ when ftz (as the attention kernels run): the
+ * test that the two widths give the same bits on every input. */
+void ts_exp_widths(const float *x, int64_t n, float *narrow, float *wide, int ftz) {
+    const unsigned csr = _mm_getcsr();
+    if (ftz) _mm_setcsr(csr | 0x8040);
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(narrow + i, exp8(_mm256_loadu_ps(x + i)));
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(wide + i, exp16(_mm512_loadu_ps(x + i)));
+#else
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(wide + i, exp8(_mm256_loadu_ps(x + i)));
+#endif
+    _mm_setcsr(csr);
+}

@@ -60,6 +60,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _C = ctypes.c_int
 _SIGNATURES = {
+    "ts_exp_widths": [_P, _I, _P, _P, _C],
     "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C],
     "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _C],
     "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],

@@ -38,7 +38,25 @@ static inline float hsum8(__m256 v) {
     }
 DEFINE_EXP(exp8, 256)
 #if defined(__AVX512F__)
-DEFINE_EXP(exp16, 512)
+/* exp8's operations on 16 lanes, but y * 2^n in one VSCALEFPS where exp8
+ * builds 2^n from n's bits (convert, add, shift) and multiplies: the same
+ * exact scaling (x >= -87.3 keeps 2^n a normal float), three fewer
+ * operations in the softmax's and SiLU's inner loops. test_cpu_kernels
+ * checks exp16 == exp8 bit for bit over the whole input range. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = ROUND_512(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
 #endif
 
 /* silu(g) = g / (1 + exp(-g)) on 8 (or 16) lanes, one definition for both. exp8 holds up to 88 (2^127 is the

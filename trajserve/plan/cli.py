@@ -46,9 +46,11 @@ def default_dtypes(device, gguf_file: bool = False, head_dim: int = 64) -> tuple
 
 
 def add_plan_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
-                   help=f"{' | '.join(model_names())}, a config.json / HF directory, or a .gguf file")
-    p.add_argument("--gpu", required=True, help=" | ".join(device_names()))
+    # Without a question: the capacity plan (needs --model and --gpu, checked in cmd_plan
+    # so that `plan spec ...` parses without them).
+    p.add_argument("--model", default=None,
+                   help=f"{' | '.join(model_names())}, a config.json / HF directory, or a .gguf file (required)")
+    p.add_argument("--gpu", default=None, help=" | ".join(device_names()) + " (required)")
     p.add_argument("--num-gpus", type=int, default=None, help="devices in all (default tp*pp: one replica)")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (divides the heads)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree (divides the layers)")
@@ -79,6 +81,10 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write concurrency vs context to this file")
     p.set_defaults(func=cmd_plan)
+    questions = p.add_subparsers(dest="question", metavar="QUESTION",
+                                 help="spec: speculative decoding's gain and draft length (8.5.2-8.5.4)")
+    from trajserve.plan.speculation_cli import add_spec_parser
+    add_spec_parser(questions.add_parser("spec", help="speculative decoding: E[N], time per token, draft length"))
 
 
 def request_from(args: argparse.Namespace):
@@ -120,6 +126,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from trajserve.plan.planner import plan
     from trajserve.plan.report import to_json, to_text
 
+    missing = [flag for flag, v in (("--model", args.model), ("--gpu", args.gpu)) if v is None]
+    if missing:
+        raise ValueError(f"plan needs {' and '.join(missing)} (or a question: trajserve plan spec --help)")
     req = request_from(args)
     result = plan(req)
     print(to_json(result) if args.json else to_text(result))

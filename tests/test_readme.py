@@ -95,4 +95,8 @@ def test_the_readme_plan_examples_run(capsys, tmp_path, monkeypatch):
     for argv in plans:
         assert main(argv) == 0, f"trajserve {' '.join(argv)}"
         out = capsys.readouterr().out
-        assert "m_token" in out and ("B max" in out or '"rows"' in out)
+        if argv[1] == "spec":  # a question beyond capacity: speculative decoding's table
+            assert "best draft length" in out and "ms/token" in out
+        else:
+            assert "m_token" in out and ("B max" in out or '"rows"' in out)
+    assert any(argv[1] == "spec" for argv in plans) and sum(argv[1] != "spec" for argv in plans) >= 4

@@ -17,6 +17,7 @@ from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.copy_engine import CopyEngine
 from trajserve.kv.keep_policy import CostRates
+from trajserve.kv.kv_quant import FORMATS
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 VOCAB = 500
@@ -66,6 +67,7 @@ class StandInEngine:
                                         num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
                                         max_position_embeddings=10**6)
         self.dtype = self.kv_dtype = torch.float32
+        self.kv_format = FORMATS["float32"]
         self.block_layout = BlockLayout.of(b"stand-in", torch.float32, (1, 2, 1, block_size, 1))
         self.kv = KVCacheManager(num_blocks, block_size, 0.0, enable_prefix_caching=True)
         self.lower = None  # no prefix-cache tiers: a session manager brings its own

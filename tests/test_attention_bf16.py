@@ -148,9 +148,9 @@ def test_rope_store_rounds_k_and_v_to_nearest_bf16(K):
 def test_a_pool_of_another_dtype_is_refused(K):
     q = torch.randn(2, 4, 64)
     kc = torch.zeros(2, 2, 16, 64, dtype=torch.float16)
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or uint8"):
         K.prefill_attention(q, kc, kc, torch.tensor([0, 1]), 2, 0.125, torch.empty_like(q))
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or uint8"):
         K.prefill_attention(q, kc.float(), kc.bfloat16(), torch.tensor([0, 1]), 2, 0.125, torch.empty_like(q))
 
 
@@ -239,14 +239,19 @@ def test_kv_dtype_resolution():
             self.amx = amx
 
     f32, bf16 = torch.float32, torch.bfloat16
-    assert resolve_kv_dtype("auto", f32, Kern(True))[0] == bf16
-    assert resolve_kv_dtype("auto", f32, Kern(True), head_dim=80)[0] == f32  # no tiles for 80 dims
-    assert resolve_kv_dtype("auto", f32, Kern(True), block_size=8)[0] == f32  # nor 8-key blocks
-    assert resolve_kv_dtype("auto", f32, Kern(False))[0] == f32  # a chunk as decodes: slower, not chosen
-    assert resolve_kv_dtype("auto", f32, None)[0] == f32
-    assert resolve_kv_dtype("auto", bf16, None)[0] == bf16
-    assert resolve_kv_dtype("bfloat16", f32, Kern(False)) == (bf16, "requested (no AMX tiles for it here: a "
-                                                                       "prefill chunk runs as decodes, slower)")
+
+    def name(*args, **kw):  # the pool format auto or a request resolves to
+        return resolve_kv_dtype(*args, **kw)[0].name
+
+    assert name("auto", f32, Kern(True)) == "bfloat16"
+    assert name("auto", f32, Kern(True), head_dim=80) == "float32"  # no tiles for 80 dims
+    assert name("auto", f32, Kern(True), block_size=8) == "float32"  # nor 8-key blocks
+    assert name("auto", f32, Kern(False)) == "float32"  # a chunk as decodes: slower, not chosen
+    assert name("auto", f32, None) == "float32"
+    assert name("auto", bf16, None) == "bfloat16"
+    fmt, why = resolve_kv_dtype("bfloat16", f32, Kern(False))
+    assert fmt.storage == bf16 and why == "requested (no AMX tiles for it here: a prefill chunk runs as decodes, slower)"
+    assert name("q8_0", f32, Kern(False)) == "q8_0" and name("q4_0", bf16, None) == "q4_0"  # never auto
     with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) bfloat16 .* C kernels"):
         resolve_kv_dtype("bfloat16", f32, None)
     with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) float32 cannot run under"):
@@ -257,7 +262,7 @@ def test_bad_kv_cache_dtype_is_named():
     from trajserve.config import CacheConfig, EngineConfig
 
     with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) must be one of auto, float32, "
-                                         r"bfloat16, got 'fp8'"):
+                                         r"bfloat16, q8_0, q4_0, got 'fp8'"):
         EngineConfig(cache=CacheConfig(kv_cache_dtype="fp8")).validate()
 
 

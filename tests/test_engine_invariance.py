@@ -56,8 +56,9 @@ def _kv_dtypes() -> list[str]:
     from trajserve.model import cpu_kernels
 
     # A bfloat16 pool runs in the C kernels (AMX tiles where the CPU has them,
-    # else decode-kernel chunks); both pools are tested wherever they run.
-    return ["float32", "bfloat16"] if cpu_kernels.load() is not None else ["float32"]
+    # else decode-kernel chunks); q8_0 and q4_0 rows are dequantized as the
+    # kernels read them. Every pool is tested wherever it runs.
+    return ["float32", "bfloat16", "q8_0", "q4_0"] if cpu_kernels.load() is not None else ["float32"]
 
 
 @pytest.fixture(scope="module", params=_kv_dtypes())
@@ -70,7 +71,7 @@ def engine(engine_f32, kv_dtype):
     """The default path (weights in the GGUF's blocks, --quantization auto,
     where the C kernels load) over each KV pool: every invariance below
     holds on it bit for bit."""
-    if str(engine_f32.kv_dtype).removeprefix("torch.") == kv_dtype:
+    if engine_f32.kv_format.name == kv_dtype:
         return engine_f32
     return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=512, kv_cache_dtype=kv_dtype)))
 

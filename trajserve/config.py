@@ -15,7 +15,7 @@ FLAGS = {"num_threads": "--threads"}
 # here because the option table and validation load no torch.
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 # --kv-cache-dtype's values (engine/dtype.py resolve_kv_dtype says what auto becomes).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
 
 
 @dataclass(slots=True)

@@ -196,7 +196,7 @@ def lower_tier_blocks(engine) -> tuple[int, int]:
     cc = engine.config.cache
     if engine.lower is None:
         return 0, 0
-    per = bytes_per_block(engine.model_config, cc.block_size, engine.kv_dtype)
+    per = bytes_per_block(engine.model_config, cc.block_size, engine.kv_format)
     return cc.host_cache_bytes // per, cc.disk_cache_bytes // (per + DISK_HEADER_BYTES)
 
 

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     }
     out = {"command": command_line(), "machine": machine_info(), "quantization": quant.engine.quantization,
            "dtype": str(quant.engine.dtype).removeprefix("torch."),
-           "kv_dtype": str(quant.engine.kv_dtype).removeprefix("torch."),
+           "kv_dtype": quant.engine.kv_format.name,
            "weights": quant.engine.model.weight_formats(), "kernels": getattr(quant.engine.model.kernels, "isa", None),
            "rows": rows, "summary": summary}
     if args.json:

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         derived["batch1_step_over_floor"] = by_batch[1]["step_ms"] / (floor_s * 1e3)
     result = {
         "command": command_line(), "machine": machine_info(),
-        "dtype": str(engine.dtype).removeprefix("torch."), "kv_dtype": str(engine.kv_dtype).removeprefix("torch."),
+        "dtype": str(engine.dtype).removeprefix("torch."), "kv_dtype": engine.kv_format.name,
         "kernels": f"C ({engine.model.kernels.isa})" if engine.model.kernels is not None else "torch",
         "quantization": engine.quantization,
         "weights": " + ".join(f"{f} {b / 1e6:.1f} MB" for f, b in engine.model.weight_formats().items()),

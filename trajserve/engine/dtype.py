@@ -91,9 +91,10 @@ def resolve_quantization(name: str, dtype: torch.dtype, device: torch.device,
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
-                     block_size: int = 16) -> tuple[torch.dtype, str]:
-    """What the KV pool stores (--kv-cache-dtype) and why, for the start-up
-    line. `kernels`: the model's CpuKernels, or None where torch runs it.
+                     block_size: int = 16):
+    """What the KV pool stores (--kv-cache-dtype), a KVFormat
+    (kv/kv_quant.py), and why, for the start-up line. `kernels`: the
+    model's CpuKernels, or None where torch runs it.
 
     A bfloat16 pool under float32 compute runs in the C kernels only
     (model/attention_bf16.c: K/V, queries and probabilities rounded to bf16,
@@ -102,24 +103,34 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
     3.2x faster than the float32 kernel (docs/benchmarks.md), at half the
     bytes per token. Without AMX a bf16 chunk runs as one decode per query
     (~6x the float32 kernel's time), so auto keeps float32 there; asked for
-    explicitly it runs."""
+    explicitly it runs. q8_0 and q4_0 run under any compute dtype (the C
+    kernels and torch's attention dequantize the rows they read) for a
+    head_dim that is a multiple of 32; auto never picks them: they trade
+    quality for capacity, the user's call (as llama.cpp's --cache-type-k/v
+    and vLLM's --kv-cache-dtype fp8)."""
+    from trajserve.kv.kv_quant import FORMATS
+
     if name == "auto":
         if dtype == torch.float32 and kernels is not None and kernels.amx_attention(head_dim, block_size):
-            return torch.bfloat16, "auto: AMX tiles run the prefill attention on bf16 K/V"
-        return dtype, "auto: as the compute dtype"
-    if name not in ("float32", "bfloat16"):
-        raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of auto, float32, bfloat16, got {name!r}")
-    want = DTYPES[name]
-    if want == dtype:
-        return want, "requested"
-    if dtype == torch.float32 and want == torch.bfloat16:
+            return FORMATS["bfloat16"], "auto: AMX tiles run the prefill attention on bf16 K/V"
+        return FORMATS[str(dtype).removeprefix("torch.")], "auto: as the compute dtype"
+    if name not in FORMATS:
+        raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) must be one of auto, {', '.join(FORMATS)}, got {name!r}")
+    fmt = FORMATS[name]
+    if fmt.quantized:
+        fmt.row_elems(head_dim)  # a ValueError naming the field for a head_dim it cannot group
+        where = "the C kernels'" if kernels is not None and dtype == torch.float32 else "torch's"
+        return fmt, f"requested: rows dequantized as read in {where} attention"
+    if fmt.storage == dtype:
+        return fmt, "requested"
+    if dtype == torch.float32 and fmt.storage == torch.bfloat16:
         if kernels is None:
             raise ValueError("kv_cache_dtype (--kv-cache-dtype) bfloat16 under float32 compute runs in the C "
                              "kernels, which are off here (--no-cpu-kernels, no compiler, an unsupported "
                              "head_dim, or not a CPU): use --kv-cache-dtype float32 or --dtype bfloat16")
         fast = kernels.amx_attention(head_dim, block_size)
-        return want, "requested" + ("" if fast else " (no AMX tiles for it here: a prefill chunk runs as decodes, "
-                                                     "slower)")
+        return fmt, "requested" + ("" if fast else " (no AMX tiles for it here: a prefill chunk runs as decodes, "
+                                                    "slower)")
     raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {name} cannot run under --dtype "
-                     f"{str(dtype).removeprefix('torch.')}: the pool stores the compute dtype or, under float32 "
-                     f"with the C kernels, bfloat16")
+                     f"{str(dtype).removeprefix('torch.')}: the pool stores the compute dtype, q8_0 or q4_0, or, "
+                     f"under float32 with the C kernels, bfloat16")

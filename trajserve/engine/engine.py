@@ -89,19 +89,22 @@ class LLMEngine:
         del weights
 
         cc = config.cache
-        self.kv_dtype, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels, mc.head_dim,
-                                                    cc.block_size)
-        self.num_blocks = num_blocks_for(cc, mc, self.kv_dtype, self.device)
+        # kv_format: what a pool row is (kv/kv_quant.py); kv_dtype: the pool tensors' dtype (uint8 for q8_0 / q4_0).
+        self.kv_format, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels, mc.head_dim,
+                                                     cc.block_size)
+        self.kv_dtype = self.kv_format.storage
+        self.num_blocks = num_blocks_for(cc, mc, self.kv_format, self.device)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
                                  enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
-                                     mc.head_dim, self.kv_dtype, self.device)
+                                     mc.head_dim, self.kv_format, self.device)
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
         # What every block written to disk says it is (kv/block_format.py).
         formats = self.model.weight_formats()
         quantized = sorted(f for f in formats if f in QUANT_FORMATS)
-        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)), self.kv_dtype,
-                                           (mc.num_layers, 2, mc.num_kv_heads, cc.block_size, mc.head_dim))
+        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)), self.kv_format.name,
+                                           (mc.num_layers, 2, mc.num_kv_heads, cc.block_size,
+                                            self.kv_format.row_elems(mc.head_dim)))
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
             self.lower = LowerTiers(self.runner.read_blocks, self.runner.write_blocks, cc.host_cache_bytes,
@@ -112,7 +115,7 @@ class LLMEngine:
         self.rates = CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9, disk_bytes_per_s=1e9)
         pricer = None
         if self.lower is not None:  # a host tier to swap preempted blocks to
-            block_bytes = bytes_per_block(mc, cc.block_size, self.kv_dtype)
+            block_bytes = bytes_per_block(mc, cc.block_size, self.kv_format)
             host = self.lower.host
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
@@ -127,7 +130,7 @@ class LLMEngine:
         self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler))
         self._ids = itertools.count()
         self.last_step = StepStats()
-        m_token = mc.kv_bytes_per_token(self.kv_dtype.itemsize)
+        m_token = self.kv_format.bytes_per_token(mc)
         self.startup_summary = (
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
             f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
@@ -135,8 +138,8 @@ class LLMEngine:
             f"{f', C kernels ({self.model.kernels.isa})' if self.model.kernels is not None else ''}\n"
             f"weights: {' + '.join(f'{f} {b / 1e6:,.1f} MB' for f, b in formats.items())} read per decode step "
             f"(quantization {self.quantization}: {quant_reason})\n"
-            f"KV cache: {str(self.kv_dtype).removeprefix('torch.')} ({kv_reason}) | m_token = {m_token:,} B "
-            f"(eq. 1) | block = {cc.block_size} tokens = {bytes_per_block(mc, cc.block_size, self.kv_dtype):,} B | {self.num_blocks:,} blocks | "
+            f"KV cache: {self.kv_format.name} ({kv_reason}) | m_token = {m_token:,} B "
+            f"(eq. 1) | block = {cc.block_size} tokens = {bytes_per_block(mc, cc.block_size, self.kv_format):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")
         log.info(self.startup_summary)
 

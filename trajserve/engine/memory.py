@@ -18,12 +18,16 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    # m_token (eq. 1, kv-cache-management) times tokens per block.
-    return model.kv_bytes_per_token(dtype.itemsize) * block_size
+def bytes_per_block(model: ModelConfig, block_size: int, fmt) -> int:
+    """m_token (eq. 1, kv-cache-management) times tokens per block; fmt a
+    KVFormat (kv/kv_quant.py) or a float torch dtype. One definition of a
+    format's bytes: trajserve.plan.kv_format, which the planner uses too."""
+    from trajserve.kv.kv_quant import kv_format
+
+    return (kv_format(fmt) if isinstance(fmt, torch.dtype) else fmt).bytes_per_token(model) * block_size
 
 
-def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype, device: torch.device) -> int:
     per_block = bytes_per_block(model, cache.block_size, dtype)
     if cache.num_blocks is not None:
         n = cache.num_blocks

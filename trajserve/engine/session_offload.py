@@ -53,7 +53,7 @@ class SessionOffload:
     def __init__(self, engine, rates: CostRates, stats, host_bytes: int, disk_dir: str | None,
                  disk_bytes: int, overlap_reload: bool = True) -> None:
         self.engine, self.rates, self.stats = engine, rates, stats
-        self.block_bytes = bytes_per_block(engine.model_config, engine.kv.block_size, engine.kv_dtype)
+        self.block_bytes = bytes_per_block(engine.model_config, engine.kv.block_size, engine.kv_format)
         if engine.lower is not None:  # one store: the prefix cache's tiers
             self.tiers, self._own = engine.lower, False
         else:

@@ -43,7 +43,8 @@ _SUM = struct.Struct("<Q")
 HEADER_BYTES = _BODY.size + _SUM.size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "uint8": torch.uint8, "int64": torch.int64}  # int64: the tests' token-id stand-in blocks
+           "uint8": torch.uint8, "int64": torch.int64,  # int64: the tests' token-id stand-in blocks
+           "q8_0": torch.uint8, "q4_0": torch.uint8}  # quantized rows (kv/kv_quant.py): named, so never confused
 
 
 def digest(value: bytes | str) -> bytes:
@@ -66,8 +67,10 @@ class BlockLayout:
     shape: tuple[int, ...]  # one block: [layers, 2, kv_heads, block_size, head_dim]
 
     @classmethod
-    def of(cls, model: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> BlockLayout:
-        name = str(dtype).removeprefix("torch.")
+    def of(cls, model: bytes, dtype: torch.dtype | str, shape: tuple[int, ...]) -> BlockLayout:
+        """dtype: a torch dtype or a pool format's name (q8_0, q4_0: bytes,
+        their rows' length the shape's last dimension)."""
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         if name not in _DTYPES:
             raise ValueError(f"no disk format for KV dtype {name}")
         if len(shape) > _MAX_DIMS:

@@ -22,7 +22,9 @@ Two paths, chosen per sequence by query length:
 
 Pool layout per layer: [num_blocks, H_kv, B, d] (head-major inside a block),
 so a gathered block is already the [H_kv, B, d] operand a batched matmul
-wants: no transpose copy of K or V on the decode path.
+wants: no transpose copy of K or V on the decode path. A q8_0 / q4_0 pool
+holds [num_blocks, H_kv, B, row bytes] (kv/kv_quant.py): its gathered
+blocks are dequantized to the compute dtype, and write_kv quantizes.
 
 K/V of the current step are written into the pool (write_kv) before this runs.
 """
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from trajserve.kv.kv_quant import load_rows, pool_format, store_rows
 
 
 @dataclass(slots=True)
@@ -68,9 +72,19 @@ class AttentionMetadata:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """k, v: [T, H_kv, d]; caches: [num_blocks, H_kv, B, d]."""
-    k_cache[meta.slot_block, :, meta.slot_offset] = k
-    v_cache[meta.slot_block, :, meta.slot_offset] = v
+    """k, v: [T, H_kv, d]; caches: [num_blocks, H_kv, B, row] (row: d, or a
+    q8_0 / q4_0 row's bytes, kv/kv_quant.py)."""
+    fmt = pool_format(k_cache, k.shape[-1])
+    k_cache[meta.slot_block, :, meta.slot_offset] = store_rows(k, fmt)
+    v_cache[meta.slot_block, :, meta.slot_offset] = store_rows(v, fmt)
+
+
+def _blocks(cache: torch.Tensor, ids: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pool blocks `ids` as values [n, H_kv, B, d] of `dtype` (a quantized
+    pool's rows dequantized as gathered; a float pool's as they are)."""
+    fmt = pool_format(cache, d)
+    blocks = cache.index_select(0, ids)
+    return load_rows(blocks, fmt, d, dtype) if fmt.quantized else blocks
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -101,7 +115,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     group = num_heads // kvh
     seq, blk = meta.pair_seq, meta.pair_block
     qp = q.view(n, kvh, group, d)[seq] * scale  # [P, kvh, g, d]
-    scores = torch.matmul(qp, k_cache.index_select(0, blk).transpose(-1, -2)).float()  # [P, kvh, g, B]
+    scores = torch.matmul(qp, _blocks(k_cache, blk, d, q.dtype).transpose(-1, -2)).float()  # [P, kvh, g, B]
     scores.masked_fill_(~meta.pair_mask[:, None, None, :], float("-inf"))
     # Exact softmax over each sequence's pairs: global max per sequence first.
     pair_max = scores.amax(dim=-1)  # [P, kvh, g]
@@ -109,7 +123,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_max.scatter_reduce_(0, seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
     p = torch.exp(scores - seq_max[seq].unsqueeze(-1))
     denom = torch.zeros_like(seq_max).index_add_(0, seq, p.sum(dim=-1))
-    vb = v_cache.index_select(0, blk)  # [P, kvh, B, d]
+    vb = _blocks(v_cache, blk, d, q.dtype)  # [P, kvh, B, d]
     o_pair = torch.matmul(p.to(vb.dtype), vb)  # [P, kvh, g, d]
     o = torch.zeros((n, kvh, group, d), dtype=torch.float32, device=q.device)
     o.index_add_(0, seq, o_pair.float())
@@ -119,10 +133,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              s: PrefillSeq, scale: float) -> torch.Tensor:
-    kvh, d = k_cache.shape[1], k_cache.shape[3]
+    kvh, d = k_cache.shape[1], q.shape[-1]
     # [nb, kvh, B, d] -> [1, kvh, ctx, d]
-    kt = k_cache.index_select(0, s.block_ids).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
-    vt = v_cache.index_select(0, s.block_ids).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
+    kt = _blocks(k_cache, s.block_ids, d, q.dtype).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
+    vt = _blocks(v_cache, s.block_ids, d, q.dtype).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
     if s.ctx_len == s.q_len:  # no cached prefix: plain causal
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)

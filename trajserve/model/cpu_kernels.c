@@ -182,10 +182,79 @@ void ts_rms_norm(const float *x, int64_t m, int64_t d, int64_t ldx, const float 
  * qkv: [t, ldq] with hq q heads, hkv k heads, hkv v heads of d floats;
  * cos/sin: [max_len, d] tables; caches: [num_blocks, hkv, bs, d], float32,
  * or bfloat16 with kv_bf16 (d % 8 == 0). */
+/* ---------------------------------------------------------- quantized K/V rows
+ *
+ * A q8_0 / q4_0 pool row (kv/kv_quant.py has the layout and the torch
+ * twins of these): the codes of the d / 32 groups, then their float16
+ * scales. Quantizing does kv_quant.py's float32 operations in its order
+ * (no FMA contraction: -ffp-contract=off), so both write the same bytes;
+ * a dequantized value, code x float16 scale, is exact in float32. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_Q8_0 = 2, KV_Q4_0 = 3 };
+
+static inline int64_t kv_row_bytes(int fmt, int64_t d) {
+    return fmt == KV_Q8_0 ? d + d / 16 : fmt == KV_Q4_0 ? d / 2 + d / 16 : fmt == KV_BF16 ? 2 * d : 4 * d;
+}
+
+static void quantize_kv_row(const float *x, int64_t d, int fmt, uint8_t *row) {
+    uint16_t *scales = (uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    for (int64_t g = 0; g < d / 32; g++) {
+        const float *xg = x + 32 * g;
+        float amax = 0.0f, peak = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            const float a = fabsf(xg[j]);
+            if (a > amax) amax = a, peak = xg[j];  // the first value of largest magnitude
+        }
+        const float dq = fmt == KV_Q8_0 ? amax / 127.0f : peak / -8.0f;
+        const float inv = dq != 0.0f ? 1.0f / dq : 0.0f;
+        const uint16_t h = _cvtss_sh(dq, _MM_FROUND_TO_NEAREST_INT);
+        memcpy(scales + g, &h, 2);
+        if (fmt == KV_Q8_0) {
+            for (int j = 0; j < 32; j++) {
+                float q = nearbyintf(xg[j] * inv);  // half to even, as torch.round
+                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+                row[32 * g + j] = (uint8_t)(int8_t)q;
+            }
+        } else {
+            uint8_t *c = row + 16 * g;
+            for (int j = 0; j < 16; j++) {
+                const float lo = xg[j] * inv + 8.5f, hi = xg[j + 16] * inv + 8.5f;
+                const int ql = lo >= 15.0f ? 15 : (int)lo, qh = hi >= 15.0f ? 15 : (int)hi;
+                c[j] = (uint8_t)((ql < 0 ? 0 : ql) | ((qh < 0 ? 0 : qh) << 4));
+            }
+        }
+    }
+}
+
+/* One pool row's d values as float32 (exact). */
+static void dequantize_kv_row(const uint8_t *row, int64_t d, int fmt, float *out) {
+    const uint16_t *scales = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    for (int64_t g = 0; g < d / 32; g++) {
+        uint16_t h;
+        memcpy(&h, scales + g, 2);
+        const __m256 sc = _mm256_set1_ps(_cvtsh_ss(h));
+        float *o = out + 32 * g;
+        if (fmt == KV_Q8_0) {
+            for (int j = 0; j < 32; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64((const __m128i *)(row + 32 * g + j)))), sc));
+        } else {
+            const __m128i c = _mm_loadu_si128((const __m128i *)(row + 16 * g)), nib = _mm_set1_epi8(0x0F);
+            // low nibbles: values 0 .. 15 of the group, high nibbles: 16 .. 31
+            const __m128i half[2] = {_mm_and_si128(c, nib), _mm_and_si128(_mm_srli_epi16(c, 4), nib)};
+            for (int hh = 0; hh < 2; hh++)
+                for (int j = 0; j < 16; j += 8) {
+                    const __m128i part = j ? _mm_srli_si128(half[hh], 8) : half[hh];
+                    const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)), _mm256_set1_ps(8.0f));
+                    _mm256_storeu_ps(o + 16 * hh + j, _mm256_mul_ps(q, sc));
+                }
+        }
+    }
+}
+
 void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, int64_t d,
                    const float *cos_t, const float *sin_t, const int64_t *pos, void *k_cache,
                    void *v_cache, const int64_t *slot_block, const int64_t *slot_offset, int64_t bs,
-                   int kv_bf16, int nthreads) {
+                   int kv_fmt, int nthreads) {
     const int64_t half = d / 2;
 #pragma omp parallel for schedule(static) num_threads(t > 16 ? nthreads : 1)
     for (int64_t i = 0; i < t; i++) {
@@ -203,7 +272,11 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
         for (int64_t h = 0; h < hkv; h++) {
             const int64_t off = (base + h * bs) * d;
             const float *k = row + (hq + h) * d, *v = row + (hq + hkv + h) * d;
-            if (kv_bf16) {  // a bf16 pool (attention_bf16.c): K and V rounded once, here
+            if (kv_fmt == KV_Q8_0 || kv_fmt == KV_Q4_0) {  // quantized rows: bytes, not values
+                const int64_t rb = kv_row_bytes(kv_fmt, d);
+                quantize_kv_row(k, d, kv_fmt, (uint8_t *)k_cache + (base + h * bs) * rb);
+                quantize_kv_row(v, d, kv_fmt, (uint8_t *)v_cache + (base + h * bs) * rb);
+            } else if (kv_fmt == KV_BF16) {  // a bf16 pool (attention_bf16.c): K and V rounded once, here
                 for (int64_t e = 0; e < d; e += 8) {
                     bf16_store8((uint16_t *)k_cache + off + e, _mm256_loadu_ps(k + e));
                     bf16_store8((uint16_t *)v_cache + off + e, _mm256_loadu_ps(v + e));
@@ -281,11 +354,47 @@ typedef __m256 qvec;
  * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. */
 #define MAX_GROUP 16
 
-static void decode_heads(const float *q, int64_t hq, int64_t hkv, int64_t d, const float *k_cache,
-                         const float *v_cache, int64_t bs, const int64_t *table, int64_t ctx, int64_t h,
-                         int64_t j0, int64_t nh, float scale, float *out) {
-    const int64_t group = hq / hkv;
+/* Values e0 .. e0 + 7 of a quantized row (e0 % 8 == 0) whose group's scale
+ * is sc: dequantize_kv_row's operations for those lanes, in registers. */
+static inline __attribute__((always_inline)) __m256 dequant8(const uint8_t *row, const int fmt, int64_t e0,
+                                                             float sc) {
+    if (fmt == KV_Q8_0)
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + e0)))),
+                             _mm256_set1_ps(sc));
+    const int64_t j = e0 % 32;  // q4_0: byte 16 g + j holds values j (low nibble) and j + 16 (high) of group g
+    __m128i b = _mm_loadl_epi64((const __m128i *)(row + 16 * (e0 / 32) + (j & 15)));
+    if (j >= 16) b = _mm_srli_epi16(b, 4);
+    b = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    return _mm256_mul_ps(_mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_set1_ps(8.0f)),
+                         _mm256_set1_ps(sc));
+}
+
+/* The float16 scales of a quantized row as floats. */
+static inline void row_scales(const uint8_t *row, const int fmt, int64_t d, float *sc) {
+    const uint16_t *h = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    for (int64_t g = 0; g < d / 32; g++) {
+        uint16_t x;
+        memcpy(&x, h + g, 2);
+        sc[g] = _cvtsh_ss(x);
+    }
+}
+
+/* One (sequence, kv head, run of query heads) task. fmt is a constant in
+ * each copy (decode_heads_any). A quantized pool's K rows are dequantized
+ * in registers where the float32 kernel loads them (each K element is read
+ * once, for all heads of the run); its V rows once per key block into an L1
+ * buffer, which every head then reads (dequantized in registers per head,
+ * V cost 1.1x more: 2.95 vs 2.65 ms for a 16 x 3,000-key layer). Every
+ * operation after the load is the float32 kernel's, so a quantized pool's
+ * result is the float32 kernel's over its dequantized values. */
+static inline __attribute__((always_inline)) void decode_heads(
+    const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, const int fmt,
+    int64_t bs, const int64_t *table, int64_t ctx, int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
+    const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
+    const int quant = fmt == KV_Q8_0 || fmt == KV_Q4_0;
     float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
+    float ksc[8][8];  // a quantized pool's K row scales (d <= 256: 8 groups)
+    float vq[KB * 256];  // its V rows of the key block, dequantized once (every head of the run reads them)
     for (int64_t j = 0; j < nh; j++) {
         const float *qr = q + (h * group + j0 + j) * d;
         for (int64_t e = 0; e < d; e++) qs[j * d + e] = qr[e] * scale, o[j * d + e] = 0.0f;
@@ -297,17 +406,28 @@ static void decode_heads(const float *q, int64_t hq, int64_t hkv, int64_t d, con
         const float *vp[KB];
         for (int64_t t = 0; t < nk; t += 8) {
             const float *kp[8];
+            const uint8_t *kb[8];
             for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
                 const int64_t key = kb0 + (t + u < nk ? t + u : nk - 1);
-                const int64_t off = ((table[key / bs] * hkv + h) * bs + key % bs) * d;
-                kp[u] = k_cache + off;
-                if (t + u < nk) vp[t + u] = v_cache + off;
+                const int64_t r = (table[key / bs] * hkv + h) * bs + key % bs;
+                if (quant) {
+                    kb[u] = (const uint8_t *)k_cache + r * rb;
+                    row_scales(kb[u], fmt, d, ksc[u]);
+                    if (t + u < nk) {
+                        dequantize_kv_row((const uint8_t *)v_cache + r * rb, d, fmt, vq + (t + u) * d);
+                        vp[t + u] = vq + (t + u) * d;
+                    }
+                } else {
+                    kp[u] = (const float *)k_cache + r * d;
+                    if (t + u < nk) vp[t + u] = (const float *)v_cache + r * d;
+                }
             }
             __m256 acc[MAX_GROUP];
             for (int64_t j = 0; j < nh; j++) acc[j] = _mm256_setzero_ps();
             for (int64_t e0 = 0; e0 < d; e0 += 8) {
                 __m256 r[8], c[8];
-                for (int u = 0; u < 8; u++) r[u] = _mm256_loadu_ps(kp[u] + e0);
+                for (int u = 0; u < 8; u++)
+                    r[u] = quant ? dequant8(kb[u], fmt, e0, ksc[u][e0 / 32]) : _mm256_loadu_ps(kp[u] + e0);
                 transpose8(r, c);
                 for (int64_t j = 0; j < nh; j++)
                     for (int ee = 0; ee < 8; ee++)
@@ -332,10 +452,23 @@ static void decode_heads(const float *q, int64_t hq, int64_t hkv, int64_t d, con
     }
 }
 
-void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
-                         int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
-                        const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
-                        const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
+static void decode_heads_any(const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
+                             const void *v_cache, int fmt, int64_t bs, const int64_t *table, int64_t ctx, int64_t h,
+                             int64_t j0, int64_t nh, float scale, float *out) {
+    switch (fmt) {  // a constant format in each copy: the quantized branches fold away
+        case KV_Q8_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, KV_Q8_0, bs, table, ctx, h, j0, nh, scale, out); break;
+        case KV_Q4_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, KV_Q4_0, bs, table, ctx, h, j0, nh, scale, out); break;
+        default: decode_heads(q, hq, hkv, d, k_cache, v_cache, KV_F32, bs, table, ctx, h, j0, nh, scale, out);
+    }
+}
+
+/* A float32 pool (kv_fmt KV_F32) or a quantized one (KV_Q8_0, KV_Q4_0: rows
+ * dequantized as they are read, the float32 pool's operations after that,
+ * so the result is the float32 kernel's on the dequantized values). */
+void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
+                           int64_t d, const void *k_cache, const void *v_cache, int64_t bs,
+                           const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
+                           const int64_t *rows, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
     const int64_t group = hq / hkv;
     // A task per (sequence, kv head) while there are as many as threads (at a
     // batch of 1 with 3 kv heads on 2 threads that beat 9 per-head tasks,
@@ -345,9 +478,17 @@ void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
     for (int64_t si = 0; si < n; si++)
         for (int64_t t = 0; t < hkv * runs; t++) {
             const int64_t h = t / runs, j0 = (t % runs) * per;
-            decode_heads(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si], ctx[si], h,
-                         j0, per, scale, out + rows[si] * ldo);
+            decode_heads_any(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, tables + table_start[si],
+                         ctx[si], h, j0, per, scale, out + rows[si] * ldo);
         }
+}
+
+void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
+                         int64_t d, const float *k_cache, const float *v_cache, int64_t bs,
+                         const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
+                         const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
+    ts_decode_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, tables, table_start, ctx, rows, scale, out,
+                          ldo, KV_F32, nthreads);
 }
 
 /* Paged prefill attention for one sequence's chunk of n query tokens over
@@ -460,10 +601,14 @@ static inline int64_t hidden_rows(int64_t key, int64_t first) {
     return t <= 0 ? 0 : (t < QB ? t : QB);
 }
 
-int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
-                         const float *k_cache, const float *v_cache, int64_t bs, const int64_t *table,
-                         int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
-    const int64_t group = hq / hkv, nqb = (n + QB - 1) / QB;
+/* kv_fmt as in ts_decode_attention_q: a quantized pool's key block is
+ * dequantized into the task's buffer once per block, then read as a
+ * float32 pool's rows. */
+int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                           const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
+                           int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
+    const int64_t group = hq / hkv, nqb = (n + QB - 1) / QB, rb = kv_row_bytes(kv_fmt, d);
+    const int quant = kv_fmt == KV_Q8_0 || kv_fmt == KV_Q4_0;
     int failed = 0;
     // Later query blocks see more keys: hand them out first (dynamic schedule).
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)
@@ -473,7 +618,7 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
             const int64_t first = ctx - n + q0;           // position of the block's query 0
             const int64_t kend = first + rows;            // keys any of its queries sees
             const int nv = (int)((rows + QV - 1) / QV), R = QV * nv;  // query vectors, rows computed
-            float *buf = malloc(sizeof(float) * (group * (2 * d * QB + 2 * QB) + KB * QB) +
+            float *buf = malloc(sizeof(float) * (group * (2 * d * QB + 2 * QB) + KB * QB + (quant ? 2 * KB * d : 0)) +
                                 sizeof(float *) * 2 * KB);
             if (buf == NULL) {
                 failed++;
@@ -481,7 +626,8 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
             }
             float *qt = buf, *o = qt + group * d * QB, *m = o + group * QB * d, *l = m + group * QB,
                   *s = l + group * QB;
-            const float **kp = (const float **)(s + KB * QB), **vp = kp + KB;
+            float *kq = s + KB * QB, *vq = kq + (quant ? KB * d : 0);  // a quantized key block, dequantized
+            const float **kp = (const float **)(vq + (quant ? KB * d : 0)), **vp = kp + KB;
             for (int64_t j = 0; j < group; j++) {
                 for (int64_t r = 0; r < QB; r++) {  // rows past the chunk: zero queries, outputs unused
                     const float *qr = q + (q0 + (r < rows ? r : 0)) * ldq + (h * group + j) * d;
@@ -499,9 +645,17 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                 const int64_t nk = kend - kb0 < KB ? kend - kb0 : KB, nk4 = (nk + 3) & ~(int64_t)3;
                 for (int64_t i = 0; i < nk4; i++) {
                     int64_t p = kb0 + (i < nk ? i : nk - 1);  // padding repeats the last key
-                    int64_t off = ((table[p / bs] * hkv + h) * bs + p % bs) * d;
-                    kp[i] = k_cache + off;
-                    vp[i] = v_cache + off;
+                    int64_t r = (table[p / bs] * hkv + h) * bs + p % bs;
+                    if (!quant) {
+                        kp[i] = (const float *)k_cache + r * d;
+                        vp[i] = (const float *)v_cache + r * d;
+                    } else if (i < nk) {
+                        dequantize_kv_row((const uint8_t *)k_cache + r * rb, d, kv_fmt, kq + i * d);
+                        dequantize_kv_row((const uint8_t *)v_cache + r * rb, d, kv_fmt, vq + i * d);
+                        kp[i] = kq + i * d, vp[i] = vq + i * d;
+                    } else {
+                        kp[i] = kp[nk - 1], vp[i] = vp[nk - 1];
+                    }
                 }
                 const int masked = kb0 + nk - 1 > first;
                 for (int64_t j = 0; j < group; j++) {
@@ -556,6 +710,13 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
         }
     }
     return failed;
+}
+
+int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                         const float *k_cache, const float *v_cache, int64_t bs, const int64_t *table,
+                         int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
+    return ts_prefill_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, table, ctx, scale, out, ldo, KV_F32,
+                                  nthreads);
 }
 
 /* exp8 and (in the avx512 build; else exp8 again) exp16 of x[0 .. n), n a

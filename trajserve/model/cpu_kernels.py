@@ -67,6 +67,8 @@ _SIGNATURES = {
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
+    "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _C],
+    "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
     "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
@@ -79,7 +81,7 @@ _SIGNATURES = {
     "ts_quant_amx_init": [],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
 }
-_RETURNS_INT = ("ts_prefill_attention", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
+_RETURNS_INT = ("ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
                 "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
 # AMX prefill of a bf16 pool: head_dim a multiple of 32 (one tile row of
 # pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
@@ -280,11 +282,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _pool_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """True for a bfloat16 pool (attention_bf16.c), False for float32."""
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.bfloat16):
-        raise TypeError(f"KV pool must be float32 or bfloat16, got {k_cache.dtype} / {v_cache.dtype}")
-    return k_cache.dtype == torch.bfloat16
+def _pool_format(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> int:
+    """The pool's kv_fmt code (cpu_kernels.c): 0 float32, 1 bfloat16
+    (attention_bf16.c), 2 q8_0, 3 q4_0 (kv/kv_quant.py)."""
+    from trajserve.kv.kv_quant import pool_format
+
+    if k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape or \
+            k_cache.dtype not in (torch.float32, torch.bfloat16, torch.uint8):
+        raise TypeError(f"KV pool must be float32, bfloat16 or uint8 (q8_0, q4_0), got {k_cache.dtype} / "
+                        f"{v_cache.dtype}")
+    return pool_format(k_cache, head_dim).code
+
 
 
 def _check_index(*ts: torch.Tensor) -> None:
@@ -359,7 +367,7 @@ class CpuKernels:
         self.lib.ts_rope_store(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), num_heads, num_kv_heads, head_dim,
                                cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), k_cache.data_ptr(),
                                v_cache.data_ptr(), slot_block.data_ptr(), slot_offset.data_ptr(),
-                               k_cache.shape[2], int(_pool_bf16(k_cache, v_cache)), self.threads())
+                               k_cache.shape[2], _pool_format(k_cache, v_cache, head_dim), self.threads())
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          tables: torch.Tensor, table_start: torch.Tensor, ctx: torch.Tensor,
@@ -367,14 +375,15 @@ class CpuKernels:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows]."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
-        decode = self.lib.ts_decode_attention
-        if _pool_bf16(k_cache, v_cache):
+        fmt = _pool_format(k_cache, v_cache, d)
+        args = (q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
+                v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
+                rows.data_ptr(), scale, out.data_ptr(), out.stride(0))
+        if fmt == 1:
             amx = self.amx_attention(d, k_cache.shape[2]) and num_heads // k_cache.shape[1] <= 16
-            decode = self.lib.ts_decode_attention_amx if amx else self.lib.ts_decode_attention_bf16
-        decode(
-            q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
-            v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
-            rows.data_ptr(), scale, out.data_ptr(), out.stride(0), self.threads())
+            (self.lib.ts_decode_attention_amx if amx else self.lib.ts_decode_attention_bf16)(*args, self.threads())
+        else:  # float32, or q8_0 / q4_0 rows dequantized as read
+            self.lib.ts_decode_attention_q(*args, fmt, self.threads())
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor) -> None:
@@ -388,13 +397,15 @@ class CpuKernels:
             raise ValueError(f"prefill attention needs head_dim % 8 == 0 and contiguous heads, got d={d}")
         if not n <= ctx_len <= block_ids.shape[0] * bs:
             raise ValueError(f"chunk of {n} tokens, context {ctx_len}, {block_ids.shape[0]} blocks of {bs}")
-        prefill = self.lib.ts_prefill_attention
-        if _pool_bf16(k_cache, v_cache):
+        fmt = _pool_format(k_cache, v_cache, d)
+        args = (q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
+                bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0))
+        if fmt == 1:
             amx = self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES
-            prefill = self.lib.ts_prefill_attention_amx if amx else self.lib.ts_prefill_attention_bf16
-        failed = prefill(
-            q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
-            bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0), self.threads())
+            failed = (self.lib.ts_prefill_attention_amx if amx else self.lib.ts_prefill_attention_bf16)(
+                *args, self.threads())
+        else:  # float32, or q8_0 / q4_0 key blocks dequantized as read
+            failed = self.lib.ts_prefill_attention_q(*args, fmt, self.threads())
         if failed:
             raise MemoryError(f"prefill attention: no memory for {failed} (query block, head) tasks")
 

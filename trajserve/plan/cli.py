@@ -39,7 +39,7 @@ def default_dtypes(device, gguf_file: bool = False, head_dim: int = 64) -> tuple
         dtype = resolve_dtype("auto", torch.device("cpu"))[0]
         engine = "bf16" if dtype == torch.bfloat16 else "fp32"
         kernels = cpu_kernels.load() if dtype == torch.float32 else None
-        kv = "bf16" if resolve_kv_dtype("auto", dtype, kernels, head_dim)[0] == torch.bfloat16 else "fp32"
+        kv = resolve_kv_dtype("auto", dtype, kernels, head_dim)[0].plan_name
         as_stored = gguf_file and resolve_quantization("auto", dtype, torch.device("cpu"))[0] == "auto"
         return kv, None if as_stored else engine
     return "bf16", None

@@ -60,7 +60,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     engine = aengine.engine
     calls_format = calls_format_for(engine.tokenizer, tool_call_parser)  # a bad name fails before anything starts
     metrics = ServerMetrics(lambda: aengine.snapshot,
-                            bytes_per_block(engine.model_config, engine.kv.block_size, engine.kv_dtype))
+                            bytes_per_block(engine.model_config, engine.kv.block_size, engine.kv_format))
     aengine.on_finished = metrics.observe
     # Touched only on the engine thread (through aengine.call / submit).
     manager = SessionManager(engine, idle_ttl_s=session_ttl_s, max_sessions=max_sessions) \

@@ -58,7 +58,7 @@ def model_cost_of(engine) -> ModelCost:
     return ModelCost(name=cfg.name or os.path.basename(str(engine.model_path)), config=cfg,
                      matmul_params=model_shapes.matmul_params(cfg), head_params=model_shapes.lm_head_params(cfg),
                      weight_read_bytes=float(weight_bytes(engine.model)),
-                     m_token=float(cfg.kv_bytes_per_token(engine.kv_dtype.itemsize)))
+                     m_token=float(engine.kv_format.bytes_per_token(cfg)))
 
 
 def _tokens(engine, rng: random.Random, n: int) -> list[int]:

@@ -20,6 +20,12 @@ def _quant_agreement(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _kv_agreement(args: argparse.Namespace) -> int:
+    from trajserve.bench.kv_agreement import run
+
+    return run(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from trajserve.bench.serve import run
 
@@ -81,6 +87,17 @@ def add_bench_parser(sub) -> None:
     qa.add_argument("--bf16", action="store_true", help="test torch's bfloat16 forward instead (a yardstick)")
     qa.add_argument("--json", action="store_true", help="print only JSON")
     qa.set_defaults(func=_quant_agreement)
+
+    kva = bsub.add_parser("kv-agreement", help="a KV pool format against a float32 pool, all else equal: greedy "
+                          "agreement and KL over 16 prompts of 200-3,000 tokens x 64 tokens")
+    kva.add_argument("--model", default=None)
+    kva.add_argument("--kv-cache-dtype", default="q8_0", choices=[k for k in KV_CACHE_DTYPES if k != "auto"])
+    kva.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                     help="the weights of both sides (default none: float32, so only the pool differs)")
+    kva.add_argument("--prompts", type=int, default=16, help="the first N of the 16 prompts (shortest first)")
+    kva.add_argument("--num-blocks", type=int, default=None)
+    kva.add_argument("--json", action="store_true", help="print only JSON")
+    kva.set_defaults(func=_kv_agreement)
 
     a = bsub.add_parser("agent", help="multi-turn agent replay: TTFT and prefix hit rate, cached vs uncached")
     a.add_argument("--tool-waits", action="store_true",

@@ -1,0 +1,142 @@
+"""`trajserve bench kv-agreement`: a KV pool format against full-precision
+KV, everything else equal (issue 27; inference-optimization 8.4.2 / 8.4.4:
+what compressing K and V costs in quality).
+
+16 fixed prompts of 200 to 3,000 tokens, the length an agent's context
+has: a file it read (Python standard-library sources, fixed for the
+interpreter's version) and a question about it. Each runs twice per pool:
+64 greedy tokens (EOS ignored), then teacher-forced along the float32
+pool's continuation, scoring every position's full next-token
+distribution. Reports per prompt the tokens identical up to the first
+divergence and the mean KL(p_float32 || p_format) over the 64 positions;
+then the share of continuations identical for all 64 and the mean KL over
+all positions. Weights and compute are the same on both sides (default
+`--quantization none`: float32 weights, so only the pool differs).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+
+from trajserve.bench.common import command_line, machine_info
+
+TOKENS = 64
+NUM_PROMPTS = 16
+SHORTEST, LONGEST = 200, 3000
+# Shortest prompt first; each module's source is longer than its prompt (Python 3.11).
+_SOURCES = ("bisect", "sched", "fnmatch", "abc", "colorsys", "glob", "copy", "queue", "string", "json.decoder",
+            "shlex", "textwrap", "heapq", "tokenize", "csv", "functools")
+_QUESTIONS = ("What does the last function in this file do, and what could go wrong with it?",
+              "List the public names this module defines.",
+              "Write a unit test for the first class or function in this file.",
+              "Explain the module's error handling in two sentences.")
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    """The 16 prompts' token ids: lengths spread evenly over 200-3,000."""
+    import importlib
+
+    out = []
+    for i, name in enumerate(_SOURCES[:NUM_PROMPTS]):
+        target = SHORTEST + (LONGEST - SHORTEST) * i // (NUM_PROMPTS - 1)
+        head = tokenizer.encode(f"Here is the file {name.replace('.', '/')}.py:\n```python\n")
+        tail = tokenizer.encode(f"\n```\n{_QUESTIONS[i % len(_QUESTIONS)]}\nAnswer:")
+        body = tokenizer.encode(inspect.getsource(importlib.import_module(name)))
+        keep = target - len(head) - len(tail)
+        if keep > len(body):
+            raise RuntimeError(f"{name} is shorter than its {target}-token prompt")
+        out.append(head + body[:keep] + tail)
+    return out
+
+
+class _Capture:
+    """The full next-token log-distributions of one teacher-forced request:
+    wraps the executor's prompt-logprob step (which sees every prompt row's
+    logits) and keeps the rows at positions [first, first + TOKENS)."""
+
+    def __init__(self, engine, first: int) -> None:
+        self.executor, self.first, self.rows = engine.core.executor, first, {}
+        self._orig = self.executor._prompt_logprobs
+
+    def __enter__(self):
+        def hook(spans, logits):
+            for _req, row0, start, n in spans:
+                for i in range(n):
+                    if self.first <= start + i < self.first + TOKENS:
+                        self.rows[start + i] = logits[row0 + i].float().log_softmax(-1)
+            self._orig(spans, logits)
+
+        self.executor._prompt_logprobs = hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.executor._prompt_logprobs = self._orig
+
+
+def _continuations(llm, ids: list[list[int]]) -> list[list[int]]:
+    from trajserve.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(ids, sp, use_tqdm=False)]
+
+
+def _distributions(llm, prompt: list[int], continuation: list[int]):
+    """[TOKENS, vocab] log-probabilities of the next token after prompt +
+    continuation[:j], for j < TOKENS (the last prompt position first): the
+    whole continuation goes in as prompt, whose rows then score it."""
+    import torch
+
+    from trajserve.sampling import SamplingParams
+
+    llm.engine.kv.clear_cache()  # scored from scratch: no prefix from the run before
+    with _Capture(llm.engine, len(prompt) - 1) as cap:
+        llm.generate([prompt + continuation], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                     use_tqdm=False)
+    return torch.stack([cap.rows[p] for p in range(len(prompt) - 1, len(prompt) - 1 + TOKENS)])
+
+
+def run(args: argparse.Namespace) -> int:
+    from trajserve.llm import LLM
+
+    common = dict(model=args.model, num_blocks=args.num_blocks or 1024, dtype="float32",
+                  quantization=args.quantization)
+    tested = LLM(kv_cache_dtype=args.kv_cache_dtype, **common)
+    ref = LLM(kv_cache_dtype="float32", **common)
+    ids = prompts(tested.engine.tokenizer)[: args.prompts]
+    a, b = _continuations(tested, ids), _continuations(ref, ids)
+    rows = []
+    for p, x, y in zip(ids, a, b):
+        same = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), TOKENS)
+        lp, lq = _distributions(ref, p, y), _distributions(tested, p, y)
+        kl = (lp.exp() * (lp - lq)).sum(-1)  # KL(p_float32 || p_format) at each position
+        rows.append({"prompt_tokens": len(p), "identical_tokens": same, "mean_kl": kl.mean().item(),
+                     "max_kl": kl.max().item()})
+    summary = {"prompts": len(rows), "tokens": TOKENS,
+               "share_identical_for_64": sum(r["identical_tokens"] == TOKENS for r in rows) / len(rows),
+               "mean_identical_prefix": sum(r["identical_tokens"] for r in rows) / len(rows) / TOKENS,
+               "mean_kl": sum(r["mean_kl"] for r in rows) / len(rows),
+               "max_kl": max(r["max_kl"] for r in rows)}
+    out = {"command": command_line(), "machine": machine_info(), "kv_dtype": tested.engine.kv_format.name,
+           "reference_kv_dtype": ref.engine.kv_format.name, "quantization": tested.engine.quantization,
+           "weights": tested.engine.model.weight_formats(),
+           "kernels": getattr(tested.engine.model.kernels, "isa", None), "rows": rows, "summary": summary}
+    if not all(math.isfinite(r["mean_kl"]) for r in rows):
+        raise RuntimeError("a KL divergence is not finite")
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"\n{out['command']}\nKV {out['kv_dtype']} against KV float32; weights {out['weights']} in float32 "
+          f"(kernels {out['kernels']})\n")
+    print(f"{'#':>3} {'prompt':>7} {'identical':>9} {'mean KL':>10} {'max KL':>9}")
+    for i, r in enumerate(rows):
+        print(f"{i:>3} {r['prompt_tokens']:>7} {r['identical_tokens']:>6}/{TOKENS} {r['mean_kl']:>10.5f} "
+              f"{r['max_kl']:>9.4f}")
+    s = summary
+    print(f"\n{s['share_identical_for_64'] * 100:.0f} % of continuations identical for {TOKENS} tokens; identical "
+          f"prefix {s['mean_identical_prefix'] * 100:.0f} % on average; mean KL {s['mean_kl']:.5f} "
+          f"(max {s['max_kl']:.4f})")
+    print("\nJSON:")
+    print(json.dumps(out))
+    return 0

@@ -42,6 +42,17 @@ def round_time(read_seconds: float, compute_seconds: float = 0.0) -> float:
     return max(read_seconds, compute_seconds)
 
 
+def request_time(queue_seconds: float, prefill_seconds: float, output_tokens: int, interval_seconds: float,
+                 stall_seconds: float = 0.0) -> float:
+    """One request, arrival to last token (8.1.1): the queue, the prefill
+    that yields the first token, then G - 1 output intervals (plus what
+    other work inserted into them, e.g. another request's prefill):
+    0.1 + 0.096 + 255 x 0.0265 = 6.95 s."""
+    if output_tokens < 1:
+        raise ValueError(f"output tokens must be >= 1, got {output_tokens}")
+    return queue_seconds + prefill_seconds + decode_rounds(output_tokens) * interval_seconds + stall_seconds
+
+
 def completion_time(prefill_seconds: float, output_tokens: int, round_seconds: float,
                     tokens_per_round: float = 1.0) -> float:
     """Whole batch, arrival to last token: prefill + rounds * round time."""

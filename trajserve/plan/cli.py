@@ -82,9 +82,9 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="write concurrency vs context to this file")
     p.set_defaults(func=cmd_plan)
     questions = p.add_subparsers(dest="question", metavar="QUESTION",
-                                 help="spec: speculative decoding's gain and draft length (8.5.2-8.5.4)")
-    from trajserve.plan.speculation_cli import add_spec_parser
-    add_spec_parser(questions.add_parser("spec", help="speculative decoding: E[N], time per token, draft length"))
+                                 help="spec | offload | reads | request: chapter 8's other sizing questions")
+    from trajserve.plan.questions_cli import add_questions
+    add_questions(questions)
 
 
 def request_from(args: argparse.Namespace):

@@ -1,6 +1,8 @@
-"""Speculative decoding's arithmetic (trajserve/plan/speculation.py) against
-inference-optimization 8.5.2-8.5.4 and exercise 8-7, at the precision the
-spec prints; `trajserve plan spec` on the same inputs."""
+"""`trajserve plan QUESTION` against inference-optimization's worked numbers,
+at the precision the spec prints: speculative decoding (speculation.py;
+8.5.2-8.5.4, exercise 8-7), weight offload (weight_offload.py; 8.4.3,
+exercise 8-5), a round's reads (batch_reads.py; 8.2.1), one request's time
+(batch_config.request_time; 8.1.1); and the CLI on the same inputs."""
 from __future__ import annotations
 
 import json
@@ -12,8 +14,16 @@ import sys
 import pytest
 from hypothesis import given, strategies as st
 
+from trajserve.plan import get_model
+from trajserve.plan.batch_config import request_time
+from trajserve.plan.batch_reads import bytes_per_token, kv_batch, round_bytes, step_time, weight_intensity
+from trajserve.plan.kv_format import m_token
+from trajserve.plan.model_shapes import decode_read_params, total_params
 from trajserve.plan.speculation import (draft_lengths, expected_output, marginal_output, plan_speculation,
                                         query_budget, round_time, setup_break_even_tokens, time_per_token)
+from trajserve.plan.weight_offload import compressed_move, fits_deadline, plan_offload
+
+MiB, GiB = 2**20, 2**30
 
 
 def test_time_per_token_is_total_time_over_total_tokens_8_5_2():
@@ -122,3 +132,71 @@ def test_cli_plan_questions_and_bad_input_exit_2():
     assert r.returncode == 2 and "--accept" in r.stderr
     r = _trajserve("plan", "--gpu", "h100")  # the capacity plan still needs its model
     assert r.returncode == 2 and "plan needs --model" in r.stderr
+
+
+def test_request_time_from_its_parts_8_1_1():
+    # Queue 0.1 s, prefill 0.096 s to the first token, 255 intervals of 26.5 ms: 6.95 s, inside 7 s;
+    # another request's 0.096 s prefill inserted into one interval (26.5 -> ~123 ms): 7.05 s, past it.
+    assert round(0.1 + 0.096, 3) == 0.196
+    assert round(request_time(0.1, 0.096, 256, 0.0265), 2) == 6.95
+    assert round(0.0265 + 0.096, 4) * 1e3 == pytest.approx(122.5) and round(122.5) == 122
+    assert round(request_time(0.1, 0.096, 256, 0.0265, stall_seconds=0.096), 2) == 7.05
+    with pytest.raises(ValueError):
+        request_time(0, 0.1, 0, 0.02)
+
+
+def test_batch_reads_and_b_kv_8_2_1():
+    cfg = get_model("qwen3-8b").config
+    d_w, k = 2 * decode_read_params(cfg), m_token(cfg)  # BF16 matrix weights, 144 KiB of KV a token
+    assert round(d_w / GiB, 1) == 14.1 and 2048 * k / GiB == 0.28125
+    assert weight_intensity(1, 2) == 1 and weight_intensity(16, 2) == 16  # I_weight = 2b / s_w
+    assert round(d_w / 16 / GiB, 2) == 0.88 and round(d_w / 64 / GiB, 2) == 0.22
+    assert round(bytes_per_token(d_w, 1, 2048, k) / GiB, 2) == 14.38
+    assert round(bytes_per_token(d_w, 64, 2048, k) / GiB, 2) == 0.50
+    assert round(bytes_per_token(d_w, 1, 2048, k) / bytes_per_token(d_w, 64, 2048, k)) == 29
+    assert 64 * 2048 * k > d_w  # at 64, a token's KV read passes its share of the weights
+    assert kv_batch(d_w, 2048, k) == 51 and kv_batch(d_w, 8192, k) == 13
+    # 64 requests of 2K after one decode step, with all of the model's weights: ~35.7 GB resident
+    assert round((2 * total_params(cfg) + 64 * 2049 * k) / 1e9, 1) == 35.7
+    assert round_bytes(d_w, 64, 2048, k) == d_w + 64 * 2048 * k
+    # T_step: the larger of compute and reading (the compute term wins only with a large F / P)
+    assert step_time(16, 1e9, 1e15, d_w, 2048, k, 1.792e12) == round_bytes(d_w, 16, 2048, k) / 1.792e12
+    assert step_time(16, 1e12, 1e15, d_w, 2048, k, 1.792e12) == 16 * 1e12 / 1e15
+
+
+def test_weight_offload_8_4_3_and_exercise_8_5():
+    ffn = 288 * MiB  # one layer's three BF16 FFN matrices, Qwen3-8B; 9 of 36 layers offloaded
+    one, two = (plan_offload(ffn, 9, b, 1152 * MiB, 64e9, 255, budget_s=1.0) for b in (1, 2))
+    assert one.offloaded_bytes == 2592 * MiB and round(one.offloaded_bytes / 1e9, 2) == 2.72
+    assert one.net_saved_bytes == 2304 * MiB and two.net_saved_bytes == 2016 * MiB
+    assert one.extra_states == 2 and two.extra_states == 1  # 8K input states of 1152 MiB
+    assert plan_offload(ffn, 9, 1, 1188 * MiB, 64e9, 255).extra_states == 1  # whole requests of 1188 MiB
+    assert round(one.copy_s_per_round * 1e3, 1) == 42.5 and round(4 / 0.0425) == 94
+    assert round(one.copy_s_total, 1) == 10.8 and not fits_deadline(one.copy_s_per_round, 26.26e-3)
+    c2c = plan_offload(ffn, 9, 2, 1188 * MiB, 450e9, 255)
+    assert round(c2c.copy_s_per_round * 1e3, 1) == 6.0 and round(c2c.copy_s_total, 2) == 1.54
+    assert fits_deadline(c2c.copy_s_per_round, 26.26e-3)
+    assert round(one.link_for_budget / 1e9) == 693  # exercise 8-5: every copy of 255 rounds in 1 s
+    c = compressed_move(96 * MiB, 0.25, 64e9)
+    assert round(c.direct_s * 1e3, 2) == 1.57 and round(c.compressed_link_s * 1e3, 2) == 0.39
+    assert round(c.saved_link_s * 1e3, 2) == 1.18 and round(c.min_decompress_bytes_per_s / 1e9, 1) == 85.3
+    with pytest.raises(ValueError, match="buffers"):
+        plan_offload(ffn, 9, 10, 1152 * MiB, 64e9, 255)
+    with pytest.raises(ValueError, match="ratio"):
+        compressed_move(96 * MiB, 1.0, 64e9)
+
+
+def test_cli_offload_reads_and_request():
+    r = _trajserve("plan", "offload", "--layer-size", "288MiB", "--layers", "9", "--buffers", "1", "--state-size",
+                   "1152MiB", "--link", "64", "--compress", "0.25", "--compress-size", "96MiB", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["net_saved_bytes"] == 2304 * MiB and round(out["copy_s_per_round"] * 1e3, 1) == 42.5
+    assert round(out["compressed"]["min_decompress_bytes_per_s"] / 1e9, 1) == 85.3
+    r = _trajserve("plan", "reads", "--model", "qwen3-8b", "--context", "8192", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["b_kv"] == 13
+    r = _trajserve("plan", "request", "--queue-s", "0.1", "--prefill-s", "0.096", "--output-tokens", "256",
+                   "--interval-ms", "26.5", "--deadline-s", "7", "--json")
+    assert r.returncode == 0 and round(json.loads(r.stdout)["total_s"], 2) == 6.95
+    r = _trajserve("plan", "offload", "--layer-size", "lots", "--layers", "9", "--state-size", "1GiB", "--link", "64")
+    assert r.returncode == 2 and "--layer-size" in r.stderr

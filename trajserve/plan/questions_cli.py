@@ -1,0 +1,187 @@
+"""`trajserve plan QUESTION`: inference-optimization's sizing questions
+beyond capacity, each answered by its own module:
+
+    plan spec      speculative decoding: E[N], time per token, draft length (speculation.py; 8.5.2-8.5.4)
+    plan offload   weight offload with prefetch: memory freed, copy time per round (weight_offload.py; 8.4.3)
+    plan reads     a decode round's reads: I_weight, d(b, L), b_KV (batch_reads.py; 8.2.1)
+    plan request   one request's time from its parts (batch_config.request_time; 8.1.1)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_spec_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--accept", type=_floats, required=True,
+                   help="acceptance probability a, or a profile a_1,a_2,... (each given all before it were "
+                        "accepted; the last repeats)")
+    p.add_argument("--draft-len", type=_ints, default=[1, 2, 4, 8], help="draft lengths m to compare")
+    p.add_argument("--verify-ms", type=float, required=True, help="one verify step (target forward), ms")
+    p.add_argument("--plain-ms", type=float, default=None, help="one plain decode step, ms (default: --verify-ms)")
+    p.add_argument("--query-ms", type=float, default=0.0, help="a draft lookup per round, ms")
+    p.add_argument("--draft-ms", type=float, default=0.0, help="drafting per draft token (a draft model), ms")
+    p.add_argument("--draft-group", type=int, default=1,
+                   help="draft positions run in groups of this many (a fixed execution shape)")
+    p.add_argument("--setup-ms", type=float, default=0.0, help="one-off setup, e.g. building the index, ms")
+    p.add_argument("--output-tokens", type=int, default=0, help="a request's output, for its total time")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_spec)
+
+
+def add_questions(questions) -> None:
+    add_spec_parser(questions.add_parser("spec", help="speculative decoding: E[N], time per token, draft length"))
+    add_offload_parser(questions.add_parser("offload", help="weight offload with prefetch: memory freed, copy time"))
+    add_reads_parser(questions.add_parser("reads", help="a decode round's reads per token and b_KV, by batch size"))
+    add_request_parser(questions.add_parser("request", help="one request's time: queue + prefill + intervals"))
+
+
+def _size(text: str) -> int:
+    from trajserve.units import parse_bytes
+
+    return parse_bytes(text, "size")
+
+
+def add_offload_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layer-size", type=_size, required=True, help="bytes of one offloaded copy, e.g. 288MiB")
+    p.add_argument("--layers", type=int, required=True, help="copies offloaded")
+    p.add_argument("--buffers", type=int, default=1, help="prefetch buffers of --layer-size kept on the device")
+    p.add_argument("--state-size", type=_size, required=True, help="one request's KV state, e.g. 1152MiB")
+    p.add_argument("--link", type=float, required=True, help="one-way host link, GB/s (PCIe Gen5 x16: 64)")
+    p.add_argument("--output-tokens", type=int, default=256, help="G: G - 1 rounds each move the offload again")
+    p.add_argument("--copy-budget-s", type=float, default=None, help="total copy time allowed: the link it needs")
+    p.add_argument("--compress", type=float, default=None, metavar="R",
+                   help="also: moving --compress-size bytes compressed to R of them (the decompression rate it needs)")
+    p.add_argument("--compress-size", type=_size, default=None, help="for --compress (default: --layer-size)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_offload)
+
+
+def cmd_offload(args: argparse.Namespace) -> int:
+    from trajserve.plan.weight_offload import compressed_move, plan_offload
+
+    r = plan_offload(args.layer_size, args.layers, args.buffers, args.state_size, args.link * 1e9,
+                     max(args.output_tokens - 1, 0), args.copy_budget_s)
+    size = args.compress_size or args.layer_size
+    c = compressed_move(size, args.compress, args.link * 1e9) if args.compress is not None else None
+    if args.json:
+        print(json.dumps({**r.to_dict(), "compressed": c.to_dict() if c else None}))
+        return 0
+    mib = 2**20
+    print(f"offloaded {r.offloaded_bytes / mib:,.0f} MiB, {r.buffers} prefetch buffer(s): net {r.net_saved_bytes / mib:,.0f} "
+          f"MiB freed = {r.extra_states} more request state(s) of {args.state_size / mib:,.0f} MiB")
+    print(f"copy per round >= {r.copy_s_per_round * 1e3:.1f} ms at {args.link:g} GB/s; {r.rounds} rounds: "
+          f"{r.copy_s_total:.2f} s")
+    if r.link_for_budget:
+        print(f"all copies in {args.copy_budget_s:g} s need >= {r.link_for_budget / 1e9:,.0f} GB/s one way")
+    if c:
+        print(f"{size / mib:,.0f} MiB compressed to {args.compress:g}: {c.direct_s * 1e3:.2f} ms direct, "
+              f"{c.compressed_link_s * 1e3:.2f} ms compressed; pays only if decompression > "
+              f"{c.min_decompress_bytes_per_s / 1e9:.1f} GB/s of raw bytes")
+    return 0
+
+
+def add_reads_parser(p: argparse.ArgumentParser) -> None:
+    from trajserve.plan.catalog import model_names
+
+    p.add_argument("--model", required=True, help=" | ".join(model_names()) + ", or a config.json / .gguf")
+    p.add_argument("--context", type=int, required=True, help="L: context tokens per request")
+    p.add_argument("--batch", type=_ints, default=[1, 16, 64], help="batch sizes b")
+    p.add_argument("--weight-dtype", default="bf16", help="s_w: the matrix weights' format")
+    p.add_argument("--kv-dtype", default="bf16", help="k: the KV format")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_reads)
+
+
+def cmd_reads(args: argparse.Namespace) -> int:
+    from trajserve.plan.batch_reads import kv_batch, reads_table
+    from trajserve.plan.catalog import get_model
+    from trajserve.plan.kv_format import m_token, storage_format
+    from trajserve.plan.model_shapes import decode_read_params
+
+    cfg = get_model(args.model).config
+    s_w = float(storage_format(args.weight_dtype, "weight dtype").bytes_per_value)
+    weights, k = decode_read_params(cfg) * s_w, float(m_token(cfg, args.kv_dtype))
+    rows = reads_table(weights, s_w, args.context, k, args.batch)
+    b_kv = kv_batch(weights, args.context, k)
+    if args.json:
+        print(json.dumps({"weights": weights, "kv_per_token": k, "context": args.context, "b_kv": b_kv,
+                          "rows": [r.to_dict() for r in rows]}))
+        return 0
+    gib = 2**30
+    print(f"D_w {weights / gib:.2f} GiB, L k {args.context * k / gib:.4f} GiB; b_KV = ceil(D_w / Lk) = {b_kv}\n")
+    print(f"{'b':>5} {'I_weight':>9} {'D(b,L) GiB':>11} {'d(b,L) GiB':>11} {'weights share':>14}")
+    for r in rows:
+        print(f"{r.batch:>5} {r.weight_intensity:>9.1f} {r.round_bytes / gib:>11.2f} {r.bytes_per_token / gib:>11.3f} "
+              f"{r.weight_share:>13.0%}")
+    return 0
+
+
+def add_request_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--queue-s", type=float, default=0.0)
+    p.add_argument("--prefill-s", type=float, required=True, help="prefill, to the first token")
+    p.add_argument("--output-tokens", type=int, required=True, help="G")
+    p.add_argument("--interval-ms", type=float, required=True, help="the output interval (a decode round)")
+    p.add_argument("--stall-s", type=float, default=0.0, help="other work inserted into the intervals")
+    p.add_argument("--deadline-s", type=float, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_request)
+
+
+def cmd_request(args: argparse.Namespace) -> int:
+    from trajserve.plan.batch_config import request_time
+
+    total = request_time(args.queue_s, args.prefill_s, args.output_tokens, args.interval_ms / 1e3, args.stall_s)
+    out = {"ttft_s": args.queue_s + args.prefill_s, "total_s": total,
+           "meets_deadline": None if args.deadline_s is None else total <= args.deadline_s}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"TTFT {out['ttft_s']:.3f} s; total {args.queue_s:g} + {args.prefill_s:g} + {args.output_tokens - 1} x "
+          f"{args.interval_ms / 1e3:g}{f' + {args.stall_s:g}' if args.stall_s else ''} = {total:.2f} s"
+          + ("" if args.deadline_s is None else f" ({'within' if out['meets_deadline'] else 'past'} "
+                                               f"{args.deadline_s:g} s)"))
+    return 0
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    from trajserve.plan.speculation import plan_speculation
+
+    accept = args.accept[0] if len(args.accept) == 1 else args.accept
+    r = plan_speculation(accept, args.draft_len, args.verify_ms, query_ms=args.query_ms, draft_ms=args.draft_ms,
+                         draft_group=args.draft_group, plain_ms=args.plain_ms, setup_ms=args.setup_ms,
+                         output_tokens=args.output_tokens)
+    if args.json:
+        print(json.dumps(r.to_dict()))
+        return 0
+    print(f"acceptance {r.accept}; verify {r.verify_ms:g} ms, lookup {r.query_ms:g} ms, draft {r.draft_ms:g} ms a "
+          f"position in groups of {r.draft_group}; plain decode {r.plain_ms:g} ms a token\n")
+    print(f"{'m':>3} {'E[N]':>7} {'T ms':>8} {'ms/token':>9} {'speed-up':>9} {'dN':>7} {'dT ms':>7} "
+          f"{'dT/dN':>8}  longer pays (dT/dN < T/N before)")
+    for x in r.lengths:
+        per = "-" if x.added_ms_per_token is None else f"{x.added_ms_per_token:.2f}"
+        pays = "-" if x.pays is None else ("yes" if x.pays else "no")
+        print(f"{x.m:>3} {x.expected_output:>7.3f} {x.round_ms:>8.2f} {x.ms_per_token:>9.2f} "
+              f"{r.plain_ms / x.ms_per_token:>8.2f}x {x.added_output:>7.3f} {x.added_ms:>7.2f} {per:>8}  {pays}")
+    print(f"\nbest draft length {r.best}; its lookup may take up to {r.query_budget_ms:.1f} ms a round and "
+          f"still beat plain decoding")
+    if r.setup_ms:
+        print(f"a {r.setup_ms:g} ms setup is paid back after {r.setup_break_even_tokens:.0f} output tokens")
+    if r.output_tokens:
+        print(f"{r.output_tokens} output tokens: {r.plain_request_s:.2f} s plain, {r.spec_request_s:.2f} s with "
+              f"speculation (setup included)")
+    return 0

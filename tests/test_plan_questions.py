@@ -17,6 +17,7 @@ from hypothesis import given, strategies as st
 from trajserve.plan import get_model
 from trajserve.plan.batch_config import request_time
 from trajserve.plan.batch_reads import bytes_per_token, kv_batch, round_bytes, step_time, weight_intensity
+from trajserve.plan.goodput import goodput, requests_in_system, setup_break_even_s, task_speedup, task_time
 from trajserve.plan.kv_format import m_token
 from trajserve.plan.model_shapes import decode_read_params, total_params
 from trajserve.plan.speculation import (draft_lengths, expected_output, marginal_output, plan_speculation,
@@ -200,3 +201,44 @@ def test_cli_offload_reads_and_request():
     assert r.returncode == 0 and round(json.loads(r.stdout)["total_s"], 2) == 6.95
     r = _trajserve("plan", "offload", "--layer-size", "lots", "--layers", "9", "--state-size", "1GiB", "--link", "64")
     assert r.returncode == 2 and "--layer-size" in r.stderr
+
+
+def test_requests_in_the_system_and_goodput_8_6_1_and_8_6_2():
+    assert requests_in_system(4, 0.5) == 2 and requests_in_system(4, 2) == 8  # n = lambda T
+    # 336 answers, 294 correct, 155 correct within 3 s: 139 correct answers came too late.
+    g = goodput(336, 294, 155, 84.0)
+    assert g.correct_but_late == 139 and g.goodput_per_s == 155 / 84 and g.completion_per_s == 4.0
+    assert round((1.02 - 0.60) / 1.02 * 100) == 41  # continuous batching's goodput from 4/s to 16/s
+    # D: 4.56 s of the card for 16 good results, at most 600 W -> 0.285 GPU-s and ~171 J a result;
+    # 16/s vs 4/s continuous: 1083.7 vs 652.0 J a good result, ~66 % more.
+    d = goodput(16, 16, 16, 4.56, gpu_s=4.56, energy_j=600 * 4.56)
+    assert round(d.gpu_s_per_good, 3) == 0.285 and round(d.joules_per_good) == 171
+    assert round((1083.7 / 652.0 - 1) * 100) == 66
+    b = goodput(16, 16, 0, 9.01, gpu_s=9.01)  # B: 9.01 s, nothing on time: all of it wasted
+    assert b.goodput_per_s == 0 and b.gpu_s_per_good == math.inf
+    with pytest.raises(ValueError, match="good"):
+        goodput(10, 5, 6, 1.0)
+
+
+def test_whole_task_speedup_8_6_3_and_exercise_8_8():
+    assert task_speedup(0.5, 4) == 1.6 and 100 / task_speedup(0.5, 4) == 62.5
+    assert round(task_speedup(0.2, 4), 2) == 1.18 and round(100 / task_speedup(0.2, 4), 6) == 85
+    stages = {"prefill": 20.0, "decode": 50.0, "tools": 30.0}  # exercise 8-8's 100 s task
+    assert [task_time(stages, {k: 2}) for k in stages] == [90, 75, 85]
+    assert task_time(stages, {"decode": 4}, setup_s=8) == 70.5
+    assert round(100 / 70.5, 2) == 1.42 and setup_break_even_s(stages, {"decode": 4}) == 37.5
+    assert task_time(stages, {"decode": 4}) == 100 / task_speedup(0.5, 4)  # one stage: Amdahl's law
+    with pytest.raises(ValueError, match="stages the task does not have"):
+        task_time(stages, {"sampling": 2})
+
+
+def test_cli_goodput_and_task():
+    r = _trajserve("plan", "goodput", "--arrival-rate", "4", "--stay-s", "2", "--completed", "336", "--correct", "294",
+                   "--good", "155", "--window-s", "84", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["requests_in_system"] == 8 and out["goodput"]["correct_but_late"] == 139
+    r = _trajserve("plan", "task", "--stages", "prefill=20,decode=50,tools=30", "--speedup", "decode=4", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["amdahl"] == 1.6 and json.loads(r.stdout)["after_s"] == 62.5
+    r = _trajserve("plan", "goodput", "--completed", "3")
+    assert r.returncode == 2 and "--window-s" in r.stderr

@@ -95,7 +95,8 @@ def test_the_readme_plan_examples_run(capsys, tmp_path, monkeypatch):
     for argv in plans:
         assert main(argv) == 0, f"trajserve {' '.join(argv)}"
         out = capsys.readouterr().out
-        answers = {"spec": "best draft length", "offload": "copy per round", "reads": "b_KV", "request": "TTFT"}
+        answers = {"spec": "best draft length", "offload": "copy per round", "reads": "b_KV", "request": "TTFT",
+                   "goodput": "R_good", "task": "saves nothing"}
         if argv[1] in answers:  # a question beyond capacity: its own table
             assert answers[argv[1]] in out
         else:

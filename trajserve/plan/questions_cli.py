@@ -5,6 +5,8 @@ beyond capacity, each answered by its own module:
     plan offload   weight offload with prefetch: memory freed, copy time per round (weight_offload.py; 8.4.3)
     plan reads     a decode round's reads: I_weight, d(b, L), b_KV (batch_reads.py; 8.2.1)
     plan request   one request's time from its parts (batch_config.request_time; 8.1.1)
+    plan goodput   requests in the system, goodput, cost per good result (goodput.py; 8.6.1-8.6.2)
+    plan task      a whole agent task's time and speed-up when stages speed up (goodput.py; 8.6.3)
 """
 from __future__ import annotations
 
@@ -48,6 +50,90 @@ def add_questions(questions) -> None:
     add_offload_parser(questions.add_parser("offload", help="weight offload with prefetch: memory freed, copy time"))
     add_reads_parser(questions.add_parser("reads", help="a decode round's reads per token and b_KV, by batch size"))
     add_request_parser(questions.add_parser("request", help="one request's time: queue + prefill + intervals"))
+    add_goodput_parser(questions.add_parser("goodput", help="Little's law, R_good, GPU time and energy per good result"))
+    add_task_parser(questions.add_parser("task", help="a task's time when its stages speed up (Amdahl), with setup"))
+
+
+def add_goodput_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arrival-rate", type=float, default=None, help="lambda, requests/s (with --stay-s: n = lambda T)")
+    p.add_argument("--stay-s", type=float, default=None, help="mean time a request spends in the system")
+    p.add_argument("--completed", type=int, default=None, help="requests completed in the window")
+    p.add_argument("--correct", type=int, default=None, help="of them, correct (Q_i = 1)")
+    p.add_argument("--good", type=int, default=None, help="of those, on time too (Q_i D_i = 1)")
+    p.add_argument("--window-s", type=float, default=None, help="T_obs")
+    p.add_argument("--gpu-s", type=float, default=None, help="accelerator time in the window")
+    p.add_argument("--energy-j", type=float, default=None, help="energy in the window")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_goodput)
+
+
+def cmd_goodput(args: argparse.Namespace) -> int:
+    from trajserve.plan.goodput import goodput, requests_in_system
+
+    out = {}
+    if args.arrival_rate is not None or args.stay_s is not None:
+        if args.arrival_rate is None or args.stay_s is None:
+            raise ValueError("Little's law needs both --arrival-rate and --stay-s")
+        out["requests_in_system"] = requests_in_system(args.arrival_rate, args.stay_s)
+    counts = (args.completed, args.correct, args.good, args.window_s)
+    if any(v is not None for v in counts):
+        if any(v is None for v in counts):
+            raise ValueError("goodput needs --completed, --correct, --good and --window-s")
+        out["goodput"] = goodput(args.completed, args.correct, args.good, args.window_s, args.gpu_s,
+                                 args.energy_j).to_dict()
+    if not out:
+        raise ValueError("give --arrival-rate and --stay-s, or --completed, --correct, --good and --window-s")
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    if "requests_in_system" in out:
+        print(f"n = lambda T = {args.arrival_rate:g}/s x {args.stay_s:g} s = {out['requests_in_system']:g} requests "
+              f"in the system on average")
+    if "goodput" in out:
+        g = out["goodput"]
+        print(f"completed {g['completion_per_s']:.3f} req/s; R_good {g['goodput_per_s']:.3f} req/s (correct and on "
+              f"time: {g['good']} of {g['completed']}; {g['correct_but_late']} correct but late)")
+        if g["gpu_s_per_good"] is not None or g["joules_per_good"] is not None:
+            print("per good result: " + ", ".join(
+                f for f in (f"{g['gpu_s_per_good']:.3f} GPU-s" if g["gpu_s_per_good"] is not None else "",
+                            f"{g['joules_per_good']:.1f} J" if g["joules_per_good"] is not None else "") if f))
+    return 0
+
+
+def _stages(text: str) -> dict[str, float]:
+    try:
+        pairs = [x.split("=", 1) for x in text.split(",") if x.strip()]
+        return {k.strip(): float(v) for k, v in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected name=number,..., got {text!r}") from None
+
+
+def add_task_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=_stages, required=True, help="the task's stages in seconds, e.g. "
+                   "prefill=20,decode=50,tools=30")
+    p.add_argument("--speedup", type=_stages, required=True, help="speed-ups of some stages, e.g. decode=4")
+    p.add_argument("--setup-s", type=float, default=0.0, help="one-off time the change adds (e.g. drafting setup)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_task)
+
+
+def cmd_task(args: argparse.Namespace) -> int:
+    from trajserve.plan.goodput import setup_break_even_s, task_speedup, task_time
+
+    before = sum(args.stages.values())
+    after = task_time(args.stages, args.speedup, args.setup_s)
+    out = {"before_s": before, "after_s": after, "speedup": before / after,
+           "setup_break_even_s": setup_break_even_s(args.stages, args.speedup)}
+    if len(args.speedup) == 1 and not args.setup_s:
+        (stage, s_), = args.speedup.items()
+        out["amdahl"] = task_speedup(args.stages[stage] / before, s_)  # S_task = 1 / ((1 - f) + f / s)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"task {before:g} s -> {after:g} s: {out['speedup']:.3f}x"
+          + (f" (Amdahl: S_task = {out['amdahl']:.3f})" if "amdahl" in out else "")
+          + f"; a setup of {out['setup_break_even_s']:g} s or more saves nothing")
+    return 0
 
 
 def _size(text: str) -> int:

@@ -177,11 +177,6 @@ void ts_rms_norm(const float *x, int64_t m, int64_t d, int64_t ldx, const float 
     }
 }
 
-/* RoPE (rotate-half layout) in place on the q and k heads of each token's
- * fused q|k|v row, then the token's k and v into its cache slot.
- * qkv: [t, ldq] with hq q heads, hkv k heads, hkv v heads of d floats;
- * cos/sin: [max_len, d] tables; caches: [num_blocks, hkv, bs, d], float32,
- * or bfloat16 with kv_bf16 (d % 8 == 0). */
 /* ---------------------------------------------------------- quantized K/V rows
  *
  * A q8_0 / q4_0 pool row (kv/kv_quant.py has the layout and the torch
@@ -251,6 +246,12 @@ static void dequantize_kv_row(const uint8_t *row, int64_t d, int fmt, float *out
     }
 }
 
+/* RoPE (rotate-half layout) in place on the q and k heads of each token's
+ * fused q|k|v row, then the token's k and v into its cache slot.
+ * qkv: [t, ldq] with hq q heads, hkv k heads, hkv v heads of d floats;
+ * cos/sin: [max_len, d] tables; caches: [num_blocks, hkv, bs, row] in the
+ * pool's format kv_fmt: float32, bfloat16 (d % 8 == 0), or q8_0 / q4_0
+ * rows of kv_row_bytes (d % 32 == 0). */
 void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, int64_t d,
                    const float *cos_t, const float *sin_t, const int64_t *pos, void *k_cache,
                    void *v_cache, const int64_t *slot_block, const int64_t *slot_offset, int64_t bs,
@@ -383,8 +384,9 @@ static inline void row_scales(const uint8_t *row, const int fmt, int64_t d, floa
  * each copy (decode_heads_any). A quantized pool's K rows are dequantized
  * in registers where the float32 kernel loads them (each K element is read
  * once, for all heads of the run); its V rows once per key block into an L1
- * buffer, which every head then reads (dequantized in registers per head,
- * V cost 1.1x more: 2.95 vs 2.65 ms for a 16 x 3,000-key layer). Every
+ * buffer, which every head then reads (V dequantized in registers instead
+ * is dequantized once per head: 2.91 vs 2.58 ms for a q8_0 layer of 16
+ * sequences x 3,000 keys, docs/benchmarks.md). Every
  * operation after the load is the float32 kernel's, so a quantized pool's
  * result is the float32 kernel's over its dequantized values. */
 static inline __attribute__((always_inline)) void decode_heads(

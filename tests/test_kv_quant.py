@@ -3,7 +3,6 @@ C kernels against torch and against a float32 pool holding the dequantized
 values, the error bound of each format, and the pool's capacity."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st

@@ -150,6 +150,8 @@ def add_offload_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", type=float, required=True, help="one-way host link, GB/s (PCIe Gen5 x16: 64)")
     p.add_argument("--output-tokens", type=int, default=256, help="G: G - 1 rounds each move the offload again")
     p.add_argument("--copy-budget-s", type=float, default=None, help="total copy time allowed: the link it needs")
+    p.add_argument("--round-ms", type=float, default=None,
+                   help="a decode round without the offload: the round with it (buffers >= 2 overlap the copy)")
     p.add_argument("--compress", type=float, default=None, metavar="R",
                    help="also: moving --compress-size bytes compressed to R of them (the decompression rate it needs)")
     p.add_argument("--compress-size", type=_size, default=None, help="for --compress (default: --layer-size)")
@@ -161,7 +163,8 @@ def cmd_offload(args: argparse.Namespace) -> int:
     from trajserve.plan.weight_offload import compressed_move, plan_offload
 
     r = plan_offload(args.layer_size, args.layers, args.buffers, args.state_size, args.link * 1e9,
-                     max(args.output_tokens - 1, 0), args.copy_budget_s)
+                     max(args.output_tokens - 1, 0), args.copy_budget_s,
+                     args.round_ms / 1e3 if args.round_ms is not None else None)
     size = args.compress_size or args.layer_size
     c = compressed_move(size, args.compress, args.link * 1e9) if args.compress is not None else None
     if args.json:
@@ -172,6 +175,9 @@ def cmd_offload(args: argparse.Namespace) -> int:
           f"MiB freed = {r.extra_states} more request state(s) of {args.state_size / mib:,.0f} MiB")
     print(f"copy per round >= {r.copy_s_per_round * 1e3:.1f} ms at {args.link:g} GB/s; {r.rounds} rounds: "
           f"{r.copy_s_total:.2f} s")
+    if r.step_s is not None:
+        print(f"a round of {args.round_ms:g} ms becomes {r.step_s * 1e3:.1f} ms with the copy "
+              f"({'overlapped' if r.buffers >= 2 else 'in turn'})")
     if r.link_for_budget:
         print(f"all copies in {args.copy_budget_s:g} s need >= {r.link_for_budget / 1e9:,.0f} GB/s one way")
     if c:

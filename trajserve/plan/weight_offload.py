@@ -29,13 +29,14 @@ class OffloadPlan:
     copy_s_total: float  # over `rounds` rounds
     rounds: int
     link_for_budget: float | None  # the one-way bandwidth that fits all copies in budget_s
+    step_s: float | None  # a round with the copy, given the round without it (step_with_offload)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def plan_offload(layer_bytes: int, offloaded_layers: int, buffers: int, state_bytes: int, link_bytes_per_s: float,
-                 rounds: int, budget_s: float | None = None) -> OffloadPlan:
+                 rounds: int, budget_s: float | None = None, round_s: float | None = None) -> OffloadPlan:
     """layer_bytes: one offloaded copy (S_layer); buffers: prefetch buffers of
     that size kept on the device (1 or 2); state_bytes: one request's KV
     state, for how many more fit; rounds: decode rounds that each move the
@@ -53,7 +54,8 @@ def plan_offload(layer_bytes: int, offloaded_layers: int, buffers: int, state_by
     per_round = moved / link_bytes_per_s
     return OffloadPlan(offloaded_bytes=moved, buffers=buffers, net_saved_bytes=net, extra_states=net // state_bytes,
                        copy_s_per_round=per_round, copy_s_total=per_round * rounds, rounds=rounds,
-                       link_for_budget=moved * rounds / budget_s if budget_s else None)
+                       link_for_budget=moved * rounds / budget_s if budget_s else None,
+                       step_s=step_with_offload(round_s, per_round, buffers) if round_s is not None else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,17 @@ def compressed_move(size_bytes: float, ratio: float, link_bytes_per_s: float) ->
     direct = size_bytes / link_bytes_per_s
     packed = ratio * size_bytes / link_bytes_per_s
     return CompressedMove(direct, packed, direct - packed, link_bytes_per_s / (1 - ratio))
+
+
+def step_with_offload(round_s: float, copy_s: float, buffers: int) -> float:
+    """A round with offloaded weights: two or more prefetch buffers overlap
+    the copy with the round's other work, so it takes the longer of the two
+    (8.4.3: >= 42.5 ms over PCIe whatever the rest); one buffer is copied
+    into, computed from and copied into again in turn, so they add. The
+    simulator's cost model calls this too (one implementation)."""
+    if buffers < 1:
+        raise ValueError(f"offloaded weights need at least one prefetch buffer, got {buffers}")
+    return max(round_s, copy_s) if buffers >= 2 else round_s + copy_s
 
 
 def fits_deadline(copy_s_per_round: float, round_s: float) -> bool:

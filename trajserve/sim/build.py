@@ -39,10 +39,13 @@ class SimSetup:
     # The prefix cache's lower tiers (hierarchical cache), in blocks; 0: none.
     prefix_host_blocks: int = 0
     prefix_disk_blocks: int = 0
+    # Weights kept in host memory and copied in every step (8.4.3), whole replica.
+    weight_offload_bytes: float = 0.0
+    offload_buffers: int = 2
 
     @property
     def cost(self) -> CostModel:
-        return CostModel(self.hw, self.model)
+        return CostModel(self.hw, self.model, self.weight_offload_bytes, self.offload_buffers)
 
     def simulator(self, num_blocks: int | None = None, *, max_concurrency: int | None = None,
                   progress: bool = False, desc: str = "simulate") -> tuple[Simulator, TokenSource]:

@@ -38,6 +38,11 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     h.add_argument("--overhead-ms", type=float, default=2.0, help="fixed time per step (launches, host work)")
     h.add_argument("--reserve", default="4.5GB", help="activations + runtime per device, for the pool size")
     h.add_argument("--gpu-memory", default=None, help="override the device memory, e.g. 80GiB")
+    h.add_argument("--weight-offload", default=None, metavar="BYTES",
+                   help="weights kept in host memory and copied in over the host link every step, e.g. 2592MiB "
+                        "(8.4.3; the pool is not enlarged: give --num-blocks for the memory it frees)")
+    h.add_argument("--offload-buffers", type=int, default=2,
+                   help="prefetch buffers: 2 or more overlap the copy with the step, 1 adds it")
 
     e = p.add_argument_group("engine")
     e.add_argument("--num-blocks", type=int, default=None, help="KV pool (default: device memory, eqs. 3-5)")

@@ -26,6 +26,11 @@ cache. Per device of a TP replica (inference-optimization 8.2.1, T_step):
     (the spec's 8.2.2 fit has 26.22 ms of it without CUDA graphs);
     t_seq: per-sequence host work (0 for catalog GPUs, fitted by calibrate).
 
+Weight offload (inference-optimization 8.4.3): offload_bytes of weights per
+device live in host memory and cross the host link every step; with two or
+more prefetch buffers the copy overlaps the step, with one it adds
+(trajserve.plan.weight_offload.step_with_offload, the planner's formula).
+
 Copy-on-write block copies run before the forward, on the device: each reads
 and writes one block, 2 x block bytes at beta x MBU. Tier transfers (host
 DRAM over the host link, NVMe) take bytes / link bandwidth per device, each
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trajserve.plan.weight_offload import step_with_offload
 from trajserve.sim.hardware import Hardware, ModelCost
 
 LINKS = ("host", "nvme")
@@ -48,10 +54,15 @@ class StepCost:
     copy_s: float = 0.0
     flops: float = 0.0       # per device
     bytes: float = 0.0       # per device
+    offload_s: float = 0.0   # offloaded weights over the host link
+    offload_buffers: int = 2
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.overhead_s + self.copy_s
+        work = max(self.compute_s, self.memory_s)
+        if self.offload_s:
+            work = step_with_offload(work, self.offload_s, self.offload_buffers)
+        return work + self.overhead_s + self.copy_s
 
     @property
     def compute_bound(self) -> bool:
@@ -64,8 +75,12 @@ def causal_pairs(new: int, cached: int) -> int:
 
 
 class CostModel:
-    def __init__(self, hw: Hardware, model: ModelCost) -> None:
+    def __init__(self, hw: Hardware, model: ModelCost, offload_bytes: float = 0.0, offload_buffers: int = 2) -> None:
         self.hw, self.model = hw, model
+        if offload_bytes and hw.host_link_bandwidth <= 0:
+            raise ValueError(f"{hw.name}: weight offload needs the host link's bandwidth (catalog or profile)")
+        self.offload_s = offload_bytes / model.tp / hw.host_link_bandwidth if offload_bytes else 0.0
+        self.offload_buffers = offload_buffers
         tp = model.tp
         # Seconds per unit of work, per device: the formula above with the
         # constants folded once, so a step costs a few multiply-adds.
@@ -95,7 +110,8 @@ class CostModel:
             copy_s=self.copy_time(num_copies, block_size),
             flops=num_tokens * self.flops_per_token + num_sampled * self.flops_per_sample
             + num_pairs * self.flops_per_pair,
-            bytes=self.model.weight_read_bytes / self.model.tp + kv_tokens * self.model.m_token_device)
+            bytes=self.model.weight_read_bytes / self.model.tp + kv_tokens * self.model.m_token_device,
+            offload_s=self.offload_s, offload_buffers=self.offload_buffers)
 
     def step_for(self, chunks: list[tuple[int, int]], num_sampled: int | None = None) -> StepCost:
         """chunks: (c_i new tokens, h_i cached tokens) per sequence; by default

@@ -72,6 +72,8 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
                 parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None)
     if blocks < 1:
         raise ValueError(f"the KV pool holds {blocks} blocks; pass --num-blocks")
+    if getattr(args, "weight_offload", None) and getattr(args, "offload_buffers", 2) < 1:
+        raise ValueError(f"--offload-buffers must be >= 1 (offloaded weights need a buffer), got {args.offload_buffers}")
     host, disk = PROFILE_TIER_DEFAULTS if profile is not None else (HOST_TIER_DEFAULT, DISK_TIER_DEFAULT)
     host, disk = args.host_kv_memory or host, args.disk_kv or disk
     block_bytes = model.m_token * args.block_size  # one replica's block, all devices
@@ -82,7 +84,10 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
                     watermark=args.watermark, prefix_caching=args.prefix_caching, pool_source=why,
                     keep_policy=args.keep_policy, wait_hint=args.wait_hint,
                     host_kv_bytes=parse_bytes(host, "--host-kv-memory"), disk_kv_bytes=parse_bytes(disk, "--disk-kv"),
-                    prefix_host_blocks=tier_blocks[0], prefix_disk_blocks=tier_blocks[1])
+                    prefix_host_blocks=tier_blocks[0], prefix_disk_blocks=tier_blocks[1],
+                    weight_offload_bytes=parse_bytes(args.weight_offload, "--weight-offload")
+                    if getattr(args, "weight_offload", None) else 0.0,
+                    offload_buffers=getattr(args, "offload_buffers", 2))
 
 
 def sessions_factory(args: argparse.Namespace):

@@ -158,3 +158,27 @@ def test_kv_agreement_bench_on_its_two_shortest_prompts(capsys):
     assert out["kv_dtype"] == "q8_0" and out["reference_kv_dtype"] == "float32"
     assert all(0 <= r["identical_tokens"] <= TOKENS and -1e-6 <= r["mean_kl"] < 0.01 for r in out["rows"])
     assert out["summary"]["mean_kl"] < 0.01
+
+
+@pytest.mark.parametrize("decision", ["host", "disk"])
+def test_a_session_paused_to_host_or_disk_resumes_with_the_formats_tokens(fmt, decision, tmp_path):
+    """Session offload moves a quantized pool's blocks as bytes (its block
+    bytes from the format): pause to host or disk, resume, same tokens as
+    the same session never paused."""
+    from test_sessions import two_turns
+
+    from trajserve.engine.session import SessionManager
+
+    eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=256, kv_cache_dtype=fmt)))
+    mgr = SessionManager(eng, disk_dir=str(tmp_path / "kv"))
+    try:
+        assert mgr.offload.block_bytes == 16 * eng.kv_format.bytes_per_token(eng.model_config)
+        ref_first, ref_second, _ = two_turns(mgr, "Fix the failing test.")
+        eng.kv.clear_cache()
+        first, second, (d, before, after) = two_turns(mgr, "Fix the failing test.", pause=decision)
+        assert d.decision.value == decision and after < before
+        assert first.outputs[0].token_ids == ref_first.outputs[0].token_ids
+        assert second.outputs[0].token_ids == ref_second.outputs[0].token_ids
+        assert second.num_cached_tokens >= before and mgr.stats.swap_in_bytes > 0
+    finally:
+        mgr.shutdown()

@@ -158,6 +158,9 @@ def test_kv_agreement_bench_on_its_two_shortest_prompts(capsys):
     assert out["kv_dtype"] == "q8_0" and out["reference_kv_dtype"] == "float32"
     assert all(0 <= r["identical_tokens"] <= TOKENS and -1e-6 <= r["mean_kl"] < 0.01 for r in out["rows"])
     assert out["summary"]["mean_kl"] < 0.01
+    with pytest.raises(ValueError, match="--prompts must be 1 to 16"):
+        run(argparse.Namespace(model=None, kv_cache_dtype="q8_0", quantization="none", prompts=0, num_blocks=128,
+                               json=True))
 
 
 @pytest.mark.parametrize("decision", ["host", "disk"])

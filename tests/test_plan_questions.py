@@ -144,6 +144,8 @@ def test_request_time_from_its_parts_8_1_1():
     assert round(request_time(0.1, 0.096, 256, 0.0265, stall_seconds=0.096), 2) == 7.05
     with pytest.raises(ValueError):
         request_time(0, 0.1, 0, 0.02)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        request_time(0, 0.1, 5, -0.003)
 
 
 def test_batch_reads_and_b_kv_8_2_1():
@@ -157,6 +159,8 @@ def test_batch_reads_and_b_kv_8_2_1():
     assert round(bytes_per_token(d_w, 1, 2048, k) / bytes_per_token(d_w, 64, 2048, k)) == 29
     assert 64 * 2048 * k > d_w  # at 64, a token's KV read passes its share of the weights
     assert kv_batch(d_w, 2048, k) == 51 and kv_batch(d_w, 8192, k) == 13
+    with pytest.raises(ValueError, match="context must be >= 1"):
+        kv_batch(d_w, 0, k)
     # 64 requests of 2K after one decode step, with all of the model's weights: ~35.7 GB resident
     assert round((2 * total_params(cfg) + 64 * 2049 * k) / 1e9, 1) == 35.7
     assert round_bytes(d_w, 64, 2048, k) == d_w + 64 * 2048 * k
@@ -234,6 +238,9 @@ def test_whole_task_speedup_8_6_3_and_exercise_8_8():
     assert task_time(stages, {"decode": 4}) == 100 / task_speedup(0.5, 4)  # one stage: Amdahl's law
     with pytest.raises(ValueError, match="stages the task does not have"):
         task_time(stages, {"sampling": 2})
+    for bad in ({"decode": 0.0}, {"decode": -2.0}):  # a zero speed-up is a named error, not a division by zero
+        with pytest.raises(ValueError, match="speed-ups > 0"):
+            task_time(stages, bad)
 
 
 def test_cli_goodput_and_task():
@@ -246,6 +253,10 @@ def test_cli_goodput_and_task():
     assert r.returncode == 0 and json.loads(r.stdout)["amdahl"] == 1.6 and json.loads(r.stdout)["after_s"] == 62.5
     r = _trajserve("plan", "goodput", "--completed", "3")
     assert r.returncode == 2 and "--window-s" in r.stderr
+    r = _trajserve("plan", "task", "--stages", "decode=50", "--speedup", "decode=0")
+    assert r.returncode == 2 and "speed-ups > 0" in r.stderr and "Traceback" not in r.stderr
+    r = _trajserve("plan", "reads", "--model", "qwen3-8b", "--context", "0")
+    assert r.returncode == 2 and "context must be >= 1" in r.stderr
 
 
 @pytest.mark.parametrize("buffers", [1, 2])

@@ -100,6 +100,8 @@ def _distributions(llm, prompt: list[int], continuation: list[int]):
 def run(args: argparse.Namespace) -> int:
     from trajserve.llm import LLM
 
+    if not 1 <= args.prompts <= NUM_PROMPTS:
+        raise ValueError(f"--prompts must be 1 to {NUM_PROMPTS}, got {args.prompts}")
     common = dict(model=args.model, num_blocks=args.num_blocks or 1024, dtype="float32",
                   quantization=args.quantization)
     tested = LLM(kv_cache_dtype=args.kv_cache_dtype, **common)

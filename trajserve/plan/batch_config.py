@@ -50,6 +50,8 @@ def request_time(queue_seconds: float, prefill_seconds: float, output_tokens: in
     0.1 + 0.096 + 255 x 0.0265 = 6.95 s."""
     if output_tokens < 1:
         raise ValueError(f"output tokens must be >= 1, got {output_tokens}")
+    if min(queue_seconds, prefill_seconds, interval_seconds, stall_seconds) < 0:
+        raise ValueError("queue, prefill, interval and stall times must be >= 0")
     return queue_seconds + prefill_seconds + decode_rounds(output_tokens) * interval_seconds + stall_seconds
 
 

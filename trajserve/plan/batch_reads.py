@@ -35,6 +35,8 @@ def bytes_per_token(weights: float, batch: int, context: int, kv_per_token: floa
 
 def kv_batch(weights: float, context: int, kv_per_token: float) -> int:
     """b_KV = ceil(D_w / (L k))."""
+    if context < 1 or not kv_per_token > 0:
+        raise ValueError(f"context must be >= 1 token and KV bytes per token > 0, got {context}, {kv_per_token}")
     return math.ceil(weights / (context * kv_per_token))
 
 

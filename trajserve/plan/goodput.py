@@ -63,6 +63,10 @@ def task_time(stages_s: dict[str, float], speedups: dict[str, float], setup_s: f
     unknown = set(speedups) - set(stages_s)
     if unknown:
         raise ValueError(f"speed-ups for stages the task does not have: {', '.join(sorted(unknown))}")
+    bad = [f"{k}={v}" for k, v in speedups.items() if not v > 0 or not math.isfinite(v)]
+    bad += [f"{k}={v}" for k, v in stages_s.items() if not v >= 0 or not math.isfinite(v)]
+    if bad or setup_s < 0:
+        raise ValueError(f"stage times and the setup must be >= 0 and speed-ups > 0, got {', '.join(bad) or setup_s}")
     return sum(t / speedups.get(k, 1.0) for k, t in stages_s.items()) + setup_s
 
 

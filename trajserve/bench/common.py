@@ -44,3 +44,8 @@ def read_bandwidth(device: torch.device, nbytes: int = 512 * 2**20, repeats: int
         x.sum().item()
         best = min(best, time.perf_counter() - t)
     return nbytes / best
+
+
+def identical_prefix(a, b, limit: int) -> int:
+    """Tokens two greedy continuations share before the first difference (limit if none)."""
+    return next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), limit)

@@ -20,7 +20,7 @@ import inspect
 import json
 import math
 
-from trajserve.bench.common import command_line, machine_info
+from trajserve.bench.common import command_line, identical_prefix, machine_info
 
 TOKENS = 64
 NUM_PROMPTS = 16
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     a, b = _continuations(tested, ids), _continuations(ref, ids)
     rows = []
     for p, x, y in zip(ids, a, b):
-        same = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), TOKENS)
+        same = identical_prefix(x, y, TOKENS)
         lp, lq = _distributions(ref, p, y), _distributions(tested, p, y)
         kl = (lp.exp() * (lp - lq)).sum(-1)  # KL(p_float32 || p_format) at each position
         rows.append({"prompt_tokens": len(p), "identical_tokens": same, "mean_kl": kl.mean().item(),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from trajserve.bench.common import command_line, machine_info
+from trajserve.bench.common import command_line, identical_prefix, machine_info
 
 PROMPTS = [
     "The capital of France is",
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for p, x, y in zip(prompts, a, b):
         tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
-        same = next((i for i, (u, v) in enumerate(zip(tx, ty)) if u != v), TOKENS)
+        same = identical_prefix(tx, ty, TOKENS)
         lx = [lp for lp, _ in x.outputs[0].logprobs[:same]]
         ly = [lp for lp, _ in y.outputs[0].logprobs[:same]]
         forced = [abs(u - v) for u, v in zip(_scored(quant, p, ty), _scored(ref, p, ty))]

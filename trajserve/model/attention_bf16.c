@@ -183,6 +183,20 @@ int ts_amx_init(void) {
     return granted;
 }
 
+/* Each thread of an AMX kernel's parallel region: eight 16 x 64-byte tiles
+ * configured, FTZ/DAZ on (the arithmetic every bf16 kernel shares); the
+ * MXCSR it found is returned for amx_thread_end. */
+__attribute__((target("amx-tile"))) static inline unsigned amx_thread_begin(void) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | FTZ_DAZ);
+    _tile_loadconfig(&cfg);
+    return csr;
+}
+
 static inline int64_t hidden_queries(int64_t key, int64_t first) {  /* of the block's AQ queries */
     const int64_t t = key - first;
     return t <= 0 ? 0 : (t < AQ ? t : AQ);
@@ -364,13 +378,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(+ : failed)
     {
-        TileConfig cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-        const unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr | FTZ_DAZ);
-        _tile_loadconfig(&cfg);
+        const unsigned csr = amx_thread_begin();
         // Later query blocks see more keys: hand them out first.
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = nqb - 1; b >= 0; b--)
@@ -473,13 +481,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention
     const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
-        TileConfig cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-        const unsigned csr = _mm_getcsr();
-        _mm_setcsr(csr | FTZ_DAZ);
-        _tile_loadconfig(&cfg);
+        const unsigned csr = amx_thread_begin();
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t si = 0; si < n; si++)
             for (int64_t h = 0; h < hkv; h++)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import threading
 import time
 
 import httpx
@@ -20,6 +21,11 @@ class ServerProcess:
         self.proc = subprocess.Popen([*_command(), "serve", "--port", "0", *args], stderr=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, text=True, env=env)
         self.url = self._wait_for_port(startup_timeout)
+        # Drain stderr from here on: a server that logs more than a pipe holds (64 KiB) between two
+        # stderr_so_far calls would otherwise block in write() mid-request, and its client wait forever.
+        self._log: list[str] = []
+        self._log_lock = threading.Lock()
+        threading.Thread(target=self._drain, daemon=True).start()
         deadline = time.monotonic() + startup_timeout
         while True:  # the socket is bound before uvicorn listens on it
             try:
@@ -56,21 +62,18 @@ class ServerProcess:
                 out[name] = float(value)
         return out
 
-    def stderr_so_far(self) -> str:
-        """What the server has written to stderr since start-up (without waiting)."""
-        fd = self.proc.stderr.fileno()
-        os.set_blocking(fd, False)
-        chunks = []
-        while True:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            chunks.append(data)
-        os.set_blocking(fd, True)
-        return b"".join(chunks).decode(errors="replace")
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            with self._log_lock:
+                self._log.append(line)
+
+    def stderr_so_far(self, settle: float = 0.2) -> str:
+        """What the server has written to stderr since the last call (after
+        `settle` seconds for the drain to catch up with lines just written)."""
+        time.sleep(settle)
+        with self._log_lock:
+            text, self._log = "".join(self._log), []
+        return text
 
     def __enter__(self) -> "ServerProcess":
         return self

@@ -80,6 +80,12 @@ class SchedulerConfig:
     # the pool, new requests wait in the queue (unless nothing runs) and
     # forks queue instead of branching at once; 1.0 turns it off.
     admission_ceiling: float = 0.88
+    # Speculative decoding (trajserve/speculative/): drafts from the
+    # sequence's own context (ngram) or also from finished sequences of its
+    # cache_salt (suffix), verified in the batch; off, or up to this many
+    # draft tokens per sequence per step.
+    speculative: str = "off"
+    num_speculative_tokens: int = 8
 
 
 @dataclass(slots=True)
@@ -140,3 +146,7 @@ class EngineConfig:
         count("max_num_batched_tokens", sc.max_num_batched_tokens)
         count("max_prefill_chunk", sc.max_prefill_chunk)
         check(0 < sc.admission_ceiling <= 1, "admission_ceiling", "in (0, 1]", sc.admission_ceiling)
+        check(sc.speculative in ("off", "ngram", "suffix"), "speculative", "one of off, ngram, suffix",
+              sc.speculative)
+        check(isinstance(sc.num_speculative_tokens, int) and 1 <= sc.num_speculative_tokens <= 64,
+              "num_speculative_tokens", "an integer in [1, 64]", sc.num_speculative_tokens)

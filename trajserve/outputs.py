@@ -30,6 +30,10 @@ class RequestMetrics:
     ttft: float | None = None
     inter_token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens verified for this request, and how
+    # many of them the target accepted (each an output token of one step).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

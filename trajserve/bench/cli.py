@@ -137,6 +137,8 @@ def add_bench_parser(sub) -> None:
     add_resume_parser(bsub)
     from trajserve.bench.structured import add_parser as add_structured_parser
     add_structured_parser(bsub)
+    from trajserve.bench.spec import add_parser as add_spec_parser
+    add_spec_parser(bsub)
 
     v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000")

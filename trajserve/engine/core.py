@@ -44,6 +44,10 @@ class ExecutorOutput:
     tokens: list[int]
     logprobs: list | None = None
     end: float | None = None  # when the step ended in the executor's own time (a simulator's clock); None: now
+    # Speculation: per drafted sequence, its accepted draft tokens (they come
+    # before tokens[i]) and their logprobs (None entries where none were asked).
+    accepted: dict[str, list[int]] | None = None
+    accepted_logprobs: dict[str, list] | None = None
     stats: StepStats = field(default_factory=StepStats)  # prepare / forward / sample timings
 
 
@@ -76,8 +80,12 @@ class EngineCore:
         res = self.executor.execute(sched)
         end = res.end if res.end is not None else self.clock()
         t2 = time.perf_counter()
-        finished = self.scheduler.update(sched, dict(zip(res.ids, res.tokens)), end)
+        finished = self.scheduler.update(sched, dict(zip(res.ids, res.tokens)), end, res.accepted)
         st = res.stats
+        proposer = self.scheduler.proposer
+        if proposer is not None and all(c.num_tokens == 1 or c.draft for c in sched.chunks):
+            # Decodes and verifications only: what a step of this many rows costs.
+            proposer.record_step(num_tokens, st.prepare + st.forward + st.sample)
         st.schedule, st.update = t1 - t0, time.perf_counter() - t2
         st.num_tokens, st.num_seqs = num_tokens, num_seqs
         return StepRecord(sched, res, finished, end, st)

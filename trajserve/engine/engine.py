@@ -46,6 +46,7 @@ from trajserve.model.sampler import Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.sampling import SamplingParams
+from trajserve.speculative.proposer import DraftProposer, SpecConfig
 from trajserve.structured import GrammarCompiler
 
 log = logging.getLogger("trajserve")
@@ -119,7 +120,10 @@ class LLMEngine:
             host = self.lower.host
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
-        self.scheduler = Scheduler(config.scheduler, self.kv, pricer)
+        sc = config.scheduler
+        self.proposer = None if sc.speculative == "off" else DraftProposer(
+            SpecConfig(sc.speculative, sc.num_speculative_tokens))
+        self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.closed = False  # close(): its copy threads are gone, so no new work
@@ -351,7 +355,7 @@ class LLMEngine:
             self.last_step = StepStats(schedule=time.perf_counter() - t0)
             return []
         t = time.perf_counter()
-        outputs = self.outputs.process(rec.result.ids, rec.result.logprobs, rec.end)
+        outputs = self.outputs.process(rec.result.ids, rec.result.logprobs, rec.end, rec.result.accepted_logprobs)
         rec.stats.update += time.perf_counter() - t
         self.last_step = rec.stats
         return outputs
@@ -431,6 +435,7 @@ class LLMEngine:
             "spilled_blocks": radix.num_spilled_blocks if radix else 0,
             "promoted_blocks": self.kv.num_promoted_blocks,
             "lower_tiers": self.lower.metrics() if self.lower is not None else None,
+            "speculative": self.proposer.metrics() if self.proposer is not None else None,
             **_percentiles("ttft", self.outputs.ttfts),
             **_percentiles("itl", self.outputs.itls),
         }

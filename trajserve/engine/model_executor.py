@@ -19,6 +19,7 @@ from trajserve.engine.core import ExecutorOutput, StepStats
 from trajserve.engine.model_runner import ModelRunner
 from trajserve.engine.scheduler import Scheduler, SchedulerOutput
 from trajserve.model.sampler import RowContext, Sampler, token_logprobs
+from trajserve.speculative.verify import verify_drafts
 
 
 class ModelExecutor:
@@ -39,15 +40,22 @@ class ModelExecutor:
             logits = logits[batch.sample_pick]
         by_id = {c.request.request_id: c.request for c in sched.chunks}
         ids = batch.sample_ids
+        first = batch.sample_first
+        if first is not None:  # drafted sequences have 1 + k rows: round 0 samples each one's first
+            all_logits, logits = logits, logits[first]
         if self.scheduler.pending_samples:
             logits, ids = self._with_samples(sched, logits, ids, by_id)
         params = [by_id[r].sampling_params for r in ids]
         contexts = [RowContext(by_id[r].all_token_ids, by_id[r].num_prompt_tokens, by_id[r].matcher)
                     if p.adjusts_logits or by_id[r].matcher is not None else None for r, p in zip(ids, params)]
         tokens, logprobs = self.sampler.sample(logits, ids, params, contexts)
+        accepted = accepted_lps = None
+        if first is not None:
+            accepted, accepted_lps = verify_drafts(self.sampler, all_logits, first, ids, by_id, batch.drafts,
+                                                   tokens, logprobs)
         t4 = time.perf_counter()
-        return ExecutorOutput(ids, tokens, logprobs, stats=StepStats(prepare=t2 - t1, forward=t3 - t2,
-                                                                     sample=t4 - t3))
+        return ExecutorOutput(ids, tokens, logprobs, accepted=accepted, accepted_logprobs=accepted_lps,
+                              stats=StepStats(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3))
 
     @staticmethod
     def _prompt_logprobs(spans: list[tuple], logits: torch.Tensor) -> None:

@@ -38,6 +38,11 @@ class PreparedBatch:
     # The last layer's attention for the sampled rows alone (row i: sample_rows[i]);
     # None: the whole last layer (every row is sampled).
     sample_meta: AttentionMetadata | None = None
+    # Speculation: sample_ids[i]'s rows start at sample_first[i] of the
+    # sampled rows (a drafted sequence has 1 + k: one per draft token and
+    # the one after); None: one row each.
+    sample_first: list[int] | None = None
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -72,11 +77,15 @@ class ModelRunner:
         sample_rows, sample_ids, pick = [], [], []
         prompt_spans = []
         spans, sampled = [], []  # (first row, rows, context incl. them, block table, decode?)
+        row_first, drafts = [], {}
         row = 0
         for c in out.chunks:
             table = np.asarray(c.block_ids, dtype=np.int64)
             p = np.arange(c.start, c.end)
-            ids.append(np.asarray(c.request.all_token_ids[c.start:c.end], dtype=np.int64))
+            if c.draft:  # the last known token, then the draft's (rows 1..k verify them)
+                ids.append(np.asarray(c.request.all_token_ids[c.start:] + c.draft, dtype=np.int64))
+            else:
+                ids.append(np.asarray(c.request.all_token_ids[c.start:c.end], dtype=np.int64))
             pos.append(p)
             slots.append(table[p // B] * B + p % B)
             decode = c.num_tokens == 1
@@ -94,11 +103,22 @@ class ModelRunner:
                 sample_rows.extend(range(row - c.num_tokens, row))
                 if c.sample:
                     pick.append(len(sample_rows) - 1)
+                    row_first.append(len(pick) - 1)
                     sample_ids.append(req.request_id)
+            elif c.draft:
+                # Every row is sampled: row j gives the token after the
+                # draft's first j tokens (speculative/verify.py).
+                sampled.append((len(sample_rows), c.num_tokens, c.end, table, False))
+                row_first.append(len(pick))
+                pick.extend(range(len(sample_rows), len(sample_rows) + c.num_tokens))
+                sample_rows.extend(range(row - c.num_tokens, row))
+                sample_ids.append(req.request_id)
+                drafts[req.request_id] = c.draft
             elif c.sample:
                 # In the last layer only this row goes on: its query alone,
                 # over the same context (computed as it is inside the chunk).
                 sampled.append((len(sample_rows), 1, c.end, table, decode))
+                row_first.append(len(pick))
                 pick.append(len(sample_rows))
                 sample_rows.append(row - 1)
                 sample_ids.append(req.request_id)
@@ -113,6 +133,8 @@ class ModelRunner:
         if prompt_spans:
             batch.prompt_spans = prompt_spans
             batch.sample_pick = self._tensor(np.asarray(pick, dtype=np.int64))
+        if drafts:
+            batch.sample_first, batch.drafts = row_first, drafts
         if out.copies:
             cp = np.asarray(out.copies, dtype=np.int64)
             batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])

@@ -87,6 +87,14 @@ OPTIONS: tuple[Option, ...] = (
            "token budget per step", type=int),
     Option("max_prefill_chunk", "scheduler.max_prefill_chunk", "--max-prefill-chunk",
            "per-request chunk cap (default: the token budget, --max-num-batched-tokens)", type=int, default=None),
+    Option("speculative", "scheduler.speculative", "--speculative",
+           "speculative decoding: off, ngram (drafts from the sequence's own context: prompt lookup) or "
+           "suffix (also from finished sequences of the same cache_salt); drafts are verified in the batch, "
+           "so greedy output is unchanged and sampling keeps the model's distribution",
+           choices=("off", "ngram", "suffix")),
+    Option("num_speculative_tokens", "scheduler.num_speculative_tokens", "--num-speculative-tokens",
+           "most draft tokens per sequence per step (the length is chosen per step by the measured "
+           "acceptance and step cost, 8.5.4)", type=int),
     Option("max_model_len", "max_model_len", "--max-model-len",
            "context limit, prompt + output (default: the model's)", type=int),
     Option("seed", "seed", "--seed", "the engine's seed for requests that give none", type=int),

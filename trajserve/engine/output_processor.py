@@ -42,9 +42,12 @@ class OutputProcessor:
         for i, seq in enumerate(group.seqs):
             self.seq_to_group[seq.request_id] = (group, i)
 
-    def process(self, seq_ids: list[str], logprobs: list, now: float) -> list[RequestOutput]:
+    def process(self, seq_ids: list[str], logprobs: list, now: float,
+                accepted_logprobs: dict[str, list] | None = None) -> list[RequestOutput]:
         """The step's new tokens (and logprobs) into each touched request's
-        completions; its RequestOutput, the finished ones forgotten."""
+        completions; its RequestOutput, the finished ones forgotten.
+        accepted_logprobs: speculation's, for the accepted draft tokens that
+        came before each sequence's sampled one."""
         touched: dict[str, RequestGroup] = {}
         for rid in seq_ids:
             group = self.seq_to_group[rid][0]
@@ -62,7 +65,8 @@ class OutputProcessor:
             comp.delta_token_ids = new_ids
             comp.token_ids = comp.token_ids + new_ids
             if lp is not None:
-                comp.logprobs = (comp.logprobs or []) + [lp]
+                lps = [lp] if accepted_logprobs is None else accepted_logprobs.get(rid, []) + [lp]
+                comp.logprobs = (comp.logprobs or []) + lps[:len(new_ids)]  # fewer: a stop inside them
             self._detokenize(group, i)
             if seq.status.finished and comp.finish_reason is None:
                 comp.finish_reason = seq.status.value
@@ -85,15 +89,23 @@ class OutputProcessor:
         # Decodes only the new ids (plus a small window); a split multi-byte
         # character is held back until it completes or the sequence ends.
         detok = group.detoks[i]
-        detok.extend(comp.delta_token_ids)
+        new = comp.delta_token_ids
+        if sp.stop and len(new) > 1:
+            # Speculation appended several tokens: scan after each, as steps
+            # of one token would, so the sequence ends at the token that
+            # completes a stop string, not at the accepted ones behind it.
+            for j, t in enumerate(new):
+                detok.step(t)
+                if j < len(new) - 1 and _stop_hits(detok.text, sp.stop, group.stop_scan[i]):
+                    _drop_last(seq, comp, len(new) - j - 1)
+                    break
+        else:
+            detok.extend(new)
         if seq.status.finished:
             detok.flush()
         text = detok.text
         if sp.stop:
-            # Only text added since the last scan (plus an overlap) can hold a new stop.
-            start = max(0, group.stop_scan[i] - max(map(len, sp.stop)) + 1)
-            hits = [(text.find(s, start), s) for s in sp.stop]
-            hits = [(pos, s) for pos, s in hits if pos >= 0]
+            hits = _stop_hits(text, sp.stop, group.stop_scan[i])
             if hits:
                 pos, s = min(hits)
                 text = text[: pos + len(s)] if sp.include_stop_str_in_output else text[:pos]
@@ -117,7 +129,9 @@ class OutputProcessor:
             finished_time=now if finished else None,
             ttft=None if first is None else first - group.arrival_time,
             inter_token_times=[t for s in group.seqs for t in s.inter_token_times],
-            num_preemptions=sum(s.num_preemptions for s in group.seqs))
+            num_preemptions=sum(s.num_preemptions for s in group.seqs),
+            num_draft_tokens=sum(s.num_draft_tokens for s in group.seqs),
+            num_accepted_tokens=sum(s.num_accepted_draft_tokens for s in group.seqs))
         comps = [CompletionOutput(c.index, c.text, list(c.token_ids), c.finish_reason, c.stop_reason,
                                   c.logprobs, c.delta_text, list(c.delta_token_ids))
                  for c in group.completions]
@@ -139,3 +153,22 @@ class OutputProcessor:
         """seq is done with: forgotten here and by the sampler (its seeded stream)."""
         self.seq_to_group.pop(seq.request_id, None)
         self._release_seq(seq.request_id)
+
+
+def _stop_hits(text: str, stops: list[str], scanned: int) -> list[tuple[int, str]]:
+    """(position, stop) of each stop string in text; only text added since
+    `scanned` (plus an overlap) can hold a new one."""
+    start = max(0, scanned - max(map(len, stops)) + 1)
+    hits = [(text.find(s, start), s) for s in stops]
+    return [(pos, s) for pos, s in hits if pos >= 0]
+
+
+def _drop_last(seq: Request, comp: CompletionOutput, n: int) -> None:
+    """The last n tokens of seq were appended after a stop string completed
+    (accepted drafts of the same step): they are not part of the output."""
+    del seq.all_token_ids[-n:]
+    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+    comp.token_ids = comp.token_ids[:-n]
+    comp.delta_token_ids = comp.delta_token_ids[:-n]
+    if comp.logprobs is not None:
+        comp.logprobs = comp.logprobs[:-n]

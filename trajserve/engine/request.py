@@ -66,6 +66,9 @@ class Request:
     # Structured output: the llguidance matcher, at the end of the output so
     # far (the sampler masks with it and advances it).
     matcher: Any = None
+    # Speculative decoding: draft tokens verified, and accepted (engine/scheduler.py).
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -101,9 +104,11 @@ class Request:
             self.inter_token_times.append(now - self.last_token_time)
         self.last_token_time = now
 
-    def check_stop(self) -> RequestStatus | None:
+    def check_stop(self, matcher: bool = True) -> RequestStatus | None:
         """Token-level stop conditions (stop strings are checked on text by the
-        engine, which owns the detokenizer)."""
+        engine, which owns the detokenizer). matcher=False: the structured
+        output's state is past this token (an accepted draft token before
+        the step's last; verification ended the round where it completed)."""
         sp = self.sampling_params
         last = self.all_token_ids[-1]
         if not sp.ignore_eos and last in self.eos_token_ids:
@@ -112,7 +117,7 @@ class Request:
         if last in sp.stop_token_ids:
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
-        if self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error()):
+        if matcher and self.matcher is not None and (self.matcher.is_stopped() or self.matcher.is_error()):
             # The constraint is complete (ignore_eos kept the request going
             # past the end it allowed), or broken: nothing more can follow.
             self.stop_reason = self.matcher.get_error() or None

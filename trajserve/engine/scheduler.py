@@ -31,11 +31,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from trajserve.config import SchedulerConfig
 from trajserve.engine.request import Request, RequestStatus
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
+
+if TYPE_CHECKING:
+    from trajserve.speculative.proposer import DraftProposer
 
 
 @dataclass(slots=True)
@@ -44,6 +48,9 @@ class ScheduledChunk:
     start: int  # first position computed this step (= num_computed_tokens)
     num_tokens: int
     block_ids: list[int]  # the request's block table (live reference)
+    # Speculation: draft tokens after the last known one, verified this step
+    # (their rows are the chunk's last len(draft); num_tokens counts them).
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -52,7 +59,7 @@ class ScheduledChunk:
     @property
     def sample(self) -> bool:
         """The chunk reaches the last known token, so its logits give the next one."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.draft) == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -72,10 +79,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pricer: PreemptionPricer | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pricer: PreemptionPricer | None = None,
+                 proposer: DraftProposer | None = None) -> None:
         """pricer: prices swap against recompute for preemption (an engine with a
-        host tier); without one a preempted request is recomputed."""
+        host tier); without one a preempted request is recomputed. proposer:
+        drafts for decoding sequences (speculative decoding; None: off)."""
         self.config = config
+        self.proposer = proposer
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: oldest first
@@ -127,6 +137,10 @@ class Scheduler:
         running = RequestStatus.RUNNING
         tables = self.kv.tables
         allocate = self.kv.allocate_slots
+        proposer = self.proposer
+        if proposer is not None and decodes:
+            proposer.begin_step(len(decodes), min(budget - len(decodes),
+                                                  sum(r.num_tokens - r.num_computed_tokens for r in prefills)))
         for req in decodes + prefills:
             if budget <= 0:
                 break
@@ -134,6 +148,16 @@ class Scheduler:
                 continue  # preempted earlier in this step
             c = req.num_computed_tokens
             n = min(len(req.all_token_ids) - c, budget, cap)
+            if proposer is not None and n == 1:
+                draft = self._draft(req, min(budget, cap) - 1)
+                # Room for the draft's rows, else a plain decode: a draft
+                # never preempts anyone.
+                if draft and allocate(req.request_id, c + 1 + len(draft), None, c):
+                    scheduled.add(req.request_id)
+                    out.chunks.append(ScheduledChunk(req, c, 1 + len(draft), tables[req.request_id].block_ids,
+                                                     draft))
+                    budget -= 1 + len(draft)
+                    continue
             if allocate(req.request_id, c + n, None, c) or self._preempt_until_fits(req, n, scheduled, out):
                 # _add_chunk, inline: once per running request per step.
                 scheduled.add(req.request_id)
@@ -173,6 +197,16 @@ class Scheduler:
             self.kv.holds.release_admitted()
         out.copies = self.kv.take_copies()
         return out
+
+    def _draft(self, req: Request, room: int) -> list[int]:
+        """The proposer's draft for a decoding request, cut to the step's
+        room and to what the request may still output: a draft row past
+        max_tokens or the context limit would be wasted (or past the RoPE table)."""
+        sp = req.sampling_params
+        limit = min(room, sp.max_tokens - req.num_output_tokens - 1, req.max_total_tokens - req.num_tokens - 1)
+        if limit <= 0 or (req.request_id in self.pending_samples):
+            return []
+        return self.proposer.propose(req, limit)
 
     def _under_ceiling(self, req: Request, num_tokens: int, hit) -> bool:
         """Would admitting req keep the active blocks under the ceiling?
@@ -259,9 +293,12 @@ class Scheduler:
                 child.status = RequestStatus.WAITING
                 self.waiting.append(child)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float,
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish and free.
-        Returns the requests that finished this step."""
+        accepted: a drafted chunk's accepted draft tokens, which come before
+        its sampled token (speculation). Returns the requests that finished
+        this step."""
         finished = []
         running = RequestStatus.RUNNING
         if self.pending_samples:
@@ -274,6 +311,10 @@ class Scheduler:
                 continue  # aborted while the step ran
             start = chunk.start
             end = start + chunk.num_tokens
+            if chunk.draft:
+                if self._update_drafted(chunk, sampled, accepted or {}, now):
+                    finished.append(req)
+                continue
             req.num_computed_tokens = end
             # Only a chunk that fills a block has something for the prefix
             # cache: every block before `start` was cached when the step that
@@ -290,6 +331,37 @@ class Scheduler:
                 self.finish(req, status)
                 finished.append(req)
         return finished
+
+    def _update_drafted(self, chunk: ScheduledChunk, sampled: dict[str, int], accepted: dict[str, list[int]],
+                        now: float) -> bool:
+        """A verified draft: the K/V of the last known token and of the
+        accepted draft tokens is kept, the rejected rows' slots are not
+        (paged rollback: blocks past the sequence go back to the pool; the
+        radix cache is offered verified blocks only). Appends the accepted
+        tokens, then the target's own, stopping at the first that ends the
+        request. True if it finished."""
+        req = chunk.request
+        acc = accepted.get(req.request_id, [])
+        self.proposer.observe(req, len(chunk.draft), len(acc))
+        req.num_draft_tokens += len(chunk.draft)
+        req.num_accepted_draft_tokens += len(acc)
+        status = None
+        last = len(acc)
+        for i, t in enumerate(acc + [sampled[req.request_id]]):
+            req.append_token(t, now)
+            status = req.check_stop(matcher=i == last)
+            if status is not None:
+                break  # inside the accepted tokens: the ones after it are not output
+        # K/V is verified for the last known token and the accepted drafts
+        # (all but the newest token, or fewer after a stop).
+        req.num_computed_tokens = verified = min(chunk.start + 1 + len(acc), req.num_tokens - 1)
+        if status is not None:
+            self.finish(req, status)
+            return True
+        if verified // self.kv.block_size != chunk.start // self.kv.block_size:
+            self.kv.cache_computed(req.request_id, req.all_token_ids, verified, req.cache_salt)
+        self.kv.truncate(req.request_id, req.num_tokens)
+        return False
 
     def _fork_samples(self, out: SchedulerOutput) -> None:
         """Prefills that end this step fork into their other samples, before
@@ -309,6 +381,8 @@ class Scheduler:
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         self.pending_samples.pop(req.request_id, None)  # its other samples never start
+        if self.proposer is not None:
+            self.proposer.release(req)
         req.status = status
         if not _remove_identical(self.running, req):
             _remove_identical(self.waiting, req)

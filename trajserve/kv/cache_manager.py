@@ -321,6 +321,17 @@ class KVCacheManager(PathOps):
             ids.extend(self.pool.allocate(grow))
         return True
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Speculation's rollback: the table keeps the blocks num_tokens
+        need; blocks past them held only rejected draft rows (allocated by
+        this step, private, never in the tree) and go back to the pool."""
+        ids = self.tables[request_id].block_ids
+        keep = -(-num_tokens // self.block_size)
+        if len(ids) > keep:
+            extra = ids[keep:]
+            del ids[keep:]
+            self.pool.free(extra[::-1])
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write copies, oldest first; the caller runs them
         before the step's forward."""

@@ -83,6 +83,23 @@ class _SnapshotCollector(Collector):
                                   "disk blocks of earlier runs adopted at start-up (--kv-disk-dir)")
             g.add_metric([], float(low["restored_blocks"]))
             yield g
+        spec = snap.get("speculative")
+        if spec is not None:
+            for key, name, doc in (
+                    ("drafts", "trajserve_spec_decode_drafts", "sequence-steps that verified a draft"),
+                    ("draft_tokens", "trajserve_spec_decode_draft_tokens", "draft tokens verified"),
+                    ("accepted_tokens", "trajserve_spec_decode_accepted_tokens", "draft tokens accepted")):
+                c = CounterMetricFamily(name, doc)
+                c.add_metric([], float(spec[key]))
+                yield c
+            for key, name, doc in (
+                    ("acceptance_rate", "trajserve_spec_decode_acceptance_ratio", "accepted / draft tokens"),
+                    ("mean_accepted_length", "trajserve_spec_decode_mean_accepted_length",
+                     "tokens a verified round outputs on average (its accepted drafts + the target's own)")):
+                if spec[key] is not None:
+                    g = GaugeMetricFamily(name, doc)
+                    g.add_metric([], float(spec[key]))
+                    yield g
         if sess is None:
             return
         keep = CounterMetricFamily("trajserve_keep_decisions", "tool-pause decisions by kind", labels=["decision"])

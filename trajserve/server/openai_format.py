@@ -27,8 +27,14 @@ def prompt_list(prompt) -> list[str | list[int]]:
 def usage(finals: list[RequestOutput]) -> dict:
     prompt = sum(len(f.prompt_token_ids) for f in finals)
     completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    drafted = sum(f.metrics.num_draft_tokens for f in finals)
+    accepted = sum(f.metrics.num_accepted_tokens for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
+            "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)},
+            # OpenAI's names for predicted tokens the output kept / discarded:
+            # here speculative decoding's draft tokens (--speculative)
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}}
 
 
 def token_str(tok, t: int) -> str:

@@ -16,6 +16,7 @@ from trajserve.sim.hardware import Hardware, ModelCost
 from trajserve.sim.pauses import PauseController, rates_from_cost
 from trajserve.sim.prefix_tiers import SimPrefixTiers
 from trajserve.sim.simulator import Simulator
+from trajserve.sim.speculation import SimDrafts
 from trajserve.sim.tokens import TokenSource
 
 
@@ -42,6 +43,12 @@ class SimSetup:
     # Weights kept in host memory and copied in every step (8.4.3), whole replica.
     weight_offload_bytes: float = 0.0
     offload_buffers: int = 2
+    # Speculative decoding (sim/speculation.py): acceptance a per draft token
+    # (None: off), draft length m, or the engine's length rule (adaptive).
+    spec_accept: float | None = None
+    spec_draft: int = 4
+    spec_adaptive: bool = False
+    seed: int = 0
 
     @property
     def cost(self) -> CostModel:
@@ -64,13 +71,15 @@ class SimSetup:
             pricer = PreemptionPricer(rates_from_cost(cost, self.scheduler.max_prefill_chunk),
                                       int(cost.model.m_token * self.block_size), self.block_size,
                                       lambda n: n <= host_cap)
-        sched = Scheduler(self.scheduler, kv, pricer)
+        drafts = None if self.spec_accept is None else SimDrafts(self.spec_accept, self.spec_draft,
+                                                                 self.spec_adaptive, self.seed)
+        sched = Scheduler(self.scheduler, kv, pricer, drafts)
         pauses = None
         if self.keep_policy != "cache" and self.prefix_caching:
             pauses = PauseController(sched, cost, mode=self.keep_policy, wait_hint=self.wait_hint,
                                      host_bytes=self.host_kv_bytes, disk_bytes=self.disk_kv_bytes)
         return Simulator(sched, runner, tokens, max_concurrency=max_concurrency, progress=progress,
-                         desc=desc, pauses=pauses, prefix_tiers=tiers), tokens
+                         desc=desc, pauses=pauses, prefix_tiers=tiers, drafts=drafts), tokens
 
 
 def pool_blocks_from_memory(spec: ModelSpec, device: DeviceSpec, tp: int, block_size: int, kv_dtype: str,

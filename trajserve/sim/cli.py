@@ -52,6 +52,13 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
     e.add_argument("--max-prefill-chunk", type=int, default=None, help="default: the token budget")
+    e.add_argument("--spec-accept", type=float, default=None, metavar="A",
+                   help="speculative decoding: each draft token accepted with probability A given the ones "
+                        "before it (8.5.2), e.g. the acceptance_rate `trajserve bench spec --json` measured "
+                        "(default: no speculation)")
+    e.add_argument("--spec-draft", default="4", metavar="M",
+                   help="--spec-accept: draft tokens per sequence per step, or auto (the engine's marginal "
+                        "rule, 8.5.4, up to 8)")
     e.add_argument("--admission-ceiling", type=float, default=0.88,
                    help="tau_high: admit while active U_KV stays below it (kv-cache-management, eq. 8)")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trajserve.engine.core import ExecutorOutput
+from trajserve.engine.core import ExecutorOutput, StepStats
 from trajserve.engine.scheduler import SchedulerOutput
 from trajserve.sim.cost_model import CostModel, StepCost, causal_pairs
 
@@ -34,7 +34,7 @@ class CostModelRunner:
         self.block_size = block_size
         self.stats = RunnerStats()
         self.last = StepCost()
-        # Requests whose chunk reached their last token in the last step: the
+        # Chunks that reached their request's last token in the last step: the
         # rows a model would sample (the simulator gives them their token).
         self.sampled: list = []
 
@@ -43,14 +43,16 @@ class CostModelRunner:
         moves that must finish before the forward (a keep policy's reloads)."""
         n = pairs = kv = 0
         rows = self.sampled = []
+        drafted = 0
         for c in out.chunks:
             k, h = c.num_tokens, c.start
             n += k
             pairs += causal_pairs(k, h)
             kv += h + k
-            if h + k == len(c.request.all_token_ids):  # chunk reaches the end: its logits are sampled
-                rows.append(c.request)
-        step = self.cost.step(n, pairs, kv, len(out.chunks), len(rows), len(out.copies), self.block_size)
+            if c.sample:  # chunk reaches the end: its logits are sampled
+                rows.append(c)
+                drafted += len(c.draft)  # a verified draft: a row of logits per draft token too
+        step = self.cost.step(n, pairs, kv, len(out.chunks), len(rows) + drafted, len(out.copies), self.block_size)
         extra = sum(self.cost.transfer_time(b, self.block_size, link) for b, link in transfers)
         st = self.stats
         st.steps += 1
@@ -75,8 +77,9 @@ class CostModelExecutor:
     row: the replayed output where the call has one, else a fresh id (so the
     next turn's prompt, which repeats it, hits the cache as a real one would)."""
 
-    def __init__(self, runner: CostModelRunner, tokens, pauses=None, prefix_tiers=None) -> None:
+    def __init__(self, runner: CostModelRunner, tokens, pauses=None, prefix_tiers=None, drafts=None) -> None:
         self.runner, self.tokens, self.pauses, self.prefix_tiers = runner, tokens, pauses, prefix_tiers
+        self.drafts = drafts  # speculation (sim/speculation.py SimDrafts), or None
         self.forced: dict[str, list[int]] = {}  # request id -> the output to replay
         self.now = 0.0      # the clock when the step is scheduled (set by the simulator)
         self.started = 0.0  # when the forward began (after the copies it waited for)
@@ -89,15 +92,27 @@ class CostModelExecutor:
             start = pauses.copy_free_at
         self.started = start
         tiers = self.prefix_tiers
-        end = start + self.runner.execute(out, tiers.transfers() if tiers is not None else ())
-        rows, forced = self.runner.sampled, self.forced
-        if forced:
-            fresh, tokens = self.tokens.fresh_one, []
-            for req in rows:
-                outs = forced.get(req.request_id)
-                n = req.num_output_tokens
-                tokens.append(outs[n] if outs is not None and n < len(outs) else fresh())
-        else:
-            tok = self.tokens.reserve(len(rows))
-            tokens = list(range(tok, tok - len(rows), -1))
-        return ExecutorOutput([r.request_id for r in rows], tokens, end=end)
+        step_s = self.runner.execute(out, tiers.transfers() if tiers is not None else ())
+        end = start + step_s
+        chunks, forced = self.runner.sampled, self.forced
+        drafts = self.drafts
+        ids = [c.request.request_id for c in chunks]
+        stats = StepStats(forward=step_s)  # what the proposer's step cost reads (engine/core.py)
+        if not forced and drafts is None:  # the hot path of long replays: one call for every token
+            tok = self.tokens.reserve(len(chunks))
+            return ExecutorOutput(ids, list(range(tok, tok - len(chunks), -1)), end=end, stats=stats)
+        # A drafted chunk's accepted draft tokens come first (sim/speculation.py
+        # draws how many), then its last token, like every sampled row's.
+        accepted = {c.request.request_id: drafts.draw_accepted(len(c.draft)) for c in chunks if c.draft} \
+            if drafts is not None else {}
+        fresh, tokens, acc_tokens = self.tokens.fresh_one, [], {}
+        for c in chunks:
+            req = c.request
+            k = accepted.get(req.request_id, 0)
+            outs = forced.get(req.request_id) if forced else None
+            n = req.num_output_tokens
+            new = [outs[n + i] if outs is not None and n + i < len(outs) else fresh() for i in range(k + 1)]
+            if k:
+                acc_tokens[req.request_id] = new[:k]
+            tokens.append(new[k])
+        return ExecutorOutput(ids, tokens, end=end, accepted=acc_tokens or None, stats=stats)

@@ -87,7 +87,23 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
                     prefix_host_blocks=tier_blocks[0], prefix_disk_blocks=tier_blocks[1],
                     weight_offload_bytes=parse_bytes(args.weight_offload, "--weight-offload")
                     if getattr(args, "weight_offload", None) else 0.0,
-                    offload_buffers=getattr(args, "offload_buffers", 2))
+                    offload_buffers=getattr(args, "offload_buffers", 2),
+                    **spec_options(args))
+
+
+def spec_options(args: argparse.Namespace) -> dict:
+    """SimSetup's speculation fields from --spec-accept / --spec-draft."""
+    accept = getattr(args, "spec_accept", None)
+    if accept is None:
+        return {}
+    if not 0.0 <= accept <= 1.0:
+        raise ValueError(f"--spec-accept must be in [0, 1], got {accept}")
+    draft = getattr(args, "spec_draft", "4")
+    adaptive = draft == "auto"
+    m = 8 if adaptive else int(draft) if str(draft).isdigit() else -1
+    if not 1 <= m <= 64:
+        raise ValueError(f"--spec-draft must be a number of tokens in [1, 64] or auto, got {draft!r}")
+    return {"spec_accept": accept, "spec_draft": m, "spec_adaptive": adaptive, "seed": getattr(args, "seed", 0) or 0}
 
 
 def sessions_factory(args: argparse.Namespace):

@@ -90,6 +90,7 @@ def summarize(res: SimResult, slos: dict[str, float] | None = None) -> dict:
                  "max": float(u.max()) if u.size else None},
         "pauses": res.pauses,
         "prefix_tiers": res.prefix_tiers,
+        "speculation": res.speculation,
         "wall_s": res.wall_s,
     }
 

@@ -113,13 +113,15 @@ class SimResult:
     pauses: dict | None = None  # keep decisions, tier traffic (PauseController.summary)
     swap_preemptions: int = 0   # preemptions that swapped to the host tier (the rest recompute)
     prefix_tiers: dict | None = None  # the prefix cache's lower tiers (SimPrefixTiers.summary)
+    speculation: dict | None = None   # drafted / accepted tokens (sim/speculation.py)
 
 
 class Simulator:
     def __init__(self, sched: Scheduler, runner: CostModelRunner, tokens: TokenSource, *,
                  max_concurrency: int | None = None, progress: bool = False, desc: str = "simulate",
                  on_step: Callable[[float, float, SchedulerOutput], None] | None = None,
-                 pauses: PauseController | None = None, prefix_tiers: SimPrefixTiers | None = None) -> None:
+                 pauses: PauseController | None = None, prefix_tiers: SimPrefixTiers | None = None,
+                 drafts=None) -> None:
         if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max concurrency must be >= 1, got {max_concurrency}")
         self.sched, self.kv, self.runner, self.tokens = sched, sched.kv, runner, tokens
@@ -130,6 +132,7 @@ class Simulator:
         # the prefix cache, unpinned (a client that announces no pauses).
         self.pauses = pauses
         self.prefix_tiers = prefix_tiers  # hierarchical prefix cache: its traffic costs step time
+        self.drafts = drafts  # speculative decoding (sim/speculation.py), the scheduler's proposer
         # A request alone can always finish: cap its length at the pool (as the engine does).
         self.cap = self.kv.token_capacity
         self._params: dict[int, SamplingParams] = {}
@@ -168,7 +171,7 @@ class Simulator:
         seq = len(sessions)
         arrived: deque[tuple[float, Session]] = deque()
         live: dict[str, tuple[Session, Call, bool]] = {}
-        executor = CostModelExecutor(runner, self.tokens, pauses, tiers)
+        executor = CostModelExecutor(runner, self.tokens, pauses, tiers, self.drafts)
         core = EngineCore(sched, executor)
         forced = executor.forced  # request id -> the output to replay
         fork_on_first: dict[str, int] = {}
@@ -284,7 +287,16 @@ class Simulator:
                          cow_copies=kv.num_cow_copies, rejected=rejected, runner=runner,
                          wall_s=time.perf_counter() - t_wall,
                          pauses=pauses.summary() if pauses is not None else None,
-                         prefix_tiers=tiers.summary() if tiers is not None else None)
+                         prefix_tiers=tiers.summary() if tiers is not None else None,
+                         speculation=self._spec_summary())
+
+    def _spec_summary(self) -> dict | None:
+        d = self.drafts
+        if d is None:
+            return None
+        m = d.metrics()
+        del m["method"], m["step_ms"]
+        return {"accept": d.accept, "max_draft": d.config.max_draft, "adaptive": d.config.adaptive, **m}
 
     # ---------------------------------------------------------------- private
     def _params_for(self, n: int) -> SamplingParams:

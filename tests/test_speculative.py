@@ -140,7 +140,7 @@ def test_proposer_counts_and_expected_output_agree_with_the_planner():
 def test_options_refuse_bad_values():
     from trajserve.config import EngineConfig, SchedulerConfig
 
-    with pytest.raises(ValueError, match="speculative .*--speculative.* one of off, ngram, suffix"):
+    with pytest.raises(ValueError, match="speculative .*--speculative.* one of auto, off, ngram, suffix"):
         EngineConfig(scheduler=SchedulerConfig(speculative="eagle")).validate()
     with pytest.raises(ValueError, match="num_speculative_tokens .*--num-speculative-tokens"):
         EngineConfig(scheduler=SchedulerConfig(speculative="ngram", num_speculative_tokens=0)).validate()

@@ -99,8 +99,8 @@ def test_greedy_tokens_are_unchanged_across_chunks_and_batching(engine_f32, prom
         got = [o.outputs[0].token_ids for o in run_outputs(engine_f32, [prompts[i] for i in idx], GREEDY)]
     assert got == [reference[i] for i in idx]
     assert prop.num_draft_tokens > 0
-    if kind == "lookup":  # the copy prompts are drafted and mostly accepted
-        assert prop.num_accepted_tokens > 0.5 * prop.num_draft_tokens
+    if kind == "lookup":  # every step drafts 8 where a match exists: the copies' drafts are accepted
+        assert prop.num_accepted_tokens > 0.3 * prop.num_draft_tokens
 
 
 def test_small_pool_preemption_and_rollback(prompts, reference):
@@ -166,7 +166,7 @@ def test_structured_output_stop_strings_and_logprobs(engine_f32, prompts):
         (json_prompt, SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutput(json_schema=schema))),
         # A stop string the copy reaches mid-draft: the output ends there, tokens and text.
         (prompts[0], SamplingParams(max_tokens=80, temperature=0, stop=["letters by"])),
-        (prompts[0], SamplingParams(max_tokens=80, temperature=0, stop=["comet"], include_stop_str_in_output=True)),
+        (prompts[1], SamplingParams(max_tokens=80, temperature=0, stop=["comet"], include_stop_str_in_output=True)),
         # max_tokens inside a draft, logprobs of every accepted token.
         (prompts[1], SamplingParams(max_tokens=13, temperature=0, logprobs=3)),
         # Penalties see each verified row's own context.

@@ -16,6 +16,8 @@ FLAGS = {"num_threads": "--threads"}
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 # --kv-cache-dtype's values (engine/dtype.py resolve_kv_dtype says what auto becomes).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
+# --speculative's values (engine/engine.py says what auto becomes).
+SPECULATIVE = ("auto", "off", "ngram", "suffix")
 
 
 @dataclass(slots=True)
@@ -82,9 +84,10 @@ class SchedulerConfig:
     admission_ceiling: float = 0.88
     # Speculative decoding (trajserve/speculative/): drafts from the
     # sequence's own context (ngram) or also from finished sequences of its
-    # cache_salt (suffix), verified in the batch; off, or up to this many
-    # draft tokens per sequence per step.
-    speculative: str = "off"
+    # cache_salt (suffix), verified in the batch, up to this many draft
+    # tokens per sequence per step; auto: ngram where the C kernels run
+    # (a verified row is the same bits as a decode step), else off.
+    speculative: str = "auto"
     num_speculative_tokens: int = 8
 
 
@@ -146,7 +149,6 @@ class EngineConfig:
         count("max_num_batched_tokens", sc.max_num_batched_tokens)
         count("max_prefill_chunk", sc.max_prefill_chunk)
         check(0 < sc.admission_ceiling <= 1, "admission_ceiling", "in (0, 1]", sc.admission_ceiling)
-        check(sc.speculative in ("off", "ngram", "suffix"), "speculative", "one of off, ngram, suffix",
-              sc.speculative)
+        check(sc.speculative in SPECULATIVE, "speculative", "one of " + ", ".join(SPECULATIVE), sc.speculative)
         check(isinstance(sc.num_speculative_tokens, int) and 1 <= sc.num_speculative_tokens <= 64,
               "num_speculative_tokens", "an integer in [1, 64]", sc.num_speculative_tokens)

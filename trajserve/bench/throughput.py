@@ -125,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         args.num_blocks = int(need_tokens / ceiling) // args.block_size + 64
     llm = LLM.from_args(args)
     engine = llm.engine
+    # The forward's speed, a token a step: drafts would make a step's tokens
+    # depend on the text (`bench spec` measures speculation).
+    engine.scheduler.proposer = None
     rng = random.Random(args.seed)
 
     bw = read_bandwidth(engine.device)

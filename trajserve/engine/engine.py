@@ -51,6 +51,21 @@ from trajserve.structured import GrammarCompiler
 
 log = logging.getLogger("trajserve")
 
+
+def resolve_speculative(choice: str, c_kernels: bool) -> tuple[str, str]:
+    """What --speculative runs, and why. auto drafts where verification
+    cannot change a token: on the C kernels a row computed in a verify chunk
+    is the same bits as the same row decoded (docs/architecture.md), so
+    greedy and seeded output are those of plain decoding; torch's kernels
+    promise no such thing."""
+    if choice != "auto":
+        return choice, "--speculative"
+    if c_kernels:
+        return "ngram", ("auto: drafts from the context, verified on the C kernels, whose verified rows are "
+                         "the same bits as decode steps")
+    return "off", "auto: the torch path does not compute a verified row the same bits as a decode step"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -121,8 +136,9 @@ class LLMEngine:
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
         sc = config.scheduler
-        self.proposer = None if sc.speculative == "off" else DraftProposer(
-            SpecConfig(sc.speculative, sc.num_speculative_tokens))
+        self.speculative, spec_reason = resolve_speculative(sc.speculative, self.model.kernels is not None)
+        self.proposer = None if self.speculative == "off" else DraftProposer(
+            SpecConfig(self.speculative, sc.num_speculative_tokens))
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
@@ -144,7 +160,8 @@ class LLMEngine:
             f"(quantization {self.quantization}: {quant_reason})\n"
             f"KV cache: {self.kv_format.name} ({kv_reason}) | m_token = {m_token:,} B "
             f"(eq. 1) | block = {cc.block_size} tokens = {bytes_per_block(mc, cc.block_size, self.kv_format):,} B | {self.num_blocks:,} blocks | "
-            f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}")
+            f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}\n"
+            f"speculative decoding: {self.speculative} ({spec_reason})")
         log.info(self.startup_summary)
 
     # ---------------------------------------------------------------- requests

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig, SchedulerConfig
+from trajserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE, CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.units import parse_bytes
 
 _UNSET = object()
@@ -88,10 +88,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_prefill_chunk", "scheduler.max_prefill_chunk", "--max-prefill-chunk",
            "per-request chunk cap (default: the token budget, --max-num-batched-tokens)", type=int, default=None),
     Option("speculative", "scheduler.speculative", "--speculative",
-           "speculative decoding: off, ngram (drafts from the sequence's own context: prompt lookup) or "
-           "suffix (also from finished sequences of the same cache_salt); drafts are verified in the batch, "
-           "so greedy output is unchanged and sampling keeps the model's distribution",
-           choices=("off", "ngram", "suffix")),
+           "speculative decoding: ngram (drafts from the sequence's own context: prompt lookup), suffix "
+           "(also from finished sequences of the same cache_salt) or off; drafts are verified in the batch, "
+           "so greedy output is unchanged and sampling keeps the model's distribution. auto: ngram where the "
+           "C kernels run (a verified row is the same bits as a decode step), else off",
+           choices=SPECULATIVE),
     Option("num_speculative_tokens", "scheduler.num_speculative_tokens", "--num-speculative-tokens",
            "most draft tokens per sequence per step (the length is chosen per step by the measured "
            "acceptance and step cost, 8.5.4)", type=int),

@@ -50,7 +50,8 @@ class ScheduledChunk:
     block_ids: list[int]  # the request's block table (live reference)
     # Speculation: draft tokens after the last known one, verified this step
     # (their rows are the chunk's last len(draft); num_tokens counts them).
-    draft: list[int] = field(default_factory=list)
+    # A shared empty tuple by default: no list per chunk on the simulator's hot path.
+    draft: list[int] | tuple = ()
 
     @property
     def end(self) -> int:
@@ -148,7 +149,7 @@ class Scheduler:
                 continue  # preempted earlier in this step
             c = req.num_computed_tokens
             n = min(len(req.all_token_ids) - c, budget, cap)
-            if proposer is not None and n == 1:
+            if proposer is not None and len(req.all_token_ids) - c == 1:  # a decode: draft after it
                 draft = self._draft(req, min(budget, cap) - 1)
                 # Room for the draft's rows, else a plain decode: a draft
                 # never preempts anyone.

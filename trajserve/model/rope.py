@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -24,11 +25,22 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
 
 def cos_sin_table(head_dim: int, max_len: int, theta: float, scaling: dict | None,
                   device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """[max_len, head_dim] cos and sin in float32."""
-    inv = inv_frequencies(head_dim, theta, scaling).float()
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    """[max_len, head_dim] cos and sin in float32.
+
+    The angles are HF's (float32 position x float32 frequency); cos and sin
+    are numpy's float64 libm, rounded once to float32. torch's vectorized
+    float32 cos, computed here at start-up on two threads, came out wrong
+    in one thread's half of the table in about 3 processes of 10 on this
+    project's Sapphire Rapids VM (cos(1) = 0.5403335 instead of 0.5403023;
+    the same call repeated gave the right table): a process then produced
+    other greedy tokens and prompt logprobs 0.017 off (what made the server
+    and an in-process engine disagree now and then). Not understood; the
+    table no longer depends on it (tests/test_rope_table.py)."""
+    inv = inv_frequencies(head_dim, theta, scaling).float().numpy()
+    freqs = np.outer(np.arange(max_len, dtype=np.float32), inv).astype(np.float64)  # float32 products, as HF
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return (torch.from_numpy(np.cos(emb).astype(np.float32)).to(device),
+            torch.from_numpy(np.sin(emb).astype(np.float32)).to(device))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

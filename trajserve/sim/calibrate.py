@@ -251,8 +251,11 @@ def run(args: argparse.Namespace) -> int:
     plan = QUICK if args.quick else DEFAULT
     per_seq = -(-(16 + plan["decode_steps"] + 8) // 16) + 1
     need = max(plan["prefill_tokens"], max(plan["contexts"])) // 16 + max(plan["batches"]) * per_seq + 64
+    # Speculation off: the profile is the cost of steps of known shapes (the
+    # simulator adds speculation's rows itself: --spec-accept).
     llm = LLM(args.model, device=args.device, dtype=args.dtype, num_blocks=need, block_size=16,
-              max_num_seqs=max(64, max(plan["batches"])), max_num_batched_tokens=512, num_threads=args.threads)
+              max_num_seqs=max(64, max(plan["batches"])), max_num_batched_tokens=512, num_threads=args.threads,
+              speculative="off")
     profile = calibrate(llm.engine, args.quick, log=log)
     with open(args.out, "w") as f:
         json.dump(profile, f, indent=2)

@@ -51,6 +51,7 @@ def measure(args: argparse.Namespace):
     bargs = parse_agent_args(flags)  # bench agent's own defaults for everything else
     bargs.num_blocks = bench.default_pool_blocks(bargs)
     engine = LLM.from_args(bargs).engine
+    engine.scheduler.proposer = None  # the simulation decodes a token a step (no --spec-accept)
     busy = [0.0]
     step = engine.step
 

@@ -283,3 +283,40 @@ def test_simulate_and_plan_agree_on_a_weight_offload_round(capsys, buffers):
         assert round(offloaded * 1e3, 1) == 42.5  # the copy hides the round: >= 42.5 ms (8.4.3)
     else:
         assert offloaded == pytest.approx(plain + p.copy_s_per_round)
+
+
+def test_lora_adapter_bytes_and_their_kv_8_2_1():
+    """8.2.1: rank 16, bf16, Qwen3-8B's Q and V projections: one adapter is
+    14.6 MiB, 100 are 1.43 GiB against 14.1 GiB of matrix weights; 100
+    unshared 8K contexts hold 112.5 GiB of KV."""
+    from trajserve.plan.adapters import adapter_params, module_shape, plan_adapters
+    from trajserve.plan.catalog import get_model
+    from trajserve.plan.kv_format import m_token
+
+    cfg = get_model("qwen3-8b").config
+    assert module_shape(cfg, "q") == (4096, 4096) and module_shape(cfg, "v_proj") == (4096, 1024)
+    p = plan_adapters(cfg, 16, ["q", "v"], 100, 2, 2, m_token(cfg, "bf16"), 100, 8192)
+    assert p.adapter_params == 36 * 16 * ((4096 + 4096) + (4096 + 1024))
+    assert round(p.adapter_bytes / 2**20, 1) == 14.6
+    assert round(p.adapters_bytes / 2**30, 2) == 1.43
+    assert round(p.matrix_weight_bytes / 2**30, 1) == 14.1
+    assert round(p.contexts_kv_bytes / 2**30, 1) == 112.5
+    assert p.pool_tokens_lost == int(p.adapters_bytes // m_token(cfg, "bf16"))
+    # Every projection: q, k, v, o, gate, up, down at rank 8.
+    every = adapter_params(cfg, 8, ["q", "k", "v", "o", "gate", "up", "down"])
+    assert every == 36 * 8 * (8192 + 5120 + 5120 + 8192 + 3 * (4096 + 12288))
+    with pytest.raises(ValueError, match="unknown LoRA target module 'x'"):
+        adapter_params(cfg, 16, ["x"])
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        adapter_params(cfg, 0, ["q"])
+
+
+def test_cli_plan_lora():
+    r = _trajserve("plan", "lora", "--model", "qwen3-8b", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["targets"] == ["q_proj", "v_proj"] and d["adapters"] == 100
+    r = _trajserve("plan", "lora", "--model", "qwen3-8b")
+    assert "14.6 MiB" in r.stdout and "1.43 GiB" in r.stdout and "112.5 GiB" in r.stdout
+    r = _trajserve("plan", "lora", "--model", "qwen3-8b", "--targets", "q,x")
+    assert r.returncode == 2 and "unknown LoRA target module" in r.stderr and "Traceback" not in r.stderr

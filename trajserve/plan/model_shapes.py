@@ -86,7 +86,8 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
         if raw.get(key):
             raise ValueError(f"model config {str(f)!r} is mixture-of-experts ({key}={raw[key]}); "
                              "the planner supports dense decoders only")
-    if raw.get("use_sliding_window") or raw.get("layer_types"):
+    # transformers writes layer_types for every Qwen3 (all "full_attention"): only other kinds are refused.
+    if raw.get("use_sliding_window") or any(t != "full_attention" for t in raw.get("layer_types") or ()):
         raise ValueError(f"model config {str(f)!r} uses sliding-window/hybrid layers; "
                          "the planner supports full attention in every layer only")
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])

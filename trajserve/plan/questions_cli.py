@@ -7,6 +7,7 @@ beyond capacity, each answered by its own module:
     plan request   one request's time from its parts (batch_config.request_time; 8.1.1)
     plan goodput   requests in the system, goodput, cost per good result (goodput.py; 8.6.1-8.6.2)
     plan task      a whole agent task's time and speed-up when stages speed up (goodput.py; 8.6.3)
+    plan lora      many LoRA adapters on one base: their bytes, the KV pool they take (adapters.py; 8.2.1)
 """
 from __future__ import annotations
 
@@ -52,6 +53,46 @@ def add_questions(questions) -> None:
     add_request_parser(questions.add_parser("request", help="one request's time: queue + prefill + intervals"))
     add_goodput_parser(questions.add_parser("goodput", help="Little's law, R_good, GPU time and energy per good result"))
     add_task_parser(questions.add_parser("task", help="a task's time when its stages speed up (Amdahl), with setup"))
+    add_lora_parser(questions.add_parser("lora", help="LoRA adapters on one base model: bytes, and the KV they take"))
+
+
+def add_lora_parser(p: argparse.ArgumentParser) -> None:
+    from trajserve.plan.catalog import model_names
+
+    p.add_argument("--model", required=True, help=" | ".join(model_names()) + ", or a config.json / .gguf")
+    p.add_argument("--rank", type=int, default=16, help="r")
+    p.add_argument("--targets", default="q,v", help="modules with an adapter: q,k,v,o,gate,up,down (or *_proj)")
+    p.add_argument("--adapters", type=int, default=100, help="N adapters resident at once")
+    p.add_argument("--adapter-dtype", default="bf16", help="s_a: the adapters' format")
+    p.add_argument("--weight-dtype", default="bf16", help="the base model's matrices' format")
+    p.add_argument("--kv-dtype", default="bf16")
+    p.add_argument("--contexts", type=int, default=100, help="sequences for the KV comparison")
+    p.add_argument("--context", type=int, default=8192, help="tokens per sequence for the KV comparison")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_lora)
+
+
+def cmd_lora(args: argparse.Namespace) -> int:
+    from trajserve.plan.adapters import plan_adapters
+    from trajserve.plan.catalog import get_model
+    from trajserve.plan.kv_format import m_token, storage_format
+
+    cfg = get_model(args.model).config
+    s_a = float(storage_format(args.adapter_dtype, "adapter dtype").bytes_per_value)
+    s_w = float(storage_format(args.weight_dtype, "weight dtype").bytes_per_value)
+    p = plan_adapters(cfg, args.rank, [t.strip() for t in args.targets.split(",") if t.strip()], args.adapters, s_a,
+                      s_w, float(m_token(cfg, args.kv_dtype)), args.contexts, args.context)
+    if args.json:
+        print(json.dumps(p.to_dict()))
+        return 0
+    mib, gib = 2**20, 2**30
+    print(f"one adapter (rank {p.rank} on {', '.join(p.targets)}): {p.adapter_params:,} parameters = "
+          f"{p.adapter_bytes / mib:.1f} MiB")
+    print(f"{p.adapters} adapters: {p.adapters_bytes / gib:.2f} GiB, against {p.matrix_weight_bytes / gib:.1f} GiB of "
+          f"the base model's matrices")
+    print(f"KV: m_token = {p.kv_per_token:,.0f} B; resident adapters take {p.pool_tokens_lost:,} tokens of pool; "
+          f"{p.contexts} unshared {p.context_tokens:,}-token contexts hold {p.contexts_kv_bytes / gib:.1f} GiB")
+    return 0
 
 
 def add_goodput_parser(p: argparse.ArgumentParser) -> None:

@@ -236,3 +236,33 @@ def test_random_soak_leaves_pool_and_tree_as_they_were(prompts):
     assert_pool_clean(engine)
     assert engine.scheduler.num_preemptions > 0 and prop.num_accepted_tokens > 0
     assert prop.num_draft_tokens > 2 * prop.num_accepted_tokens  # mostly rejected: rollbacks ran
+
+
+def test_suffix_source_drafts_from_finished_requests_of_the_same_salt_only(engine_f32):
+    """An agent re-sends a turn (a retry, a sibling branch): with `suffix`
+    the second request drafts from the first's finished tokens and accepts
+    most of them; under another cache_salt it gets nothing from them. The
+    text is the same either way."""
+    tok = engine_f32.tokenizer
+    prompt = tok.encode_chat([{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+
+    def second_request(method, salt):
+        prop = DraftProposer(SpecConfig(method, 8, adaptive=False))
+        with speculation(engine_f32, prop):
+            engine_f32.kv.clear_cache()
+            first = engine_f32.add_request(prompt, sp, cache_salt="a")
+            results: dict = {}
+            drain(engine_f32, results)
+            before = prop.num_accepted_tokens, prop.num_draft_tokens
+            second = engine_f32.add_request(prompt, sp, cache_salt=salt)
+            drain(engine_f32, results)
+        acc, drafted = prop.num_accepted_tokens - before[0], prop.num_draft_tokens - before[1]
+        return results[first].outputs[0].token_ids, results[second].outputs[0].token_ids, acc, drafted
+
+    a1, a2, suffix_acc, suffix_drafted = second_request("suffix", "a")
+    b1, b2, other_salt_acc, _ = second_request("suffix", "b")
+    c1, c2, ngram_acc, _ = second_request("ngram", "a")
+    assert a1 == a2 == b1 == b2 == c1 == c2
+    assert suffix_acc >= 40 and suffix_acc > 0.8 * suffix_drafted  # the first request's text, drafted back
+    assert other_salt_acc == ngram_acc < 0.5 * suffix_acc  # another tenant's text is never a draft

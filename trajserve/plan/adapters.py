@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from trajserve.config import ModelConfig
+from trajserve.plan.model_shapes import PROJECTIONS as MODULES
+from trajserve.plan.model_shapes import lm_head_params, matmul_params, projection_shape
 
-# PEFT's target_modules names (Llama / Qwen projections), short and long.
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# PEFT's target_modules names (Llama / Qwen projections), long and short.
 _SHORT = {m.split("_")[0]: m for m in MODULES}
 
 
@@ -35,10 +36,8 @@ def module_name(name: str) -> str:
 
 
 def module_shape(c: ModelConfig, name: str) -> tuple[int, int]:
-    """(in, out) features of one layer's projection."""
-    q, kv, h, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}[module_name(name)]
+    """(in, out) features of one layer's projection ('q' or 'q_proj')."""
+    return projection_shape(c, module_name(name))
 
 
 def adapter_params(c: ModelConfig, rank: int, targets: list[str]) -> int:
@@ -72,8 +71,6 @@ class AdapterPlan:
 def plan_adapters(c: ModelConfig, rank: int, targets: list[str], adapters: int, adapter_bytes_per_param: float,
                   weight_bytes_per_param: float, kv_per_token: float, contexts: int = 0,
                   context_tokens: int = 0) -> AdapterPlan:
-    from trajserve.plan.model_shapes import lm_head_params, matmul_params
-
     if adapters < 0 or contexts < 0 or context_tokens < 0:
         raise ValueError(f"adapters, contexts and context tokens must be >= 0, got {adapters}, {contexts}, "
                          f"{context_tokens}")

@@ -17,12 +17,19 @@ from pathlib import Path
 from trajserve.config import ModelConfig
 
 
+# A decoder layer's projections (PEFT's target_modules names), SwiGLU MLP.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def projection_shape(c: ModelConfig, name: str) -> tuple[int, int]:
+    """(in, out) features of one layer's projection `name` (one of PROJECTIONS)."""
+    q, kv, h, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}[name]
+
+
 def _layer_matmul_params(c: ModelConfig) -> int:
-    q = c.hidden_size * c.num_heads * c.head_dim
-    kv = 2 * c.hidden_size * c.num_kv_heads * c.head_dim
-    o = c.num_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size  # gate, up, down (SwiGLU)
-    return q + kv + o + mlp
+    return sum(i * o for i, o in (projection_shape(c, m) for m in PROJECTIONS))
 
 
 def _layer_other_params(c: ModelConfig) -> int:

@@ -100,7 +100,9 @@ def spec_options(args: argparse.Namespace) -> dict:
         raise ValueError(f"--spec-accept must be in [0, 1], got {accept}")
     draft = getattr(args, "spec_draft", "4")
     adaptive = draft == "auto"
-    m = 8 if adaptive else int(draft) if str(draft).isdigit() else -1
+    from trajserve.speculative.proposer import SpecConfig
+
+    m = SpecConfig().max_draft if adaptive else int(draft) if str(draft).isdigit() else -1
     if not 1 <= m <= 64:
         raise ValueError(f"--spec-draft must be a number of tokens in [1, 64] or auto, got {draft!r}")
     return {"spec_accept": accept, "spec_draft": m, "spec_adaptive": adaptive, "seed": getattr(args, "seed", 0) or 0}

@@ -15,27 +15,37 @@ periodically (continuation()).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+
+def ngram_sizes(min_n: int, max_n: int) -> tuple[int, ...]:
+    """The n-gram sizes a source matches, longest first."""
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+    return tuple(range(max_n, min_n - 1, -1))
+
+
+def ngrams(tokens: list[int], sizes: tuple[int, ...], start: int = 0) -> Iterator[tuple[tuple[int, ...], int]]:
+    """(n-gram, the position after it) for every n-gram of tokens ending at
+    position start or later that has a token after it."""
+    for i in range(start, len(tokens) - 1):
+        for n in sizes:
+            if i + 1 >= n:
+                yield tuple(tokens[i + 1 - n:i + 1]), i + 1
+
 
 class ContextIndex:
     __slots__ = ("sizes", "table", "upto")
 
     def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.sizes = tuple(range(max_n, min_n - 1, -1))
+        self.sizes = ngram_sizes(min_n, max_n)
         self.table: dict[tuple[int, ...], int] = {}
         self.upto = 0  # n-grams ending before this position are indexed
 
     def extend(self, tokens: list[int]) -> None:
         """Index the n-grams of tokens that have a token after them."""
-        end = len(tokens) - 1
-        t = self.table
-        for i in range(self.upto, end):
-            for n in self.sizes:
-                if i + 1 >= n:
-                    t[tuple(tokens[i + 1 - n:i + 1])] = i + 1
-        if end > self.upto:
-            self.upto = end
+        self.table.update(ngrams(tokens, self.sizes, self.upto))
+        self.upto = max(self.upto, len(tokens) - 1)
 
     def lookup(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest earlier occurrence of

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections import deque
 
+from trajserve.speculative.context_index import ngram_sizes, ngrams
+
 
 class SuffixStore:
     def __init__(self, min_n: int = 2, max_n: int = 4, max_tokens: int = 1 << 20) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.sizes = tuple(range(max_n, min_n - 1, -1))
+        self.sizes = ngram_sizes(min_n, max_n)
         self.max_tokens = max_tokens
         # (salt, n-gram) -> (the sequence's tokens, position after the n-gram)
         self.table: dict[tuple, tuple[list[int], int]] = {}
@@ -29,11 +29,7 @@ class SuffixStore:
 
     def add(self, tokens: list[int], salt: str | None) -> None:
         tokens = list(tokens)  # the caller's list may change (a later turn)
-        t = self.table
-        for i in range(len(tokens) - 1):
-            for n in self.sizes:
-                if i + 1 >= n:
-                    t[(salt, tuple(tokens[i + 1 - n:i + 1]))] = (tokens, i + 1)
+        self.table.update(((salt, g), (tokens, p)) for g, p in ngrams(tokens, self.sizes))
         self.seqs.append((salt, tokens))
         self.num_tokens += len(tokens)
         while self.num_tokens > self.max_tokens and len(self.seqs) > 1:
@@ -43,13 +39,10 @@ class SuffixStore:
         salt, tokens = self.seqs.popleft()
         self.num_tokens -= len(tokens)
         t = self.table
-        for i in range(len(tokens) - 1):
-            for n in self.sizes:
-                if i + 1 >= n:
-                    key = (salt, tuple(tokens[i + 1 - n:i + 1]))
-                    hit = t.get(key)
-                    if hit is not None and hit[0] is tokens:
-                        del t[key]
+        for g, _ in ngrams(tokens, self.sizes):
+            hit = t.get((salt, g))
+            if hit is not None and hit[0] is tokens:
+                del t[(salt, g)]
 
     def lookup(self, tokens: list[int], salt: str | None, k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed tokens' longest suffix (n-gram) in a

@@ -41,3 +41,40 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
             if "norm" in name or name.endswith(".bias"):
                 p.normal_()
     return model.eval()
+
+
+def save_with_tokenizer(model: torch.nn.Module, d) -> None:
+    """The model as a Hugging Face directory an engine can load: weights, and
+    a word-level tokenizer ("t0" .. "t{vocab-1}"; the last is EOS)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = model.config.vocab_size
+    model.save_pretrained(d, safe_serialization=True)
+    Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"t{vocab - 1}"}))
+
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def random_adapter(base: torch.nn.Module, d, seed: int, targets=tuple(ALL_PROJECTIONS), r: int = 4,
+                   alpha: float = 8, std: float = 0.2) -> torch.nn.Module:
+    """A PEFT LoRA adapter on a copy of `base`, saved to d, with random A and
+    B (PEFT starts B at zero: a no-op adapter would prove nothing). Returns
+    the PEFT model (its forward is the reference)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                                           lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    model.save_pretrained(d)
+    return model.eval()

@@ -6,6 +6,7 @@ step (token budget, chunk cap, watermark).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 
@@ -18,6 +19,9 @@ QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
 # --speculative's values (engine/engine.py says what auto becomes).
 SPECULATIVE = ("auto", "off", "ngram", "suffix")
+# An adapter's name (the request's `model` field picks it; a metrics label):
+# never a path, a format string or markup.
+LORA_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
 
 @dataclass(slots=True)
@@ -89,6 +93,8 @@ class SchedulerConfig:
     # (a verified row is the same bits as a decode step), else off.
     speculative: str = "auto"
     num_speculative_tokens: int = 8
+    # LoRA (trajserve/lora/): distinct adapters one step may run (slots).
+    max_loras: int = 4
 
 
 @dataclass(slots=True)
@@ -108,6 +114,18 @@ class EngineConfig:
     cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # LoRA adapters (trajserve/lora/): on with enable_lora, lora_modules or
+    # lora_dir. lora_modules: (name, PEFT directory) pairs loaded at start;
+    # lora_dir: the operator's directory /v1/load_lora_adapter loads from
+    # (by an entry's name, never a client's path).
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    lora_dir: str | None = None
+    max_lora_rank: int = 16
+
+    @property
+    def lora_enabled(self) -> bool:
+        return bool(self.enable_lora or self.lora_modules or self.lora_dir)
 
     def validate(self) -> None:
         """ValueError naming the field (and its command-line flag) for a value
@@ -152,3 +170,12 @@ class EngineConfig:
         check(sc.speculative in SPECULATIVE, "speculative", "one of " + ", ".join(SPECULATIVE), sc.speculative)
         check(isinstance(sc.num_speculative_tokens, int) and 1 <= sc.num_speculative_tokens <= 64,
               "num_speculative_tokens", "an integer in [1, 64]", sc.num_speculative_tokens)
+        check(isinstance(sc.max_loras, int) and 1 <= sc.max_loras <= 256, "max_loras", "an integer in [1, 256]",
+              sc.max_loras)
+        check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512, "max_lora_rank",
+              "an integer in [1, 512]", self.max_lora_rank)
+        names = [n for n, _ in self.lora_modules]
+        for n in names:
+            check(isinstance(n, str) and re.fullmatch(LORA_NAME, n) is not None, "lora_modules",
+                  f"NAME=PATH pairs with names matching {LORA_NAME}", n)
+        check(len(set(names)) == len(names), "lora_modules", "pairs with distinct names", names)

@@ -44,17 +44,22 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run all prompts to completion in continuous batches; outputs in input order."""
+                 use_tqdm: bool = True, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Run all prompts to completion in continuous batches; outputs in input order.
+        `lora`: a loaded adapter's name for every prompt, or one per prompt
+        (None: the base model); they run mixed in the same batches."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params(sampling_params, len(prompts))
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
         # Validate everything before queuing anything: a bad prompt leaves no
         # half-submitted batch behind.
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, ad in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(p, sp, lora=ad))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -63,15 +68,16 @@ class LLM:
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        return self.generate([self.tokenizer.encode_chat(m) for m in messages], sampling_params, use_tqdm)
+        return self.generate([self.tokenizer.encode_chat(m) for m in messages], sampling_params, use_tqdm, lora)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               lora: str | None = None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput per step with this step's delta_text; other
         queued requests keep being served while the caller iterates."""
-        rid = self.engine.add_request(prompt, sampling_params)
+        rid = self.engine.add_request(prompt, sampling_params, lora=lora)
         try:
             while True:
                 for out in self.engine.step():
@@ -83,20 +89,29 @@ class LLM:
             self.engine.abort_request(rid)  # no-op when finished; frees blocks if the caller stopped early
 
     def open_session(self, prompt: Messages | str | list[int], cache_salt: str | None = None,
-                     session_id: str | None = None):
+                     session_id: str | None = None, lora: str | None = None):
         """An agent session (engine/session.py): generate a turn, pause for a
         tool (keep / host / disk / drop by the keep policy), resume with the
-        observation, fork, close."""
+        observation, fork, close. `lora`: the adapter its turns run."""
         if self._sessions is None:
             from trajserve.engine.session import SessionManager
 
             self._sessions = SessionManager(self.engine)
-        return self._sessions.open(prompt, cache_salt, session_id)
+        return self._sessions.open(prompt, cache_salt, session_id, lora)
 
     @property
     def sessions(self):
         """The SessionManager (None until the first open_session)."""
         return self._sessions
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT adapter directory under `name` (checked against the base model)."""
+        if self.engine.lora is None:
+            self.engine.adapter(name)  # the error: LoRA is off
+        self.engine.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
 
     def close(self) -> None:
         """Close every session and the engine's background threads; the

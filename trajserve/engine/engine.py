@@ -38,6 +38,7 @@ from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.keep_policy import CostRates
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.kv.lower_tiers import LowerTiers
+from trajserve.lora.manager import LoRAManager
 from trajserve.model.fingerprint import model_fingerprint
 from trajserve.model.quant import QUANT_FORMATS
 from trajserve.model.llama import LlamaModel
@@ -140,6 +141,9 @@ class LLMEngine:
         self.proposer = None if self.speculative == "off" else DraftProposer(
             SpecConfig(self.speculative, sc.num_speculative_tokens))
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
+        # LoRA adapters (lora/manager.py): their names, slots and counts.
+        self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None
+        self.runner.lora = self.lora.slots if self.lora is not None else None
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.closed = False  # close(): its copy threads are gone, so no new work
@@ -161,16 +165,20 @@ class LLMEngine:
             f"KV cache: {self.kv_format.name} ({kv_reason}) | m_token = {m_token:,} B "
             f"(eq. 1) | block = {cc.block_size} tokens = {bytes_per_block(mc, cc.block_size, self.kv_format):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}\n"
-            f"speculative decoding: {self.speculative} ({spec_reason})")
+            f"speculative decoding: {self.speculative} ({spec_reason})"
+            + (f"\n{self.lora.summary()}" if self.lora is not None else ""))
         log.info(self.startup_summary)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None, lora=None) -> str:
         """Validate and queue. Raises ValueError (naming the limit) before
-        anything is allocated; requests already in flight are unaffected."""
+        anything is allocated; requests already in flight are unaffected.
+        `lora`: a loaded adapter's name (or LoRAAdapter) to run the request
+        with; None for the base model."""
         if self.closed:
             raise RuntimeError("this engine is closed (LLM.close / LLMEngine.close): make a new one")
+        adapter = self.adapter(lora)
         params = params or SamplingParams()
         self._validate_params(params)
         if isinstance(prompt, str):
@@ -193,8 +201,10 @@ class LLMEngine:
         matcher = self._matcher(params)  # a constraint that does not compile fails here, before queuing
         seqs = [Request(sid, ids, self._seq_params(params, i), cap,
                         frozenset(self.tokenizer.eos_token_ids), arrival_time=now, cache_salt=cache_salt,
-                        matcher=matcher.deep_copy() if matcher is not None and i else matcher)
+                        matcher=matcher.deep_copy() if matcher is not None and i else matcher, lora=adapter)
                 for i, sid in enumerate(seq_ids)]
+        if adapter is not None:
+            self.lora.used(rid, adapter, seqs[0].cache_scope, len(ids))
         if params.prompt_logprobs is not None:  # the request's, so its first sequence's only
             seqs[0].prompt_logprobs = [None] * len(ids)
             seqs[0].prompt_logprobs_done = len(ids) == 1
@@ -239,7 +249,9 @@ class LLMEngine:
                             parent.max_total_tokens, parent.eos_token_ids, arrival_time=now,
                             cache_salt=parent.cache_salt, first_token_time=parent.first_token_time,
                             last_token_time=parent.last_token_time,
-                            matcher=matcher.deep_copy() if matcher is not None else None)
+                            matcher=matcher.deep_copy() if matcher is not None else None, lora=parent.lora)
+            if parent.lora is not None:
+                self.lora.used(cid, parent.lora, child.cache_scope, 0)
             detok = IncrementalDetokenizer(self.tokenizer)
             detok.extend(pcomp.token_ids)
             comp = CompletionOutput(0, pcomp.text, list(pcomp.token_ids), logprobs=(
@@ -250,6 +262,21 @@ class LLMEngine:
             ids.append(cid)
         self.scheduler.fork(parent, children)
         return ids
+
+    # ------------------------------------------------------------------- LoRA
+    def adapter(self, lora):
+        """The LoRAAdapter a request names (a name, or an adapter a session
+        holds); None: the base model."""
+        if lora is not None and self.lora is None:
+            raise ValueError("lora: this engine serves no LoRA adapters (start it with --lora-modules, "
+                             "--lora-dir or --enable-lora)")
+        return None if lora is None else self.lora.resolve(lora)
+
+    def unload_lora(self, name: str) -> int:
+        """New requests cannot name it; running ones finish with it; its
+        cached KV (every tier) is dropped. Returns the blocks dropped."""
+        _, scopes = self.lora.unload(name) if self.lora is not None else self.adapter(name)
+        return sum(self.kv.invalidate(None, scope) for scope in scopes)
 
     @staticmethod
     def _seq_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -332,6 +359,8 @@ class LLMEngine:
         (the choices still running end with finish_reason `reason`; those
         already finished keep theirs), or None for an unknown or finished one."""
         group = self.groups.pop(request_id, None)
+        if self.lora is not None:
+            self.lora.in_flight.pop(request_id, None)
         if group is None:
             return None
         stopped = False
@@ -373,6 +402,8 @@ class LLMEngine:
             return []
         t = time.perf_counter()
         outputs = self.outputs.process(rec.result.ids, rec.result.logprobs, rec.end, rec.result.accepted_logprobs)
+        if self.lora is not None and self.lora.in_flight:
+            self.lora.finished([o for o in outputs if o.finished])
         rec.stats.update += time.perf_counter() - t
         self.last_step = rec.stats
         return outputs
@@ -453,6 +484,7 @@ class LLMEngine:
             "promoted_blocks": self.kv.num_promoted_blocks,
             "lower_tiers": self.lower.metrics() if self.lower is not None else None,
             "speculative": self.proposer.metrics() if self.proposer is not None else None,
+            "lora": self.lora.metrics() if self.lora is not None else None,
             **_percentiles("ttft", self.outputs.ttfts),
             **_percentiles("itl", self.outputs.itls),
         }

@@ -14,6 +14,8 @@ import torch
 
 from trajserve.engine.scheduler import SchedulerOutput
 from trajserve.kv.copy_engine import CopyEngine, CopyJob, gather_blocks
+from trajserve.lora.rows import LoRARows
+from trajserve.lora.slots import LoRASlots
 from trajserve.model.attention import AttentionMetadata, PrefillSeq
 from trajserve.model.llama import LlamaModel
 
@@ -43,6 +45,7 @@ class PreparedBatch:
     # the one after); None: one row each.
     sample_first: list[int] | None = None
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    lora: LoRARows | None = None  # the adapter of each row, when any row has one
 
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -67,6 +70,7 @@ class ModelRunner:
         self._in_block = np.arange(block_size)
         # Background device <-> host copies (swaps of paused sessions).
         self.copy = CopyEngine(kv_caches)
+        self.lora: LoRASlots | None = None  # the resident adapters (lora/slots.py), when LoRA is on
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -135,12 +139,26 @@ class ModelRunner:
             batch.sample_pick = self._tensor(np.asarray(pick, dtype=np.int64))
         if drafts:
             batch.sample_first, batch.drafts = row_first, drafts
+        if self.lora is not None and any(c.request.lora is not None for c in out.chunks):
+            batch.lora = self._lora_rows(out, row)
         if out.copies:
             cp = np.asarray(out.copies, dtype=np.int64)
             batch.copy_src, batch.copy_dst = self._tensor(cp[:, 0]), self._tensor(cp[:, 1])
         if self.copy.loading:  # rare: only while a reload streams in
             batch.loads = self.copy.jobs_for([c.block_ids for c in out.chunks] + [[s for s, _ in out.copies]])
         return batch
+
+    def _lora_rows(self, out: SchedulerOutput, num_rows: int) -> LoRARows:
+        """Each row's adapter slot (-1: the base model), its adapters loaded
+        into slots first (the scheduler put at most max_loras in the step)."""
+        slot_of = self.lora.acquire(c.request.lora for c in out.chunks if c.request.lora is not None)
+        rows = np.full(num_rows, -1, dtype=np.int32)
+        row = 0
+        for c in out.chunks:
+            if c.request.lora is not None:
+                rows[row:row + c.num_tokens] = slot_of[c.request.lora.digest]
+            row += c.num_tokens
+        return LoRARows(self.lora, self._tensor(rows), self.model.kernels)
 
     def _attention_meta(self, spans: list[tuple]) -> AttentionMetadata:
         """Attention over the pool for query rows (first row, rows, context
@@ -205,4 +223,5 @@ class ModelRunner:
                 self.copy.wait_s += job.wait_layer(job.num_layers - 1)
             self.copy_blocks(batch.copy_src, batch.copy_dst)
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
-                                  batch.sample_rows, self.copy.layer_barrier(batch.loads), batch.sample_meta)
+                                  batch.sample_rows, self.copy.layer_barrier(batch.loads), batch.sample_meta,
+                                  batch.lora)

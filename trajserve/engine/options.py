@@ -28,6 +28,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     size: bool = False            # bytes: '4GiB', '512MB' or a number
+    nargs: str | None = None      # argparse's (a list of values)
     default: object = _UNSET      # the keyword's default where it is not the field's (None: "derived")
 
     def field_default(self):
@@ -96,6 +97,18 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_speculative_tokens", "scheduler.num_speculative_tokens", "--num-speculative-tokens",
            "most draft tokens per sequence per step (the length is chosen per step by the measured "
            "acceptance and step cost, 8.5.4)", type=int),
+    Option("enable_lora", "enable_lora", "--enable-lora",
+           "serve LoRA adapters on the base model (on by itself with --lora-modules or --lora-dir)"),
+    Option("lora_modules", "lora_modules", "--lora-modules",
+           "PEFT adapters loaded at start, as NAME=DIR; a request picks one by its model field (vLLM's flag)",
+           metavar="NAME=DIR", nargs="+"),
+    Option("lora_dir", "lora_dir", "--lora-dir",
+           "directory whose adapter subdirectories POST /v1/load_lora_adapter may load, by name (no client "
+           "path is ever opened)", metavar="DIR"),
+    Option("max_loras", "scheduler.max_loras", "--max-loras",
+           "adapters resident at once: a step runs at most this many distinct adapters; the rest wait in host "
+           "memory and are loaded on demand (LRU)", type=int),
+    Option("max_lora_rank", "max_lora_rank", "--max-lora-rank", "largest adapter rank accepted", type=int),
     Option("max_model_len", "max_model_len", "--max-model-len",
            "context limit, prompt + output (default: the model's)", type=int),
     Option("seed", "seed", "--seed", "the engine's seed for requests that give none", type=int),
@@ -114,7 +127,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(o.flag, dest=o.name, action="store_false" if d else "store_true", help=o.help)
         else:
             g.add_argument(o.flag, dest=o.name, default=d, type=o.type, choices=o.choices, metavar=o.metavar,
-                           help=o.help)
+                           nargs=o.nargs, help=o.help)
 
 
 def engine_config(**options) -> EngineConfig:
@@ -131,10 +144,31 @@ def engine_config(**options) -> EngineConfig:
             value = o.field_default() if value is None else parse_bytes(value, f"{o.name} ({o.flag})")
         part, _, name = o.field.rpartition(".")
         parts[part][name] = value
+    parts[""]["lora_modules"] = lora_pairs(parts[""]["lora_modules"])
     sched = parts["scheduler"]
     if sched["max_prefill_chunk"] is None:  # unset: a chunk may take the whole budget
         sched["max_prefill_chunk"] = sched["max_num_batched_tokens"]
     return EngineConfig(**parts[""], cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**sched))
+
+
+def lora_pairs(value) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=DIR ... (or the keyword's {name: dir} or
+    [(name, dir)]) as (name, dir) pairs; names are checked by EngineConfig.validate."""
+    if not value:
+        return ()
+    if isinstance(value, dict):
+        return tuple((str(k), str(v)) for k, v in value.items())
+    out = []
+    for item in value:
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules (--lora-modules) takes NAME=DIR pairs, got {item!r}")
+            out.append((name, path))
+        else:
+            name, path = item
+            out.append((str(name), str(path)))
+    return tuple(out)
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,14 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort")
+
+
+def cache_scope(cache_salt: str | None, lora) -> Hashable:
+    """Everything besides the tokens a sequence's KV depends on, as the
+    cache's namespace takes it: the tenant's salt, and the LoRA adapter by the
+    digest of its weights (never a hit across adapters, or across two
+    versions of one adapter's name). The base model's scope is the salt alone."""
+    return cache_salt if lora is None else (cache_salt, "lora", lora.digest)
 
 
 @dataclass(slots=True)
@@ -69,10 +78,16 @@ class Request:
     # Speculative decoding: draft tokens verified, and accepted (engine/scheduler.py).
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # LoRA: the adapter its rows run (lora/adapter.py LoRAAdapter), None for the base model.
+    lora: Any = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def cache_scope(self) -> Hashable:
+        return cache_scope(self.cache_salt, self.lora)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -130,6 +130,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         cap = self.config.max_prefill_chunk
         scheduled: set[str] = set()
+        # LoRA: the adapters (by digest) this step runs; at most max_loras
+        # fit in the slots (lora/slots.py), so a request of one more waits.
+        loras: set[str] = set()
+        max_loras = self.config.max_loras
 
         # len(all_token_ids), not the num_tokens property: this runs per
         # running request per step (the simulator's hot path).
@@ -147,6 +151,10 @@ class Scheduler:
                 break
             if req.status is not running:
                 continue  # preempted earlier in this step
+            if req.lora is not None and req.lora.digest not in loras:
+                if len(loras) >= max_loras:
+                    continue
+                loras.add(req.lora.digest)
             c = req.num_computed_tokens
             n = min(len(req.all_token_ids) - c, budget, cap)
             if proposer is not None and len(req.all_token_ids) - c == 1:  # a decode: draft after it
@@ -171,11 +179,15 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
+            if req.lora is not None and req.lora.digest not in loras:
+                if len(loras) >= max_loras:
+                    break  # FCFS: the head waits for a slot
+                loras.add(req.lora.digest)
             # Radix match: the cached block-aligned prefix needs no compute.
             # Prompt logprobs need every prompt row's logits, which the
             # cache does not hold: such a prompt is computed whole (vLLM's rule).
             hit = None if req.prompt_logprobs is not None and not req.prompt_logprobs_done \
-                else self.kv.match(req.request_id, req.all_token_ids, req.cache_salt)
+                else self.kv.match(req.request_id, req.all_token_ids, req.cache_scope)
             start = hit.num_tokens if hit else req.num_computed_tokens
             n = min(req.num_tokens - start, budget, cap)
             if self.running and not self._under_ceiling(req, start + n, hit):
@@ -257,7 +269,7 @@ class Scheduler:
         swap = self.pricer is not None and self.pricer.choose(req.num_computed_tokens // self.kv.block_size)[0]
         # Its computed blocks go to the prefix cache: the recompute may hit them.
         # A swap moves them down to the host tier at once; re-admission loads them back.
-        if self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt,
+        if self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_scope,
                            swap_out=swap):
             self.num_swap_preemptions += 1
         req.num_computed_tokens = 0
@@ -322,7 +334,7 @@ class Scheduler:
             # computed it ended (or came from the cache at admission), so a
             # chunk inside one block would find nothing new (most decodes).
             if end // B != start // B:
-                cache_computed(req.request_id, req.all_token_ids, end, req.cache_salt)
+                cache_computed(req.request_id, req.all_token_ids, end, req.cache_scope)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -360,7 +372,7 @@ class Scheduler:
             self.finish(req, status)
             return True
         if verified // self.kv.block_size != chunk.start // self.kv.block_size:
-            self.kv.cache_computed(req.request_id, req.all_token_ids, verified, req.cache_salt)
+            self.kv.cache_computed(req.request_id, req.all_token_ids, verified, req.cache_scope)
         self.kv.truncate(req.request_id, req.num_tokens)
         return False
 
@@ -387,7 +399,7 @@ class Scheduler:
         req.status = status
         if not _remove_identical(self.running, req):
             _remove_identical(self.waiting, req)
-        self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_salt)
+        self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_scope)
 
 
 def _remove_identical(seq: list[Request] | deque[Request], req: Request) -> bool:

@@ -40,6 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from trajserve.engine.engine import LLMEngine
+from trajserve.engine.request import cache_scope
 from trajserve.engine.session_offload import SessionOffload
 from trajserve.kv.copy_engine import CopyJob
 from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision
@@ -117,6 +118,8 @@ class Session:
     importing: tuple[MatchResult, list[int], object] | None = None  # a prefetch's blocks, adopted when it lands
     last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
     expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
+    lora: object = None  # the LoRA adapter every turn runs (lora/adapter.py), None for the base model
+    cache_scope = property(lambda self: cache_scope(self.cache_salt, self.lora))
 
     @property
     def saved_blocks(self) -> int:
@@ -219,9 +222,9 @@ class SessionManager:
 
     # ------------------------------------------------------------- lifecycle
     def open(self, prompt: list[dict] | str | list[int], cache_salt: str | None = None,
-             session_id: str | None = None) -> Session:
-        """A session over a chat (messages: rendered with the chat template,
-        ready for the assistant), a text or token ids."""
+             session_id: str | None = None, lora: str | None = None) -> Session:
+        """A session over a chat (messages: rendered with the chat template, ready
+        for the assistant), a text or token ids; its turns run adapter `lora`."""
         tok = self.engine.tokenizer
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             ids = tok.encode_chat(prompt)
@@ -233,7 +236,7 @@ class SessionManager:
         sid = check_session_id(session_id) if session_id is not None else f"sess-{next(self._ids)}"
         if sid in self.sessions:
             raise ValueError(f"session {sid!r} is already open")
-        return self._add(Session(sid, cache_salt, ids, self))
+        return self._add(Session(sid, cache_salt, ids, self, lora=self.engine.adapter(lora)))
 
     def _add(self, s: Session) -> Session:
         if self.max_sessions is not None:
@@ -308,7 +311,8 @@ class SessionManager:
         self._touch(s)  # the children's arrival must not close it (max_sessions)
         if s.state is SessionState.PAUSED:
             self.offload.share_saved(s)
-        return [self._add(Session(f"{s.session_id}.{next(self._ids)}", s.cache_salt, list(s.history), self))
+        return [self._add(Session(f"{s.session_id}.{next(self._ids)}", s.cache_salt, list(s.history), self,
+                                  lora=s.lora))
                 for _ in range(n)]
 
     # ------------------------------------------------- turns run elsewhere
@@ -317,12 +321,15 @@ class SessionManager:
     # session's state back, after_turn records the history and pauses it if
     # the client announced a tool wait.
 
-    def before_turn(self, session_id: str, cache_salt: str | None) -> Session:
+    def before_turn(self, session_id: str, cache_salt: str | None, lora: str | None = None) -> Session:
         s = self.sessions.get(session_id)
+        adapter = self.engine.adapter(lora)
         if s is None:
-            s = self._add(Session(check_session_id(session_id), cache_salt, [], self))
+            s = self._add(Session(check_session_id(session_id), cache_salt, [], self, lora=adapter))
         elif s.cache_salt != cache_salt:
             raise ValueError(f"session {session_id!r} belongs to another cache_salt")
+        elif cache_scope(None, s.lora) != cache_scope(None, adapter):  # another adapter, or other weights
+            raise ValueError(f"session {session_id!r} belongs to another model ({s.lora.name if s.lora else 'base'})")
         elif s.in_flight:
             raise SessionBusy(f"session {session_id!r} already has a turn in flight; send turns one at a time")
         elif s.state is SessionState.PAUSED:
@@ -357,7 +364,7 @@ class SessionManager:
 
     def describe(self, s: Session) -> dict:
         kv = self.engine.kv
-        hit = kv.cached_prefix(s.history, s.cache_salt) if s.history else None
+        hit = kv.cached_prefix(s.history, s.cache_scope) if s.history else None
         return {"id": s.session_id, "state": s.state.value,
                 "tier": s.tier.value if s.tier is not None else "device",
                 "residency": s.residency.value if s.residency is not None else None,
@@ -386,7 +393,7 @@ class SessionManager:
         if s.state is SessionState.PAUSED:
             raise ValueError(f"session {s.session_id!r} is paused for a tool: resume it with the observation first")
         eng = self.engine  # its step() runs the manager's housekeeping (tick) before each step
-        rid = eng.add_request(list(s.history), params, cache_salt=s.cache_salt)
+        rid = eng.add_request(list(s.history), params, cache_salt=s.cache_salt, lora=s.lora)
         out = None
         s.in_flight = True  # expiry passes over it while the turn runs
         try:

@@ -113,8 +113,10 @@ class KVCacheManager(PathOps):
         return self.tables[request_id]
 
     # ---------------------------------------------------------------- prefix
-    def namespace(self, cache_salt: str | None) -> Hashable:
-        # Everything besides the tokens that determines the KV state.
+    def namespace(self, cache_salt: Hashable) -> Hashable:
+        # Everything besides the tokens that determines the KV state. The
+        # `cache_salt` of these methods is a request's cache scope
+        # (engine/request.py): its salt, with its LoRA adapter's digest if any.
         return (self.model_id, cache_salt)
 
     def match(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> MatchResult | None:

@@ -97,13 +97,24 @@ typedef struct {
     float *y;
     int64_t ldy, n;  /* n: output columns */
     int acc, gate;
+    const float *pre;  /* gate: LoRA deltas added to g and u before silu ([m, ldp]: g's at c, u's at n + c), or NULL */
+    int64_t ldp;
 } Epilogue;
 
 static void finish_tile(const Epilogue *e, int64_t p, int64_t i0, int64_t rows, const float *o) {
     if (e->gate) {  /* panel p: gate rows then up rows of outputs [8p, 8p + 8) */
         const int64_t c0 = p * 8, nc = e->n - c0 < 8 ? e->n - c0 : 8;
         for (int64_t r = 0; r < rows; r++) {
-            __m256 v = _mm256_mul_ps(silu8(_mm256_loadu_ps(o + r * 16)), _mm256_loadu_ps(o + r * 16 + 8));
+            __m256 g = _mm256_loadu_ps(o + r * 16), u = _mm256_loadu_ps(o + r * 16 + 8);
+            if (e->pre) {  // adapters' gate and up products (lora_rows), before the activation as in W + s B A
+                float t[16] = {0};
+                const float *pr = e->pre + (i0 + r) * e->ldp;
+                memcpy(t, pr + c0, nc * sizeof(float));
+                memcpy(t + 8, pr + e->n + c0, nc * sizeof(float));
+                g = _mm256_add_ps(g, _mm256_loadu_ps(t));
+                u = _mm256_add_ps(u, _mm256_loadu_ps(t + 8));
+            }
+            __m256 v = _mm256_mul_ps(silu8(g), u);
             float *yr = e->y + (i0 + r) * e->ldy + c0;
             if (nc == 8) {
                 _mm256_storeu_ps(yr, v);
@@ -152,17 +163,54 @@ static void packed_product(const float *x, int64_t m, int64_t k, int64_t ldx, co
  * is added in place. */
 void ts_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed, int64_t n,
                const float *bias, float *y, int64_t ldy, int acc, int nthreads) {
-    Epilogue e = {bias, y, ldy, n, acc, 0};
+    Epilogue e = {bias, y, ldy, n, acc, 0, NULL, 0};
     packed_product(x, m, k, ldx, packed, (n + 15) / 16, &e, nthreads);
 }
 
 /* The MLP's first half on gate and up packed together (cpu_kernels.
  * pack_gate_up): panel p holds gate rows [8p, 8p + 8) then up rows
- * [8p, 8p + 8), so y[i, 8p + c] = silu(gate) * up comes out of one tile. */
+ * [8p, 8p + 8), so y[i, 8p + c] = silu(gate) * up comes out of one tile.
+ * pre (or NULL): LoRA deltas of gate and up, added before the activation. */
 void ts_gate_up_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
-                     int64_t inter, float *y, int64_t ldy, int nthreads) {
-    Epilogue e = {NULL, y, ldy, inter, 0, 1};
+                     int64_t inter, float *y, int64_t ldy, const float *pre, int64_t ldp, int nthreads) {
+    Epilogue e = {NULL, y, ldy, inter, 0, 1, pre, ldp};
     packed_product(x, m, k, ldx, packed, (inter + 7) / 8, &e, nthreads);
+}
+
+/* LoRA adapters over the rows of a batch (Punica's SGMV, row by row): for
+ * row i with slot s = slot[i] >= 0 and r = rank[s] > 0
+ *
+ *     y[i, :n] += sum_j (x[i] . a[s, j]) * bt[s, j, :n]      (j < r, in order)
+ *
+ * a: [slots][r_max][k] (lora_A), bt: [slots][r_max][n] (lora_B transposed,
+ * its scale s folded in). Each row is one sequence of fixed operations, so
+ * a row's result never depends on which adapters its neighbours use (or on
+ * their number), as for the base products above. */
+void ts_lora_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const int32_t *slot, const float *a,
+                  const float *bt, const int32_t *rank, int64_t r_max, int64_t n, float *y, int64_t ldy,
+                  int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(m > 1 ? nthreads : 1)
+    for (int64_t i = 0; i < m; i++) {
+        const int32_t s = slot[i];
+        if (s < 0 || rank[s] <= 0) continue;
+        const int64_t r = rank[s];
+        const float *xi = x + i * ldx, *as = a + s * r_max * k, *bs = bt + s * r_max * n;
+        float u[r_max];
+        for (int64_t j = 0; j < r; j++) u[j] = dot(xi, as + j * k, k);
+        float *yi = y + i * ldy;
+        int64_t c = 0;
+        for (; c + 8 <= n; c += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t j = 0; j < r; j++)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(u[j]), _mm256_loadu_ps(bs + j * n + c), acc);
+            _mm256_storeu_ps(yi + c, _mm256_add_ps(_mm256_loadu_ps(yi + c), acc));
+        }
+        for (; c < n; c++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < r; j++) acc = fmaf(u[j], bs[j * n + c], acc);
+            yi[c] += acc;
+        }
+    }
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w, row by row (HF Llama's order). */

@@ -62,7 +62,8 @@ _C = ctypes.c_int
 _SIGNATURES = {
     "ts_exp_widths": [_P, _I, _P, _P, _C],
     "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C],
-    "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _C],
+    "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I, _C],
+    "ts_lora_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _C],
     "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
@@ -77,7 +78,7 @@ _SIGNATURES = {
     "ts_quant_isa": [],
     "ts_quantize_rows_q8": [_P, _I, _I, _I, _P, _C],
     "ts_qlinear": [_P, _I, _I, _I, _P, _C, _I, _P, _P, _I, _C, _C, _C],
-    "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _C, _C],
+    "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _P, _I, _C, _C],
     "ts_quant_amx_init": [],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
 }
@@ -295,6 +296,12 @@ def _pool_format(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) ->
 
 
 
+def _check_pre(pre: torch.Tensor | None, m: int, inter: int) -> None:
+    if pre is not None and (pre.shape != (m, 2 * inter) or pre.dtype != torch.float32 or pre.stride(1) != 1):
+        raise ValueError(f"gate/up deltas must be float32 [{m}, {2 * inter}] with unit column stride, "
+                         f"got {pre.dtype} {tuple(pre.shape)}")
+
+
 def _check_index(*ts: torch.Tensor) -> None:
     # The C side reads these as int64 arrays: anything else is read as garbage.
     for t in ts:
@@ -341,15 +348,36 @@ class CpuKernels:
                            out.data_ptr(), out.stride(0), int(acc), self.threads())
         return out
 
-    def gate_up_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int) -> torch.Tensor:
-        """silu(x @ gate^T) * (x @ up^T), the weights given as pack_gate_up."""
+    def gate_up_silu(self, x: torch.Tensor, packed: torch.Tensor, inter: int,
+                     pre: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T), the weights given as pack_gate_up;
+        `pre` [m, 2 * inter] (LoRA deltas) is added to gate | up before silu."""
         m, k = x.shape
         if packed.shape[1] != k:
             raise ValueError(f"input has {k} features, the packed weight {packed.shape[1]}")
+        _check_pre(pre, m, inter)
         out = torch.empty((m, inter), dtype=torch.float32)
         self.lib.ts_gate_up_silu(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), inter, out.data_ptr(),
-                                 out.stride(0), self.threads())
+                                 out.stride(0), _ptr(pre), 0 if pre is None else pre.stride(0), self.threads())
         return out
+
+    def lora_rows(self, x: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                  rank: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] += (x[i] @ a[s, :r]^T) @ bt[s, :r] for each row i with an
+        adapter (s = slot[i] >= 0, r = rank[s] > 0): ts_lora_rows.
+        x [m, k]; slot int32 [m]; a [S, r_max, k]; bt [S, r_max, n];
+        rank int32 [S]; out [m, n] (a column slice of a wider output is fine)."""
+        m, k = x.shape
+        S, r_max, n = bt.shape
+        if (a.shape != (S, r_max, k) or slot.shape != (m,) or rank.shape != (S,) or out.shape != (m, n)
+                or slot.dtype != torch.int32 or rank.dtype != torch.int32 or x.stride(1) != 1
+                or out.stride(1) != 1 or not (a.is_contiguous() and bt.is_contiguous())):
+            raise ValueError(f"lora_rows: x {tuple(x.shape)}, slot {tuple(slot.shape)} {slot.dtype}, a {tuple(a.shape)}, "
+                             f"bt {tuple(bt.shape)}, rank {tuple(rank.shape)} {rank.dtype}, out {tuple(out.shape)}")
+        if m and (int(slot.max()) >= S or int(rank.max()) > r_max):
+            raise IndexError(f"lora_rows: slots must lie below {S}, ranks at most {r_max}")
+        self.lib.ts_lora_rows(x.data_ptr(), m, k, x.stride(0), slot.data_ptr(), a.data_ptr(), bt.data_ptr(),
+                              rank.data_ptr(), r_max, n, out.data_ptr(), out.stride(0), self.threads())
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         m, d = x.shape
@@ -428,16 +456,18 @@ class CpuKernels:
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
 
-    def qgate_up_silu(self, x: torch.Tensor, gate, up) -> torch.Tensor:
-        """silu(x @ gate^T) * (x @ up^T) for two QuantizedPanels of one format."""
+    def qgate_up_silu(self, x: torch.Tensor, gate, up, pre: torch.Tensor | None = None) -> torch.Tensor:
+        """silu(x @ gate^T) * (x @ up^T) for two QuantizedPanels of one format;
+        `pre` as in gate_up_silu."""
         m, k = x.shape
         if gate.fmt != up.fmt or gate.shape != up.shape or gate.shape[1] != k or x.stride(1) != 1:
             raise ValueError(f"gate {gate.fmt} {gate.shape} and up {up.fmt} {up.shape} for {k} input features")
         inter = gate.shape[0]
+        _check_pre(pre, m, inter)
         out = torch.empty((m, inter), dtype=torch.float32)
         if self.lib.ts_qgate_up_silu(x.data_ptr(), m, k, x.stride(0), gate.data.data_ptr(), up.data.data_ptr(),
-                                     _FMT_CODES[gate.fmt], inter, out.data_ptr(), out.stride(0),
-                                     int(self.amx_int8), self.threads()):
+                                     _FMT_CODES[gate.fmt], inter, out.data_ptr(), out.stride(0), _ptr(pre),
+                                     0 if pre is None else pre.stride(0), int(self.amx_int8), self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
 

@@ -85,8 +85,9 @@ class GateUpSilu:
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.gate_up_silu(x, self.packed, self.inter)
+    def __call__(self, x: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
+        """pre: LoRA deltas [m, 2 * inter] of gate | up, added before silu."""
+        return self.kernels.gate_up_silu(x, self.packed, self.inter, pre)
 
 
 class QLinear:
@@ -120,5 +121,5 @@ class QGateUpSilu:
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.qgate_up_silu(x, self.gate, self.up)
+    def __call__(self, x: torch.Tensor, pre: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernels.qgate_up_silu(x, self.gate, self.up, pre)

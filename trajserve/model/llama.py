@@ -15,6 +15,7 @@ quantized matrix dequantized at load.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from trajserve.model.attention import AttentionMetadata, paged_attention, write_
 from trajserve.model.linear import GateUpSilu, Linear, QGateUpSilu, QLinear, use_onednn
 from trajserve.model.quant import QuantizedWeight
 from trajserve.model.rope import apply_rope, cos_sin_table
+
+if TYPE_CHECKING:
+    from trajserve.lora.rows import LoRARows
 
 
 class Layer:
@@ -134,7 +138,7 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor,
                 before_layer: Callable[[int], None] | None = None,
-                sample_meta: AttentionMetadata | None = None) -> torch.Tensor:
+                sample_meta: AttentionMetadata | None = None, lora: LoRARows | None = None) -> torch.Tensor:
         """Returns float32 logits [len(sample_rows), vocab]. `before_layer(l)`
         runs before layer l touches the KV pool: a reload still streaming in
         (kv/copy_engine.py) is waited for one layer at a time.
@@ -144,14 +148,17 @@ class LlamaModel:
         then goes on with the sampled rows only: nothing reads the other rows'
         outputs, and a prefill chunk's last layer is ~1/30 of its work. A row's
         result does not depend on the rows beside it (the C kernels guarantee
-        it bit for bit), so the logits are the same."""
+        it bit for bit), so the logits are the same.
+
+        `lora`: the adapter of each row (lora/rows.py); each adapted
+        projection adds its rows' low-rank products to the base product."""
         if sample_meta is not None and (sample_meta.num_decodes + sum(s.q_len for s in sample_meta.prefills)
                                         != sample_rows.shape[0]):
             raise ValueError(f"sample_meta describes {sample_meta.num_decodes} decode rows and "
                              f"{len(sample_meta.prefills)} prefill spans, not the {sample_rows.shape[0]} sampled rows")
         if self.kernels is not None:
             return self._forward_kernels(input_ids, positions, meta, kv_caches, sample_rows, before_layer,
-                                         sample_meta)
+                                         sample_meta, lora)
         c = self.config
         T = input_ids.shape[0]
         x = self.embed[input_ids]
@@ -161,6 +168,8 @@ class LlamaModel:
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = self._rms(x, L.in_norm)
             qkv = L.qkv(h)
+            if lora is not None:
+                self._lora_qkv(lora, i, h, qkv)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, c.num_kv_heads, c.head_dim)
             if L.q_norm is not None:
@@ -173,20 +182,37 @@ class LlamaModel:
                 before_layer(i)
             write_kv(k, v, k_cache, v_cache, meta)
             if i == last and sample_meta is not None:  # from here on x holds the sampled rows only
-                q, x, meta, sample_rows = q[sample_rows], x[sample_rows], sample_meta, slice(None)
-            a = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            x = x + L.o(a.reshape(x.shape[0], self.q_size))
+                q, x, meta = q[sample_rows], x[sample_rows], sample_meta
+                lora = lora.subset(sample_rows) if lora is not None else None
+                sample_rows = slice(None)
+            a = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(x.shape[0], self.q_size)
+            x = x + L.o(a)
+            if lora is not None:
+                lora.add(i, "o_proj", a, x)
             h = self._rms(x, L.post_norm)
             gu = L.gate_up(h)
             inter = gu.shape[-1] // 2
-            x = x + L.down(F.silu(gu[:, :inter]) * gu[:, inter:])
+            pre = lora.gate_up_pre(i, h, inter) if lora is not None else None
+            if pre is not None:
+                gu = gu + pre.to(gu.dtype)
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            x = x + L.down(act)
+            if lora is not None:
+                lora.add(i, "down_proj", act, x)
         x = self._rms(x[sample_rows], self.norm)
         return self.lm_head(x).float()
+
+    def _lora_qkv(self, lora: LoRARows, layer: int, h: torch.Tensor, qkv: torch.Tensor) -> None:
+        """Adapter products of q, k and v into their columns of the fused output."""
+        q, kv = self.q_size, self.kv_size
+        lora.add(layer, "q_proj", h, qkv[:, :q])
+        lora.add(layer, "k_proj", h, qkv[:, q:q + kv])
+        lora.add(layer, "v_proj", h, qkv[:, q + kv:q + 2 * kv])
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor,
                          before_layer: Callable[[int], None] | None,
-                         sample_meta: AttentionMetadata | None) -> torch.Tensor:
+                         sample_meta: AttentionMetadata | None, lora: LoRARows | None) -> torch.Tensor:
         """The forward above, float32 on the CPU, in 8 calls per layer
         instead of ~35 torch ops: x is the residual stream, updated in place."""
         c, K = self.config, self.kernels
@@ -200,7 +226,10 @@ class LlamaModel:
             x = cpu_kernels.packed_rows(self.lm_head.packed, input_ids).contiguous()
         last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
-            qkv = L.qkv(K.rms_norm(x, L.in_norm, eps))
+            h = K.rms_norm(x, L.in_norm, eps)
+            qkv = L.qkv(h)
+            if lora is not None:
+                self._lora_qkv(lora, i, h, qkv)
             if L.q_norm is not None:
                 qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
                 qk[:, : c.num_heads] = self._rms(qk[:, : c.num_heads], L.q_norm)
@@ -211,9 +240,19 @@ class LlamaModel:
                          k_cache, v_cache, meta.slot_block, meta.slot_offset)
             q = qkv[:, : self.q_size]
             if i == last and sample_meta is not None:  # from here on x holds the sampled rows only
-                q, x, meta, sample_rows = q[sample_rows], x[sample_rows], sample_meta, slice(None)
+                q, x, meta = q[sample_rows], x[sample_rows], sample_meta
+                lora = lora.subset(sample_rows) if lora is not None else None
+                sample_rows = slice(None)
             n = x.shape[0]
             a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale, K)
-            L.o(a.view(n, self.q_size), out=x)
-            L.down(L.gate_up(K.rms_norm(x, L.post_norm, eps)), out=x)
+            a = a.view(n, self.q_size)
+            L.o(a, out=x)
+            if lora is None:
+                L.down(L.gate_up(K.rms_norm(x, L.post_norm, eps)), out=x)
+                continue
+            lora.add(i, "o_proj", a, x)
+            h = K.rms_norm(x, L.post_norm, eps)
+            act = L.gate_up(h, lora.gate_up_pre(i, h, c.intermediate_size))
+            L.down(act, out=x)
+            lora.add(i, "down_proj", act, x)
         return self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps))

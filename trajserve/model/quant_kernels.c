@@ -257,9 +257,11 @@ typedef struct {
     float *y;
     int64_t ldy;
     int acc;
+    const float *pre; /* gate: LoRA deltas added to g and u before silu ([m, ldp]: g's at c, u's at n + c), or NULL */
+    int64_t ldp;
 } QProduct;
 
-static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, const float *u);
+static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, float *u);
 
 /* Input rows [i0, i0 + nr) against panel p, then the epilogue. */
 static void qpanel(const QProduct *P, const block_q8x *x, int64_t nb, int64_t p, int64_t i0, int nr, int fmt) {
@@ -272,10 +274,17 @@ static void qpanel(const QProduct *P, const block_q8x *x, int64_t nb, int64_t p,
 
 /* Rows [i0, i0 + nr) of panel p's products g (and u: the gate's up half)
  * into y: silu(g) * u, or g + bias, added into y or stored. */
-static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, const float *u) {
+static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, float *u) {
     const int64_t c0 = p * PANEL, nc = P->n - c0 < PANEL ? P->n - c0 : PANEL;
     if (u) {
         for (int i = 0; i < nr; i++) {
+            if (P->pre) {  // adapters' gate and up products (ts_lora_rows), before the activation
+                const float *pr = P->pre + (i0 + i) * P->ldp;
+                for (int64_t c = 0; c < nc; c++) {
+                    g[i * PANEL + c] += pr[c0 + c];
+                    u[i * PANEL + c] += pr[P->n + c0 + c];
+                }
+            }
 #if defined(__AVX512F__)  // silu16 does silu8's operations lane for lane: the builds agree
             _mm512_storeu_ps(g + i * PANEL, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i * PANEL)),
                                                           _mm512_loadu_ps(u + i * PANEL)));
@@ -554,14 +563,15 @@ static int amx_product(const float *x, int64_t m, int64_t k, int64_t ldx, const 
  * found no memory (nothing is written). */
 int ts_qlinear(const float *x, int64_t m, int64_t k, int64_t ldx, const void *w, int fmt, int64_t n,
                const float *bias, float *y, int64_t ldy, int acc, int amx, int nthreads) {
-    QProduct P = {w, NULL, (k / QK) * panel_block_bytes(fmt), n, bias, y, ldy, acc};
+    QProduct P = {w, NULL, (k / QK) * panel_block_bytes(fmt), n, bias, y, ldy, acc, NULL, 0};
     return qproduct(x, m, k, ldx, &P, fmt, amx, nthreads);
 }
 
-/* y[i, r] = silu(x[i] . gate[r]) * (x[i] . up[r]) for r < inter. */
+/* y[i, r] = silu(x[i] . gate[r] + pre[i, r]) * (x[i] . up[r] + pre[i, inter + r]) for r < inter
+ * (pre: LoRA deltas, or NULL for none). */
 int ts_qgate_up_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const void *gate, const void *up, int fmt,
-                     int64_t inter, float *y, int64_t ldy, int amx, int nthreads) {
-    QProduct P = {gate, up, (k / QK) * panel_block_bytes(fmt), inter, NULL, y, ldy, 0};
+                     int64_t inter, float *y, int64_t ldy, const float *pre, int64_t ldp, int amx, int nthreads) {
+    QProduct P = {gate, up, (k / QK) * panel_block_bytes(fmt), inter, NULL, y, ldy, 0, pre, ldp};
     return qproduct(x, m, k, ldx, &P, fmt, amx, nthreads);
 }
 

@@ -12,6 +12,7 @@
     POST /tokenize, /detokenize  vLLM's: a prompt or chat messages to token ids, and back
     GET  /version
     GET / DELETE /v1/sessions/{id}, POST /v1/sessions/{id}/fork
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (server/routes/lora.py)
 
 build_app puts them together: the routers of server/routes/ over one
 ServerState (server/state.py), the error handlers of server/errors.py, and
@@ -31,7 +32,7 @@ from trajserve.server.auth import ApiKeyAuth
 from trajserve.server.body_cap import BodyCap
 from trajserve.server.errors import error_response, install_handlers
 from trajserve.server.metrics import ServerMetrics
-from trajserve.server.routes import admin, chat, completions, messages, responses, sessions
+from trajserve.server.routes import admin, chat, completions, lora, messages, responses, sessions
 from trajserve.server.state import ServerState, calls_format_for
 from trajserve.server.unicode_guard import UnicodeGuard
 
@@ -59,6 +60,11 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     engine = aengine.engine
     calls_format = calls_format_for(engine.tokenizer, tool_call_parser)  # a bad name fails before anything starts
+    if engine.lora is not None:  # a request's model field names the base model or an adapter, never both
+        clash = sorted(set(names) & set(engine.lora.adapters))
+        if clash:
+            raise ValueError(f"--lora-modules: {', '.join(clash)} is also a served model name")
+        engine.lora.reserved = set(names)
     metrics = ServerMetrics(lambda: aengine.snapshot,
                             bytes_per_block(engine.model_config, engine.kv.block_size, engine.kv_format))
     aengine.on_finished = metrics.observe
@@ -85,6 +91,6 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
             status, message, code="invalid_api_key", path=path))
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                        allow_headers=["*"])
-    for api in (admin, sessions, completions, chat, messages, responses):
+    for api in (admin, sessions, completions, chat, messages, responses, lora):
         app.include_router(api.router)
     return app

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from trajserve.engine.session import SessionBusy, SessionManager, check_session_id
+from trajserve.lora.adapter import AdapterError
 from trajserve.outputs import RequestOutput
 from trajserve.server import responses, streams
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
@@ -43,18 +44,31 @@ class ServerState:
         self.store = responses.ResponseStore()  # /v1/responses with store: true
 
     def model_card(self, name: str) -> dict:
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
+        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
                 "max_model_len": self.engine.max_model_len}
+        if name not in self.names:  # a LoRA adapter: vLLM's card names its base (no path is shown)
+            card.update(root=name, parent=self.served_model_name)
+        return card
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return sorted(self.engine.lora.adapters) if self.engine.lora is not None else []
 
     def reply_model(self, req) -> str:
         """The name a reply carries: the one the request used (an alias
         included), else the first served name."""
         return req.model or self.served_model_name
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                                f"{', '.join(f'`{n}`' for n in self.names)}", param="model", code="model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, None for the base model; 404 for neither.
+        (Read on the event loop: a dict lookup, while the engine thread may load or unload.)"""
+        if model is None or model in self.names:
+            return None
+        if self.engine.lora is not None and model in self.engine.lora.adapters:
+            return model
+        served = self.names + self.adapter_names
+        raise APIError(404, f"the model `{model}` does not exist; this server serves "
+                            f"{', '.join(f'`{n}`' for n in served)}", param="model", code="model_not_found")
 
     def sampling(self, req, max_tokens, default_max, logprobs, structured=None):
         try:
@@ -84,13 +98,13 @@ class ServerState:
                                 f"and the prompt has {n_prompt:,} ({sp.max_tokens:,} > {limit:,} - {n_prompt:,})",
                            param="max_tokens", code="context_length_exceeded")
 
-    async def start(self, prompt, sp, salt, request: Request, stream: bool, param: str = "messages"
-                    ) -> streams.Outputs:
+    async def start(self, prompt, sp, salt, request: Request, stream: bool, param: str = "messages",
+                    lora: str | None = None) -> streams.Outputs:
         """Queue the request now (so bad input fails before a stream starts)
         and return its output iterator. param: the request's prompt field
-        (named by a context error)."""
+        (named by a context error); lora: the adapter (check_model)."""
         try:
-            gen = self.aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected)
+            gen = self.aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected, lora=lora)
             first = await anext(gen)
         except StopAsyncIteration:  # the client left before the first output: nothing to send
             first = None
@@ -99,6 +113,8 @@ class ServerState:
                            headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from None
         except EngineDead as e:
             raise APIError(503, str(e), "server_error") from None
+        except AdapterError as e:  # unloaded between the check and the queue
+            raise APIError(404, str(e), param="model", code="model_not_found") from None
         except ValueError as e:
             code = "context_length_exceeded" if "tokens" in str(e) else None
             name = field_named(e, SAMPLING_FIELDS | {"prompt"})
@@ -106,7 +122,7 @@ class ServerState:
 
         return streams.Outputs(first, gen)
 
-    async def begin_session(self, req, request: Request, n_prompts: int = 1):
+    async def begin_session(self, req, request: Request, n_prompts: int = 1, lora: str | None = None):
         sid = req.session_id or request.headers.get("x-session-id")
         if sid is None:
             if req.tool_wait_s is not None:
@@ -123,9 +139,13 @@ class ServerState:
         except ValueError as e:
             raise APIError(400, str(e), param="session_id") from None
         try:
-            return await self.aengine.call(lambda _: self.sessions.before_turn(sid, req.cache_salt))
+            return await self.aengine.call(lambda _: self.sessions.before_turn(sid, req.cache_salt, lora))
         except SessionBusy as e:
             raise APIError(409, str(e), param="session_id") from None
+        except AdapterError as e:
+            raise APIError(404, str(e), param="model", code="model_not_found") from None
+        except ValueError as e:  # the session belongs to another cache_salt or model
+            raise APIError(400, str(e), param="session_id") from None
 
     def end_session(self, sess, final: RequestOutput | None, req) -> None:
         if sess is not None:
@@ -171,7 +191,7 @@ class ServerState:
         (if any) updated when they end. Shared by /v1/chat/completions and
         /v1/messages (room_checked=False: a max_tokens over what the context
         leaves is not an error; the reply stops at the context's end)."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -199,9 +219,9 @@ class ServerState:
                            (req.top_logprobs or 0) if req.logprobs else None, forced)
         self.check_room(len(ids), sp, room_checked and req.requested_max_tokens is not None)
         await self.compile_constraint(sp)
-        sess = await self.begin_session(req, request)
+        sess = await self.begin_session(req, request, lora=lora)
         try:
-            outs = await self.start(ids, sp, req.cache_salt, request, req.stream)
+            outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora)
         except APIError:
             self.end_session(sess, None, req)
             raise

@@ -103,7 +103,7 @@ class DraftProposer:
         tokens = req.all_token_ids
         draft, n = st.index.lookup(tokens, m)
         if self.store is not None:
-            other, n2 = self.store.lookup(tokens, req.cache_salt, m)
+            other, n2 = self.store.lookup(tokens, req.cache_scope, m)
             if n2 > n:
                 draft = other
         self._rows += len(draft)  # the next sequence's rows cost what they add on top
@@ -138,7 +138,7 @@ class DraftProposer:
         """req is done: its index goes; with "suffix" its tokens feed the store."""
         self._seqs.pop(req.request_id, None)
         if self.store is not None and req.num_output_tokens:
-            self.store.add(req.all_token_ids, req.cache_salt)
+            self.store.add(req.all_token_ids, req.cache_scope)
 
     # ----------------------------------------------------------------- report
     def metrics(self) -> dict:

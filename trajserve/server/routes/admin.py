@@ -32,7 +32,7 @@ async def health(st: ServerState = Depends(server_state)):
 
 @router.get("/v1/models")
 async def models(st: ServerState = Depends(server_state)):
-    return {"object": "list", "data": [st.model_card(name) for name in st.names]}
+    return {"object": "list", "data": [st.model_card(name) for name in st.names + st.adapter_names]}
 
 
 @router.get("/v1/models/{model:path}")

@@ -20,7 +20,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, st: ServerState = Depends(server_state)):
-    st.check_model(req.model)
+    lora = st.check_model(req.model)
     # echo with max_tokens 0 scores the prompt and generates nothing (the
     # legacy API's scoring request): the engine samples the one token
     # the prefill gives anyway, and the reply leaves it out.
@@ -44,11 +44,11 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
         st.check_room(len(p), sp, "max_tokens" in req.model_fields_set and req.max_tokens is not None)
     await st.compile_constraint(sp)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    sess = await st.begin_session(req, request, len(prompts))
+    sess = await st.begin_session(req, request, len(prompts), lora)
     if req.stream:
         # Every prompt is queued before the stream starts: one the engine
         # refuses is a 400 for the request, and the others are aborted.
-        started = await asyncio.gather(*(st.start(p, sp, req.cache_salt, request, True, "prompt")
+        started = await asyncio.gather(*(st.start(p, sp, req.cache_salt, request, True, "prompt", lora)
                                          for p in prompts), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
@@ -67,7 +67,7 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
     async def one(p):
         final = None
         try:
-            final = await streams.last(await st.start(p, sp, req.cache_salt, request, False, "prompt"))
+            final = await streams.last(await st.start(p, sp, req.cache_salt, request, False, "prompt", lora))
             return final
         finally:
             st.end_session(sess, final, req)

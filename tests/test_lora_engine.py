@@ -1,0 +1,252 @@
+"""Multi-LoRA serving (issue 29) on tiny random models with random PEFT
+adapters: a row's logits are the base model's with its adapter merged
+(against PEFT itself, with the C kernels and with the torch forward, rows of
+several adapters and of none in one forward); mixed batches give each
+request the tokens it gets alone; adapters never share a block or a tier
+entry; more adapters than slots; unloading while a request runs; sessions
+carry their adapter; refusals name the limit."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import random_adapter, save_with_tokenizer, tiny_hf_model
+from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
+from trajserve.engine.request import Request
+from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.llm import LLM
+from trajserve.lora.adapter import AdapterError, load_adapter
+from trajserve.lora.rows import LoRARows
+from trajserve.lora.slots import LoRASlots
+from trajserve.model.cpu_kernels import load as load_kernels
+from trajserve.model.llama import LlamaModel
+from trajserve.model.loader import load_weights
+from trajserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama with three adapters: a on every projection (r 4), b on q
+    and v (r 8), c on the MLP only (r 2); and their PEFT models."""
+    d = tmp_path_factory.mktemp("lora")
+    base = tiny_hf_model("llama")
+    save_with_tokenizer(base, d / "base")
+    peft = {"a": random_adapter(base, d / "a", 1),
+            "b": random_adapter(base, d / "b", 2, targets=("q_proj", "v_proj"), r=8),
+            "c": random_adapter(base, d / "c", 3, targets=("gate_proj", "up_proj", "down_proj"), r=2)}
+    return d, peft
+
+
+def _llm(d: Path, names=("a", "b", "c"), **options) -> LLM:
+    return LLM(str(d / "base"), dtype="float32", num_blocks=256, block_size=4,
+               lora_modules={n: str(d / n) for n in names}, **options)
+
+
+def _prompts(n: int, seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 299, (18 + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _hit(engine, tokens: list[int], scope) -> int:
+    m = engine.kv.cached_prefix(tokens, scope)
+    return m.num_tokens if m is not None else 0
+
+
+def _peft_logits(peft, name: str | None, ids: list[int]) -> torch.Tensor:
+    model = peft[name or "a"]
+    with torch.inference_mode():
+        if name is None:
+            with model.disable_adapter():
+                return model(torch.tensor([ids])).logits[0].float()
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch"])
+def test_each_row_gets_the_logits_of_its_adapter_merged(tiny, cpu_kernels):
+    """One forward over four sequences (adapters a, none, b, c): every row's
+    logits equal PEFT's for that adapter, over a prefill chunk, a chunk on
+    top of the cached prefix and a decode row."""
+    d, peft = tiny
+    cfg, weights = load_weights(d / "base", torch.float32, "cpu")
+    model = LlamaModel(cfg, weights, 256, torch.float32, "cpu", use_cpu_kernels=cpu_kernels)
+    assert (model.kernels is not None) == (cpu_kernels and load_kernels() is not None)
+    slots = LoRASlots(cfg, max_loras=3, max_rank=8)
+    adapters = {n: load_adapter(d / n, n, cfg, 8) for n in "abc"}
+    slot_of = slots.acquire(adapters.values())
+    kv = KVCacheManager(128, 4, 0.0)
+    runner = ModelRunner(model, allocate_kv_pool(cfg.num_layers, 128, 4, cfg.num_kv_heads, cfg.head_dim,
+                                                 torch.float32, "cpu"), 4)
+    names = ["a", None, "b", "c"]
+    prompts = _prompts(len(names))
+    reqs = [Request(f"r{i}", p, SamplingParams(), 10**6) for i, p in enumerate(prompts)]
+    for r in reqs:
+        assert kv.allocate_slots(r.request_id, len(r.prompt_token_ids))
+    got = [[] for _ in reqs]
+    for lo, hi in ((0, 7), (7, -1), (-1, None)):  # chunk, chunk over the cached prefix, the last token
+        chunks, rows = [], []
+        for i, r in enumerate(reqs):
+            n = len(r.prompt_token_ids)
+            start, end = lo % n, (hi % n if hi is not None else n)
+            chunks.append(ScheduledChunk(r, start, end - start, kv.table(r.request_id).block_ids))
+            rows += [slot_of[adapters[names[i]].digest] if names[i] else -1] * (end - start)
+        batch = runner.prepare(SchedulerOutput(chunks))
+        out = model.forward(batch.input_ids, batch.positions, batch.meta, runner.kv_caches,
+                            torch.arange(len(rows)), None, None,
+                            LoRARows(slots, torch.tensor(rows, dtype=torch.int32), model.kernels))
+        row = 0
+        for i, c in enumerate(chunks):
+            got[i].append(out[row:row + c.num_tokens])
+            row += c.num_tokens
+    for i, name in enumerate(names):
+        ref = _peft_logits(peft, name, prompts[i])
+        torch.testing.assert_close(torch.cat(got[i]), ref, atol=2e-5, rtol=1e-4)
+        if name is not None:  # the adapter changes the logits: the check above could fail
+            assert (_peft_logits(peft, None, prompts[i]) - ref).abs().max() > 0.1
+
+
+def test_greedy_tokens_match_peft_and_mixed_batches_equal_each_alone(tiny):
+    d, peft = tiny
+    llm = _llm(d)
+    names = ["a", "b", None, "c", "a", None]
+    prompts = _prompts(len(names))
+    mixed = llm.generate(prompts, GREEDY, use_tqdm=False, lora=names)
+    for p, name, out in zip(prompts, names, mixed):
+        alone = llm.generate([p], GREEDY, use_tqdm=False, lora=name)[0].outputs[0]
+        # The C kernels: bit for bit, tokens and their logprobs.
+        assert (out.outputs[0].token_ids, out.outputs[0].logprobs) == (alone.token_ids, alone.logprobs)
+        model = peft[name or "a"]
+        with torch.inference_mode():
+            if name is None:
+                with model.disable_adapter():
+                    hf = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            else:
+                hf = model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert out.outputs[0].token_ids == hf[0, len(p):].tolist(), name
+    m = llm.engine.metrics()["lora"]
+    assert m["adapters"]["a"]["requests"] == 4 and m["adapters"]["a"]["generation_tokens"] == 48
+    assert m["adapters"]["c"]["requests"] == 2 and sorted(m["resident"]) == ["a", "b", "c"]
+    llm.close()
+
+
+def test_torch_path_mixed_batches_give_the_same_tokens(tiny):
+    d, _ = tiny
+    llm = _llm(d, cpu_kernels=False)
+    assert llm.engine.model.kernels is None
+    names = ["a", None, "b", "c"]
+    prompts = _prompts(len(names), seed=9)
+    mixed = llm.generate(prompts, GREEDY, use_tqdm=False, lora=names)
+    for p, name, out in zip(prompts, names, mixed):
+        assert out.outputs[0].token_ids == llm.generate([p], GREEDY, use_tqdm=False, lora=name)[0].outputs[0].token_ids
+    llm.close()
+
+
+def test_adapters_share_no_block_and_no_tier_entry(tiny):
+    """The same prompt under a, then b, then the base model: no hit across
+    them; under a again, a hit, from the device and, after its blocks were
+    pushed to the host tier, from there. b never loads a's blocks back."""
+    d, _ = tiny
+    llm = _llm(d, host_cache="1MiB")
+    eng = llm.engine
+    p = _prompts(1, seed=11)[0] + _prompts(1, seed=12)[0]
+    run = lambda name: llm.generate([p], GREEDY, use_tqdm=False, lora=name)[0]  # noqa: E731
+    first = run("a")
+    assert first.num_cached_tokens == 0
+    assert run("b").num_cached_tokens == 0
+    assert run(None).num_cached_tokens == 0
+    again = run("a")
+    assert again.num_cached_tokens >= len(p) - 4 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    a_scope = (None, "lora", eng.lora.get("a").digest)
+    assert _hit(eng, p, a_scope) > 0 and _hit(eng, p, (None, "lora", eng.lora.get("c").digest)) == 0
+    # Every path (a's, b's, the base's) goes down to the host tier.
+    eng.kv.radix.evict(eng.kv.radix.num_cached_blocks)
+    assert eng.kv.radix.num_cached_blocks == 0 and eng.lower.num_host_blocks > 0
+    promoted = eng.kv.num_promoted_blocks
+    assert run("c").num_cached_tokens == 0 and eng.kv.num_promoted_blocks == promoted  # none of theirs
+    back = run("a")
+    assert back.num_cached_tokens > 0 and eng.kv.num_promoted_blocks > promoted  # its own, from the host tier
+    assert back.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.close()
+
+
+def test_more_adapters_than_slots_wait_and_load_on_demand(tiny):
+    d, _ = tiny
+    names = ["a", "b", "c", None, "c", "a", "b"]
+    prompts = _prompts(len(names), seed=13)
+    ref = _llm(d)
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False, lora=names)]
+    ref.close()
+    llm = _llm(d, max_loras=1)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora=names)]
+    assert got == want
+    m = llm.engine.metrics()["lora"]
+    assert m["max_loras"] == 1 and len(m["resident"]) == 1 and m["slot_loads"] >= 3
+    llm.close()
+
+
+def test_unloading_an_adapter_in_use_finishes_its_requests_with_it(tiny):
+    d, _ = tiny
+    llm = _llm(d)
+    eng = llm.engine
+    p = _prompts(1, seed=17)[0]
+    want = llm.generate([p], GREEDY, use_tqdm=False, lora="a")[0].outputs[0].token_ids
+    scope = (None, "lora", eng.lora.get("a").digest)
+    assert _hit(eng, p, scope) > 0
+    rid = eng.add_request(p + [5], GREEDY, lora="a")
+    eng.step()
+    eng.unload_lora("a")  # mid-request
+    with pytest.raises(AdapterError, match="no LoRA adapter named 'a'"):
+        eng.add_request(p, GREEDY, lora="a")
+    done = None
+    while eng.has_unfinished_requests():
+        done = next((o for o in eng.step() if o.request_id == rid and o.finished), done)
+    base = llm.generate([p + [5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert done.outputs[0].token_ids != base  # not the base model's tokens...
+    llm.load_lora("a2", str(d / "a"))  # ...but the adapter's (the same files under another name)
+    assert done.outputs[0].token_ids == llm.generate([p + [5]], GREEDY, use_tqdm=False, lora="a2")[0].outputs[0].token_ids
+    assert llm.generate([p], GREEDY, use_tqdm=False, lora="a2")[0].outputs[0].token_ids == want
+    llm.close()
+
+
+def test_a_session_carries_its_adapter(tiny):
+    d, _ = tiny
+    llm = _llm(d)
+    p = _prompts(1, seed=19)[0]
+    s = llm.open_session(p, lora="b")
+    out = s.generate(GREEDY)
+    assert out.outputs[0].token_ids == llm.generate([p], GREEDY, use_tqdm=False, lora="b")[0].outputs[0].token_ids
+    s.history += [7, 8, 9]
+    second = s.generate(GREEDY)
+    assert second.num_cached_tokens >= len(p)  # its own history, under its adapter
+    assert second.outputs[0].token_ids == llm.generate([s.history[:-12]], GREEDY, use_tqdm=False,
+                                                       lora="b")[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="belongs to another model"):
+        llm.sessions.before_turn(s.session_id, None, "a")
+    llm.close()
+
+
+def test_refusals_name_the_limit(tiny, tmp_path):
+    d, _ = tiny
+    llm = LLM(str(d / "base"), dtype="float32", num_blocks=64, block_size=4)
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora="a")
+    llm.close()
+    with pytest.raises(AdapterError, match="r = 8 is over --max-lora-rank 4"):
+        _llm(d, max_lora_rank=4)
+    with pytest.raises(ValueError, match="lora_modules .*NAME=PATH"):
+        LLM(str(d / "base"), dtype="float32", lora_modules=["../x=" + str(d / "a")])
+    llm = _llm(d, names=("a",))
+    with pytest.raises(AdapterError, match="no LoRA adapter named 'zz' .loaded: a."):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora="zz")
+    with pytest.raises(AdapterError, match="already loaded"):
+        llm.load_lora("a", str(d / "b"))
+    with pytest.raises(AdapterError, match="lora_name must match"):
+        llm.load_lora("a/../b", str(d / "b"))
+    with pytest.raises(ValueError, match="got 1 lora names for 2 prompts"):
+        llm.generate([[1, 2], [3, 4]], GREEDY, use_tqdm=False, lora=["a"])
+    assert not llm.engine.has_unfinished_requests()
+    llm.close()

@@ -109,6 +109,49 @@ def test_each_row_gets_the_logits_of_its_adapter_merged(tiny, cpu_kernels):
             assert (_peft_logits(peft, None, prompts[i]) - ref).abs().max() > 0.1
 
 
+def _forward_rows(d: Path, names: list[str], prompt: list[int], rows_of: list[str | None], cpu_kernels=True):
+    """Logits of one prefill of `prompt` with row i under adapter rows_of[i]
+    (adapters `names` from d, each directory d / name)."""
+    cfg, weights = load_weights(d / "base", torch.float32, "cpu")
+    model = LlamaModel(cfg, weights, 256, torch.float32, "cpu", use_cpu_kernels=cpu_kernels)
+    slots = LoRASlots(cfg, max_loras=len(names), max_rank=8)
+    ads = {n: load_adapter(d / n, n, cfg, 8) for n in names}
+    slot_of = slots.acquire(ads.values())
+    kv = KVCacheManager(64, 4, 0.0)
+    runner = ModelRunner(model, allocate_kv_pool(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim,
+                                                 torch.float32, "cpu"), 4)
+    req = Request("r", prompt, SamplingParams(), 10**6)
+    assert kv.allocate_slots("r", len(prompt))
+    batch = runner.prepare(SchedulerOutput([ScheduledChunk(req, 0, len(prompt), kv.table("r").block_ids)]))
+    rows = torch.tensor([slot_of[ads[n].digest] if n else -1 for n in rows_of], dtype=torch.int32)
+    return model.forward(batch.input_ids, batch.positions, batch.meta, runner.kv_caches, torch.arange(len(prompt)),
+                         None, None, LoRARows(slots, rows, model.kernels)), ads
+
+
+def test_sizes_off_the_kernels_blocks_and_bf16_adapters_run_exactly(tmp_path):
+    """Widths that are not multiples of 16 (the kernel's tail paths: k = 76,
+    n = 8 and 76) against PEFT; and an adapter stored in bf16 runs exactly
+    its values: the same numbers stored as float32 give the same bits."""
+    base = tiny_hf_model("llama", hidden_size=40, intermediate_size=76, num_attention_heads=5,
+                         num_key_value_heads=1, head_dim=8)
+    save_with_tokenizer(base, tmp_path / "base")
+    peft = random_adapter(base, tmp_path / "a", 4, r=3)
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    for name, dtype in (("h16", torch.bfloat16), ("h32", torch.float32)):  # bf16 values, two file formats
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_bytes((tmp_path / "a" / "adapter_config.json").read_bytes())
+        save_file({k: v.to(torch.bfloat16).to(dtype) for k, v in w.items()},
+                  str(tmp_path / name / "adapter_model.safetensors"))
+    prompt = _prompts(1, seed=23)[0][:11]
+    run = {n: _forward_rows(tmp_path, ["a", "h16", "h32"], prompt, [n] * len(prompt)) for n in ("a", "h16", "h32")}
+    torch.testing.assert_close(run["a"][0], _peft_logits({"a": peft}, "a", prompt), atol=2e-5, rtol=1e-4)
+    ads = run["a"][1]
+    assert ads["h16"].dtype == torch.bfloat16 and ads["h32"].dtype == torch.float32
+    assert torch.equal(run["h16"][0], run["h32"][0]) and not torch.equal(run["h16"][0], run["a"][0])
+
+
 def test_greedy_tokens_match_peft_and_mixed_batches_equal_each_alone(tiny):
     d, peft = tiny
     llm = _llm(d)

@@ -139,6 +139,8 @@ def add_bench_parser(sub) -> None:
     add_structured_parser(bsub)
     from trajserve.bench.spec import add_parser as add_spec_parser
     add_spec_parser(bsub)
+    from trajserve.bench.lora import add_parser as add_lora_parser
+    add_lora_parser(bsub)
 
     v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000")

@@ -71,6 +71,7 @@ class ModelRunner:
         # Background device <-> host copies (swaps of paused sessions).
         self.copy = CopyEngine(kv_caches)
         self.lora: LoRASlots | None = None  # the resident adapters (lora/slots.py), when LoRA is on
+        self.lora_kernels = True  # False: adapters' products as torch matmuls (bench lora's comparison)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -158,7 +159,7 @@ class ModelRunner:
             if c.request.lora is not None:
                 rows[row:row + c.num_tokens] = slot_of[c.request.lora.digest]
             row += c.num_tokens
-        return LoRARows(self.lora, self._tensor(rows), self.model.kernels)
+        return LoRARows(self.lora, self._tensor(rows), self.model.kernels if self.lora_kernels else None)
 
     def _attention_meta(self, spans: list[tuple]) -> AttentionMetadata:
         """Attention over the pool for query rows (first row, rows, context

@@ -57,6 +57,7 @@ class LoRAAdapter:
     # (layer, module) -> (A [r, in], B [out, r]), float32
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     digest: str = ""  # sha256 of the config and weights files: the adapter's identity
+    dtype: torch.dtype = torch.float32  # the file's, where all its matrices share one (else float32)
 
     @property
     def modules(self) -> list[str]:
@@ -149,4 +150,5 @@ def load_adapter(path: str | Path, name: str, model: ModelConfig, max_rank: int 
             raise AdapterError(f"{where}: the matrices hold NaN or infinity")
         weights[(layer, module)] = (a.float().contiguous(), b.float().contiguous())
     digest = hashlib.sha256((d / CONFIG_FILE).read_bytes() + wfile.read_bytes()).hexdigest()
-    return LoRAAdapter(name, rank, alpha, scaling, weights, digest)
+    dtypes = {t.dtype for t in tensors.values()}
+    return LoRAAdapter(name, rank, alpha, scaling, weights, digest, dtypes.pop() if len(dtypes) == 1 else torch.float32)

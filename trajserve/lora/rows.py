@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trajserve.lora.slots import LoRASlots
+from trajserve.lora.slots import LoRASlots, unpanel
 
 
 @dataclass(slots=True)
@@ -28,39 +28,62 @@ class LoRARows:
     slots: LoRASlots
     rows: torch.Tensor  # int32 [T]: the slot of each row, -1 for the base model
     kernels: object = None  # CpuKernels, or None for the torch path
+    _threads: int = 0
+    _order: torch.Tensor | None = None  # the rows grouped by slot (the C kernel's tiles)
+
+    def __post_init__(self) -> None:
+        # Checked once a step: each projection's call below passes pointers.
+        r = self.rows
+        if r.dtype != torch.int32 or r.dim() != 1 or not r.is_contiguous():
+            raise ValueError(f"LoRA rows must be a contiguous int32 vector, got {r.dtype} {tuple(r.shape)}")
+        if r.numel() and int(r.max()) >= self.slots.max_loras:
+            raise IndexError(f"a row names slot {int(r.max())}; there are {self.slots.max_loras}")
+        if self.kernels is not None:
+            self._threads = self.kernels.threads()
+            self._order = torch.sort(r, stable=True).indices.to(torch.int32)
 
     def subset(self, idx: torch.Tensor) -> LoRARows:
         """The rows `idx` (the sampled rows of the last layer)."""
         return LoRARows(self.slots, self.rows[idx].contiguous(), self.kernels)
 
-    def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, overwrite: bool = False) -> None:
         """out [T, n] += every row's adapter product of x [T, in] for one
-        projection (out may be a column slice of a wider output)."""
-        key = (layer, module)
-        a = self.slots.a.get(key)
-        if a is None:
+        projection (out may be a column slice of a wider output); with
+        `overwrite`, out = those products (0 in rows without one)."""
+        st = self.slots.stack.get((layer, module))
+        if st is None:
+            if overwrite:
+                out.zero_()
             return
-        bt, rank = self.slots.bt[key], self.slots.rank[key]
+        m = self.rows.shape[0]
         if self.kernels is not None:
-            self.kernels.lora_rows(x, self.rows, a, bt, rank, out)
+            if (x.shape != (m, st.fan_in) or out.shape != (m, st.fan_out) or x.stride(1) != 1
+                    or out.stride(1) != 1 or x.dtype != torch.float32 or out.dtype != torch.float32):
+                raise ValueError(f"LoRA {module}: input {tuple(x.shape)} and output {tuple(out.shape)} for "
+                                 f"{m} rows of [{st.fan_out} x {st.fan_in}]")
+            if self.kernels.lib.ts_lora_rows(x.data_ptr(), m, st.fan_in, x.stride(0), self._order.data_ptr(),
+                                             self.rows.data_ptr(), self.slots.scale.data_ptr(), *st.ptrs,
+                                             self.slots.max_rank, st.fan_out, out.data_ptr(), out.stride(0),
+                                             int(overwrite), self._threads):
+                raise MemoryError(f"LoRA {module}: no memory for the tile list of {m} rows")
             return
+        if overwrite:
+            out.zero_()
         for s in torch.unique(self.rows[self.rows >= 0]).tolist():
-            r = int(rank[s])
-            if r == 0:
-                continue
-            idx = torch.nonzero(self.rows == s).squeeze(1)
-            delta = (x.index_select(0, idx).to(a.dtype) @ a[s, :r].t()) @ bt[s, :r]
-            out.index_add_(0, idx, delta.to(out.dtype))
-
-    def adapts(self, layer: int, *modules: str) -> bool:
-        return any((layer, m) in self.slots.a for m in modules)
+            for dtype, rank in st.rank.items():
+                r = int(rank[s])
+                if r:
+                    idx = torch.nonzero(self.rows == s).squeeze(1)
+                    u = (x.index_select(0, idx).float() @ st.a[dtype][s, :r].float().t()) * self.slots.scale[s]
+                    out.index_add_(0, idx, (u @ unpanel(st.bt[dtype][s, :, :r], st.fan_out).float()).to(out.dtype))
 
     def gate_up_pre(self, layer: int, x: torch.Tensor, inter: int) -> torch.Tensor | None:
         """[T, 2 * inter]: the gate then up adapter products of x, or None
         when no slot adapts this layer's MLP input projections."""
-        if not self.adapts(layer, "gate_proj", "up_proj"):
+        st = self.slots.stack
+        if (layer, "gate_proj") not in st and (layer, "up_proj") not in st:
             return None
-        pre = torch.zeros(x.shape[0], 2 * inter, dtype=torch.float32, device=x.device)
-        self.add(layer, "gate_proj", x, pre[:, :inter])
-        self.add(layer, "up_proj", x, pre[:, inter:])
+        pre = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32, device=x.device)
+        self.add(layer, "gate_proj", x, pre[:, :inter], overwrite=True)
+        self.add(layer, "up_proj", x, pre[:, inter:], overwrite=True)
         return pre

@@ -4,16 +4,22 @@ Every adapter the server knows is held in host memory as read
 (lora/adapter.py); a step can only run adapters that sit in a slot here. A
 slot is a row of stacked matrices per (layer, projection):
 
-    a[(layer, module)]   [max_loras, max_rank, in]    lora_A, zero-padded past the adapter's rank
-    bt[(layer, module)]  [max_loras, max_rank, out]   (s B)^T: lora_B transposed, its scale folded in
-    rank[(layer, module)] int32 [max_loras]           the adapter's r there, 0 where it adapts nothing
+    a   [max_loras, max_rank, in]             lora_A, zero-padded past the adapter's rank
+    bt  [max_loras, out / 16, max_rank, 16]   lora_B transposed, in panels of 16 outputs
+                                              (cpu_kernels.c ts_lora_rows reads them in order)
+    rank int32 [max_loras]                    the adapter's r there, 0 where it adapts nothing
 
-so one call per projection runs every row's adapter (lora/rows.py), as
-Punica's SGMV runs a segment per adapter on one stacked weight. Loading an
-adapter into a slot copies its matrices (on a GPU this would be the
-host-to-device copy); the step that needs it waits for that copy only. A
-slot in use by the step being prepared is never the one evicted: the
-scheduler admits at most max_loras distinct adapters into one step.
+and a scale per slot (lora_alpha / r), so one call per projection runs every
+row's adapter (lora/rows.py), as Punica's SGMV runs a segment per adapter on
+one stacked weight. Each projection has such a stack in float32 and one in
+bfloat16, made when first needed: an adapter whose file holds bf16 matrices
+runs from the bf16 stack (exactly its values, half the bytes a step reads;
+adapters trained on bf16 models are saved so), any other from float32
+(float16 too: bf16 would round it). Loading an adapter into a slot copies
+its matrices (on a GPU, the host-to-device copy); the step that needs it
+waits for that copy only. A slot in use by the step being prepared is never
+the one evicted: the scheduler admits at most max_loras distinct adapters
+into one step.
 
 On the CPU "resident" and "host" are the same memory; the slots still bound
 what one step may mix and are what a GPU build would keep on the device.
@@ -23,12 +29,40 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 
 from trajserve.config import ModelConfig
 from trajserve.lora.adapter import LoRAAdapter
-from trajserve.plan.adapters import MODULES, module_shape
+from trajserve.plan.adapters import module_shape
+
+PRECISIONS = (torch.float32, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class Stack:
+    """One projection's stacked matrices, per precision (absent until an
+    adapter of that precision adapts it), and their addresses for the C kernel."""
+    fan_in: int
+    fan_out: int
+    a: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    bt: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    rank: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    ptrs: tuple[int, ...] = (0,) * 6  # a32, bt32, rank32, a16, bt16, rank16 (0: none)
+
+
+def panels(bt: torch.Tensor) -> torch.Tensor:
+    """[r, n] as [ceil(n / 16), r, 16] (zero past n): the stacks' layout of B^T."""
+    r, n = bt.shape
+    nb = -(-n // 16)
+    return torch.nn.functional.pad(bt, (0, nb * 16 - n)).reshape(r, nb, 16).permute(1, 0, 2)
+
+
+def unpanel(p: torch.Tensor, n: int) -> torch.Tensor:
+    """panels' inverse: [nb, r, 16] -> [r, n]."""
+    nb, r, _ = p.shape
+    return p.permute(1, 0, 2).reshape(r, nb * 16)[:, :n]
 
 
 class LoRASlots:
@@ -39,11 +73,8 @@ class LoRASlots:
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.device = torch.device(device)
-        # Allocated on first use per (layer, module): an adapter on q and v
-        # only never pays for seven projections' stacks.
-        self.a: dict[tuple[int, str], torch.Tensor] = {}
-        self.bt: dict[tuple[int, str], torch.Tensor] = {}
-        self.rank: dict[tuple[int, str], torch.Tensor] = {}
+        self.stack: dict[tuple[int, str], Stack] = {}  # made on first use per (layer, module)
+        self.scale = torch.zeros(max_loras, dtype=torch.float32, device=self.device)
         self._held: list[LoRAAdapter | None] = [None] * max_loras
         self._lru: OrderedDict[str, int] = OrderedDict()  # adapter digest -> slot, least recent first
         self.num_loads = 0
@@ -89,20 +120,25 @@ class LoRASlots:
                 return s
         raise AssertionError("no slot free: more adapters than slots in one step")
 
-    def _stacks(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if key not in self.a:
-            fan_in, fan_out = module_shape(self.config, key[1])
+    def _tensors(self, key: tuple[int, str], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        st = self.stack.get(key)
+        if st is None:
+            st = self.stack[key] = Stack(*module_shape(self.config, key[1]))
+        if dtype not in st.a:
             S, r = self.max_loras, self.max_rank
-            self.a[key] = torch.zeros(S, r, fan_in, device=self.device)
-            self.bt[key] = torch.zeros(S, r, fan_out, device=self.device)
-            self.rank[key] = torch.zeros(S, dtype=torch.int32, device=self.device)
-        return self.a[key], self.bt[key], self.rank[key]
+            st.a[dtype] = torch.zeros(S, r, st.fan_in, dtype=dtype, device=self.device)
+            st.bt[dtype] = torch.zeros(S, -(-st.fan_out // 16), r, 16, dtype=dtype, device=self.device)
+            st.rank[dtype] = torch.zeros(S, dtype=torch.int32, device=self.device)
+            st.ptrs = tuple(t[d].data_ptr() if d in t else 0 for d in PRECISIONS for t in (st.a, st.bt, st.rank))
+        return st.a[dtype], st.bt[dtype], st.rank[dtype]
 
     def _clear(self, slot: int) -> None:
-        for key, rank in self.rank.items():
-            rank[slot] = 0
-            self.a[key][slot].zero_()
-            self.bt[key][slot].zero_()
+        for st in self.stack.values():
+            for dtype in st.a:
+                st.rank[dtype][slot] = 0
+                st.a[dtype][slot].zero_()
+                st.bt[dtype][slot].zero_()
+        self.scale[slot] = 0.0
         self._held[slot] = None
 
     def _load(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -112,16 +148,14 @@ class LoRASlots:
         if self._held[slot] is not None:
             self._clear(slot)
         r = adapter.rank
+        dtype = adapter.dtype if adapter.dtype in PRECISIONS else torch.float32
         for key, (a, b) in adapter.weights.items():
-            sa, sbt, srank = self._stacks(key)
-            sa[slot, :r].copy_(a)
-            sbt[slot, :r].copy_((adapter.scaling * b).t())
+            sa, sbt, srank = self._tensors(key, dtype)
+            sa[slot, :r].copy_(a)  # exact: a bf16 adapter's values were read into float32 exactly
+            sbt[slot, :, :r].copy_(panels(b.t()))
             srank[slot] = r
+        self.scale[slot] = adapter.scaling
         self._held[slot] = adapter
         self._lru[adapter.digest] = slot
         self.num_loads += 1
         self.load_seconds += time.perf_counter() - t0
-
-    def modules(self, layer: int) -> list[str]:
-        """The projections of `layer` some slot has ever adapted (in MODULES order)."""
-        return [m for m in MODULES if (layer, m) in self.a]

@@ -63,7 +63,7 @@ _SIGNATURES = {
     "ts_exp_widths": [_P, _I, _P, _P, _C],
     "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C],
     "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I, _C],
-    "ts_lora_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _P, _I, _C],
+    "ts_lora_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C],
     "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
@@ -82,7 +82,7 @@ _SIGNATURES = {
     "ts_quant_amx_init": [],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
 }
-_RETURNS_INT = ("ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
+_RETURNS_INT = ("ts_lora_rows", "ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
                 "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
 # AMX prefill of a bf16 pool: head_dim a multiple of 32 (one tile row of
 # pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
@@ -360,24 +360,6 @@ class CpuKernels:
         self.lib.ts_gate_up_silu(x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), inter, out.data_ptr(),
                                  out.stride(0), _ptr(pre), 0 if pre is None else pre.stride(0), self.threads())
         return out
-
-    def lora_rows(self, x: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
-                  rank: torch.Tensor, out: torch.Tensor) -> None:
-        """out[i] += (x[i] @ a[s, :r]^T) @ bt[s, :r] for each row i with an
-        adapter (s = slot[i] >= 0, r = rank[s] > 0): ts_lora_rows.
-        x [m, k]; slot int32 [m]; a [S, r_max, k]; bt [S, r_max, n];
-        rank int32 [S]; out [m, n] (a column slice of a wider output is fine)."""
-        m, k = x.shape
-        S, r_max, n = bt.shape
-        if (a.shape != (S, r_max, k) or slot.shape != (m,) or rank.shape != (S,) or out.shape != (m, n)
-                or slot.dtype != torch.int32 or rank.dtype != torch.int32 or x.stride(1) != 1
-                or out.stride(1) != 1 or not (a.is_contiguous() and bt.is_contiguous())):
-            raise ValueError(f"lora_rows: x {tuple(x.shape)}, slot {tuple(slot.shape)} {slot.dtype}, a {tuple(a.shape)}, "
-                             f"bt {tuple(bt.shape)}, rank {tuple(rank.shape)} {rank.dtype}, out {tuple(out.shape)}")
-        if m and (int(slot.max()) >= S or int(rank.max()) > r_max):
-            raise IndexError(f"lora_rows: slots must lie below {S}, ranks at most {r_max}")
-        self.lib.ts_lora_rows(x.data_ptr(), m, k, x.stride(0), slot.data_ptr(), a.data_ptr(), bt.data_ptr(),
-                              rank.data_ptr(), r_max, n, out.data_ptr(), out.stride(0), self.threads())
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         m, d = x.shape

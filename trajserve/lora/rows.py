@@ -46,29 +46,49 @@ class LoRARows:
         """The rows `idx` (the sampled rows of the last layer)."""
         return LoRARows(self.slots, self.rows[idx].contiguous(), self.kernels)
 
-    def add(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, overwrite: bool = False) -> None:
-        """out [T, n] += every row's adapter product of x [T, in] for one
-        projection (out may be a column slice of a wider output); with
+    def add(self, layer: int, modules: tuple[str, ...], x: torch.Tensor, outs: tuple[torch.Tensor, ...],
+            overwrite: bool = False) -> None:
+        """outs[i] [T, n_i] += every row's adapter product of x [T, in] for
+        projection modules[i] (projections of one input, q/k/v or gate/up, in
+        one call; an output may be a column slice of a wider tensor); with
         `overwrite`, out = those products (0 in rows without one)."""
-        st = self.slots.stack.get((layer, module))
-        if st is None:
+        if self.kernels is None:
+            for module, out in zip(modules, outs):
+                self._add_torch(layer, module, x, out, overwrite)
+            return
+        group = self.slots.group(layer, modules)
+        if group is None:
             if overwrite:
-                out.zero_()
+                for out in outs:
+                    out.zero_()
             return
+        words, stacks = group
         m = self.rows.shape[0]
-        if self.kernels is not None:
-            if (x.shape != (m, st.fan_in) or out.shape != (m, st.fan_out) or x.stride(1) != 1
-                    or out.stride(1) != 1 or x.dtype != torch.float32 or out.dtype != torch.float32):
-                raise ValueError(f"LoRA {module}: input {tuple(x.shape)} and output {tuple(out.shape)} for "
-                                 f"{m} rows of [{st.fan_out} x {st.fan_in}]")
-            if self.kernels.lib.ts_lora_rows(x.data_ptr(), m, st.fan_in, x.stride(0), self._order.data_ptr(),
-                                             self.rows.data_ptr(), self.slots.scale.data_ptr(), *st.ptrs,
-                                             self.slots.max_rank, st.fan_out, out.data_ptr(), out.stride(0),
-                                             int(overwrite), self._threads):
-                raise MemoryError(f"LoRA {module}: no memory for the tile list of {m} rows")
-            return
+        fan_in = next(st.fan_in for st in stacks if st is not None)
+        if x.shape != (m, fan_in) or x.stride(1) != 1 or x.dtype != torch.float32:
+            raise ValueError(f"LoRA {modules}: input {tuple(x.shape)} {x.dtype} for {m} rows of {fan_in} features")
+        for i, (st, out) in enumerate(zip(stacks, outs)):
+            if st is None:
+                if overwrite:
+                    out.zero_()
+                continue
+            if out.shape != (m, st.fan_out) or out.stride(1) != 1 or out.dtype != torch.float32:
+                raise ValueError(f"LoRA {modules[i]}: output {tuple(out.shape)} {out.dtype} for {m} rows of "
+                                 f"{st.fan_out}")
+            words[i, 7] = out.data_ptr()
+            words[i, 8] = out.stride(0)
+        if self.kernels.lib.ts_lora_rows(x.data_ptr(), m, fan_in, x.stride(0), self._order.data_ptr(),
+                                         self.rows.data_ptr(), self.slots.scale.data_ptr(), words.ctypes.data,
+                                         len(modules), self.slots.max_rank, int(overwrite), self._threads):
+            raise MemoryError(f"LoRA {modules}: no memory for the tile list of {m} rows")
+
+    def _add_torch(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, overwrite: bool) -> None:
+        """The same on torch: per adapter, its rows gathered, two matmuls."""
         if overwrite:
             out.zero_()
+        st = self.slots.stack.get((layer, module))
+        if st is None:
+            return
         for s in torch.unique(self.rows[self.rows >= 0]).tolist():
             for dtype, rank in st.rank.items():
                 r = int(rank[s])
@@ -84,6 +104,5 @@ class LoRARows:
         if (layer, "gate_proj") not in st and (layer, "up_proj") not in st:
             return None
         pre = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32, device=x.device)
-        self.add(layer, "gate_proj", x, pre[:, :inter], overwrite=True)
-        self.add(layer, "up_proj", x, pre[:, inter:], overwrite=True)
+        self.add(layer, ("gate_proj", "up_proj"), x, (pre[:, :inter], pre[:, inter:]), overwrite=True)
         return pre

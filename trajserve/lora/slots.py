@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trajserve.config import ModelConfig
@@ -79,6 +80,10 @@ class LoRASlots:
         self._lru: OrderedDict[str, int] = OrderedDict()  # adapter digest -> slot, least recent first
         self.num_loads = 0
         self.load_seconds = 0.0
+        # The C kernel's description of a group of projections of one input
+        # (lora/rows.py), kept across steps; remade when a stack is made.
+        self._groups: dict[tuple, tuple[int, tuple | None]] = {}
+        self._version = 0
 
     def slot_of(self, adapter: LoRAAdapter) -> int | None:
         return self._lru.get(adapter.digest)
@@ -130,7 +135,27 @@ class LoRASlots:
             st.bt[dtype] = torch.zeros(S, -(-st.fan_out // 16), r, 16, dtype=dtype, device=self.device)
             st.rank[dtype] = torch.zeros(S, dtype=torch.int32, device=self.device)
             st.ptrs = tuple(t[d].data_ptr() if d in t else 0 for d in PRECISIONS for t in (st.a, st.bt, st.rank))
+            self._version += 1
         return st.a[dtype], st.bt[dtype], st.rank[dtype]
+
+    def group(self, layer: int, modules: tuple[str, ...]) -> tuple[np.ndarray, list[Stack | None]] | None:
+        """For cpu_kernels.c ts_lora_rows: one LoraModule row of int64 words
+        per projection (its stacks' addresses and width; the caller fills in
+        the output), and the stacks; None when no slot adapts any of them."""
+        got = self._groups.get((layer, modules))
+        if got is not None and got[0] == self._version:
+            return got[1]
+        stacks = [self.stack.get((layer, m)) for m in modules]
+        out = None
+        if any(st is not None for st in stacks):
+            words = np.zeros((len(modules), 9), dtype=np.int64)
+            for i, st in enumerate(stacks):
+                if st is not None:
+                    words[i, :6] = st.ptrs
+                    words[i, 6] = st.fan_out
+            out = (words, stacks)
+        self._groups[(layer, modules)] = (self._version, out)
+        return out
 
     def _clear(self, slot: int) -> None:
         for st in self.stack.values():

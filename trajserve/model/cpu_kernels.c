@@ -302,11 +302,19 @@ static void lora_tile_any(const float *x, int64_t ldx, const int32_t *rows, int 
 #undef LORA_CASE
 }
 
-/* Returns nonzero when the tile list found no memory (nothing is written). */
+/* One projection of a group that reads the same input (q, k, v; or gate,
+ * up): its stacks (0 where a precision has none), output width, and where
+ * its output goes. Passed as int64 words (lora/rows.py fills them). */
+typedef struct {
+    int64_t a32, bt32, rank32, a16, bt16, rank16, n, y, ldy;
+} LoraModule;
+
+/* Every row's adapter products for `nmod` projections of one input x.
+ * Returns nonzero when the tile list found no memory (nothing is written). */
 int ts_lora_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const int32_t *order, const int32_t *slot,
-                 const float *scale, const float *a32, const float *bt32, const int32_t *rank32, const uint16_t *a16,
-                 const uint16_t *bt16, const int32_t *rank16, int64_t r_max, int64_t n, float *y, int64_t ldy,
-                 int overwrite, int nthreads) {
+                 const float *scale, const int64_t *modules, int64_t nmod, int64_t r_max, int overwrite,
+                 int nthreads) {
+    const LoraModule *mods = (const LoraModule *)modules;
     int64_t *tiles = malloc(sizeof(int64_t) * (m + 1));  // first position in `order` of each tile
     if (tiles == NULL) return 1;
     int64_t nt = 0;
@@ -322,16 +330,24 @@ int ts_lora_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const int32_
         const int32_t *rows = order + tiles[t];
         const int nr = (int)(tiles[t + 1] - tiles[t]);
         const int32_t s = slot[rows[0]];
-        const int64_t r32 = s >= 0 && rank32 ? rank32[s] : 0, r16 = s >= 0 && rank16 ? rank16[s] : 0;
-        const int64_t bt_slot = (n + 15) / 16 * 16 * r_max;  // a slot's panels
-        if (r16 > 0)
-            lora_tile_any(x, ldx, rows, nr, k, a16 + s * r_max * k, bt16 + s * bt_slot, r16, r_max, scale[s], n, y,
-                          ldy, overwrite, 1);
-        else if (r32 > 0)
-            lora_tile_any(x, ldx, rows, nr, k, a32 + s * r_max * k, bt32 + s * bt_slot, r32, r_max, scale[s], n, y,
-                          ldy, overwrite, 0);
-        else if (overwrite)
-            for (int q = 0; q < nr; q++) memset(y + rows[q] * ldy, 0, n * sizeof(float));
+        for (int64_t i = 0; i < nmod; i++) {  // one tile through every projection: its rows stay in cache
+            const LoraModule *M = mods + i;
+            const int32_t *rank32 = (const int32_t *)(intptr_t)M->rank32;
+            const int32_t *rank16 = (const int32_t *)(intptr_t)M->rank16;
+            const int64_t r32 = s >= 0 && rank32 ? rank32[s] : 0, r16 = s >= 0 && rank16 ? rank16[s] : 0;
+            const int64_t n = M->n, bt_slot = (n + 15) / 16 * 16 * r_max;  // a slot's panels
+            float *y = (float *)(intptr_t)M->y;
+            if (r16 > 0)
+                lora_tile_any(x, ldx, rows, nr, k, (const uint16_t *)(intptr_t)M->a16 + s * r_max * k,
+                              (const uint16_t *)(intptr_t)M->bt16 + s * bt_slot, r16, r_max, scale[s], n, y, M->ldy,
+                              overwrite, 1);
+            else if (r32 > 0)
+                lora_tile_any(x, ldx, rows, nr, k, (const float *)(intptr_t)M->a32 + s * r_max * k,
+                              (const float *)(intptr_t)M->bt32 + s * bt_slot, r32, r_max, scale[s], n, y, M->ldy,
+                              overwrite, 0);
+            else if (overwrite)
+                for (int q = 0; q < nr; q++) memset(y + rows[q] * M->ldy, 0, n * sizeof(float));
+        }
     }
     free(tiles);
     return 0;

@@ -63,7 +63,7 @@ _SIGNATURES = {
     "ts_exp_widths": [_P, _I, _P, _P, _C],
     "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C],
     "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I, _C],
-    "ts_lora_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _I, _C, _C],
+    "ts_lora_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _C, _C],
     "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],

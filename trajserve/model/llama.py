@@ -188,7 +188,7 @@ class LlamaModel:
             a = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(x.shape[0], self.q_size)
             x = x + L.o(a)
             if lora is not None:
-                lora.add(i, "o_proj", a, x)
+                lora.add(i, ("o_proj",), a, (x,))
             h = self._rms(x, L.post_norm)
             gu = L.gate_up(h)
             inter = gu.shape[-1] // 2
@@ -198,16 +198,15 @@ class LlamaModel:
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
             x = x + L.down(act)
             if lora is not None:
-                lora.add(i, "down_proj", act, x)
+                lora.add(i, ("down_proj",), act, (x,))
         x = self._rms(x[sample_rows], self.norm)
         return self.lm_head(x).float()
 
     def _lora_qkv(self, lora: LoRARows, layer: int, h: torch.Tensor, qkv: torch.Tensor) -> None:
         """Adapter products of q, k and v into their columns of the fused output."""
         q, kv = self.q_size, self.kv_size
-        lora.add(layer, "q_proj", h, qkv[:, :q])
-        lora.add(layer, "k_proj", h, qkv[:, q:q + kv])
-        lora.add(layer, "v_proj", h, qkv[:, q + kv:q + 2 * kv])
+        lora.add(layer, ("q_proj", "k_proj", "v_proj"), h,
+                 (qkv[:, :q], qkv[:, q:q + kv], qkv[:, q + kv:q + 2 * kv]))
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                          kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sample_rows: torch.Tensor,
@@ -250,9 +249,9 @@ class LlamaModel:
             if lora is None:
                 L.down(L.gate_up(K.rms_norm(x, L.post_norm, eps)), out=x)
                 continue
-            lora.add(i, "o_proj", a, x)
+            lora.add(i, ("o_proj",), a, (x,))
             h = K.rms_norm(x, L.post_norm, eps)
             act = L.gate_up(h, lora.gate_up_pre(i, h, c.intermediate_size))
             L.down(act, out=x)
-            lora.add(i, "down_proj", act, x)
+            lora.add(i, ("down_proj",), act, (x,))
         return self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps))

@@ -250,7 +250,8 @@ def test_unloading_an_adapter_in_use_finishes_its_requests_with_it(tiny):
     base = llm.generate([p + [5]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert done.outputs[0].token_ids != base  # not the base model's tokens...
     llm.load_lora("a2", str(d / "a"))  # ...but the adapter's (the same files under another name)
-    assert done.outputs[0].token_ids == llm.generate([p + [5]], GREEDY, use_tqdm=False, lora="a2")[0].outputs[0].token_ids
+    again = llm.generate([p + [5]], GREEDY, use_tqdm=False, lora="a2")[0]
+    assert done.outputs[0].token_ids == again.outputs[0].token_ids
     assert llm.generate([p], GREEDY, use_tqdm=False, lora="a2")[0].outputs[0].token_ids == want
     llm.close()
 
@@ -293,3 +294,45 @@ def test_refusals_name_the_limit(tiny, tmp_path):
         llm.generate([[1, 2], [3, 4]], GREEDY, use_tqdm=False, lora=["a"])
     assert not llm.engine.has_unfinished_requests()
     llm.close()
+
+
+def test_forks_and_n_samples_keep_the_adapter(tiny):
+    d, _ = tiny
+    llm = _llm(d)
+    eng = llm.engine
+    p = _prompts(1, seed=29)[0]
+    want = llm.generate([p], GREEDY, use_tqdm=False, lora="c")[0].outputs[0].token_ids
+    rid = eng.add_request(p, GREEDY, lora="c")
+    eng.step()
+    eng.step()
+    (child,) = eng.fork(rid)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+    assert done[rid] == want and done[child] == want
+    two = llm.generate([p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=2), use_tqdm=False,
+                       lora="c")[0]
+    assert [o.token_ids for o in two.outputs] == [want, want]
+    assert eng.lora.metrics()["adapters"]["c"]["requests"] == 4  # the fork counts as one
+    llm.close()
+
+
+def test_the_kv_pool_leaves_room_for_the_slots(monkeypatch):
+    from trajserve.config import CacheConfig, ModelConfig
+    from trajserve.engine import memory
+
+    cfg = tiny_hf_model("llama").config
+
+    mc = ModelConfig("llama", cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers,
+                     cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10**8)
+    reserve = LoRASlots.max_bytes(mc, 4, 16)
+    # 4 slots x 6 B (a float32 and a bf16 stack) x P_adapter: 2 layers x r 16 x sum of (in + out) over
+    # q, k, v, o (64 -> 64, 64 -> 32 twice, 64 -> 64) and gate, up, down (64 -> 128 twice, 128 -> 64).
+    assert reserve == 4 * 6 * 2 * 16 * (128 + 96 + 96 + 128 + 3 * 192)
+    cc = CacheConfig(memory_fraction=0.5)
+    per_block = memory.bytes_per_block(mc, cc.block_size, torch.float32)
+    assert memory.num_blocks_for(cc, mc, torch.float32, "cpu") == 5 * 10**7 // per_block
+    assert memory.num_blocks_for(cc, mc, torch.float32, "cpu", reserve) == (5 * 10**7 - reserve) // per_block
+    with pytest.raises(ValueError, match="besides .* for LoRA slots"):
+        memory.num_blocks_for(CacheConfig(kv_cache_memory=10**8 - reserve // 2), mc, torch.float32, "cpu", reserve)

@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
 def print_report(res: dict) -> None:
     print(res["engine"])
     print(f"\n{res['requests']} requests over {res['adapters']} adapters (rank {res['rank']} on "
-          f"{', '.join(res['targets'])}; {res['adapter_mib']:.1f} MiB each in {res['adapter_dtype']}), {res['max_tokens']} tokens "
+          f"{', '.join(res['targets'])}; {res['adapter_mib']:.1f} MiB each in {res['adapter_dtype']}), "
+          f"{res['max_tokens']} tokens "
           f"each, speculation off, {res['rounds']} alternated rounds")
     print(f"{'case':<11} {'decode step ms':>14} {'x base':>7} {'prefill tok/s':>13} {'pass s':>7} {'repeatable':>10}")
     for c in res["cases"]:

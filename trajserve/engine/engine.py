@@ -39,6 +39,7 @@ from trajserve.kv.keep_policy import CostRates
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.lora.manager import LoRAManager
+from trajserve.lora.slots import LoRASlots
 from trajserve.model.fingerprint import model_fingerprint
 from trajserve.model.quant import QUANT_FORMATS
 from trajserve.model.llama import LlamaModel
@@ -110,7 +111,8 @@ class LLMEngine:
         self.kv_format, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels, mc.head_dim,
                                                      cc.block_size)
         self.kv_dtype = self.kv_format.storage
-        self.num_blocks = num_blocks_for(cc, mc, self.kv_format, self.device)
+        lora_bytes = LoRASlots.max_bytes(mc, config.scheduler.max_loras, config.max_lora_rank)  # kept free
+        self.num_blocks = num_blocks_for(cc, mc, self.kv_format, self.device, lora_bytes if config.lora_enabled else 0)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
                                  enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,

@@ -27,24 +27,28 @@ def bytes_per_block(model: ModelConfig, block_size: int, fmt) -> int:
     return (kv_format(fmt) if isinstance(fmt, torch.dtype) else fmt).bytes_per_token(model) * block_size
 
 
-def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype, device: torch.device) -> int:
+def num_blocks_for(cache: CacheConfig, model: ModelConfig, dtype, device: torch.device, reserve: int = 0) -> int:
+    """Blocks of the pool. `reserve`: bytes something else allocated later
+    needs (LoRA slots), kept out of a --memory-fraction budget and counted
+    against the memory free."""
     per_block = bytes_per_block(model, cache.block_size, dtype)
     if cache.num_blocks is not None:
         n = cache.num_blocks
     else:
         budget = cache.kv_cache_memory
         if budget is None:
-            budget = int(available_memory(device) * cache.memory_fraction)
+            budget = int(available_memory(device) * cache.memory_fraction) - reserve
         n = budget // per_block
     if n < 1:
         raise ValueError(
             f"KV cache budget too small: one block of {cache.block_size} tokens needs {per_block:,} bytes")
     # A pool larger than the memory free now would be killed (host) or fail
     # (device) partway through allocation; say so instead.
-    free = available_memory(device)
+    free = available_memory(device) - reserve
     if n * per_block > free:
         raise ValueError(f"KV pool of {n:,} blocks needs {units.gib(n * per_block)}; only {units.gib(free)} "
-                         f"of {'device' if device.type == 'cuda' else 'host'} memory is available")
+                         f"of {'device' if device.type == 'cuda' else 'host'} memory is available"
+                         + (f" besides {units.gib(reserve)} for LoRA slots" if reserve else ""))
     return n
 
 

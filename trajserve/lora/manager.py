@@ -73,7 +73,9 @@ class LoRAManager:
     def summary(self) -> str:
         """The engine's start-up line."""
         return (f"LoRA: {len(self.adapters)} adapters loaded ({', '.join(sorted(self.adapters)) or 'none'}), "
-                f"--max-loras {self.slots.max_loras} resident, --max-lora-rank {self.max_rank}"
+                f"--max-loras {self.slots.max_loras} resident, --max-lora-rank {self.max_rank} (slots up to "
+                f"{LoRASlots.max_bytes(self.model, self.slots.max_loras, self.max_rank) / 2**20:,.0f} MiB, kept out "
+                f"of the KV pool)"
                 f"{f', --lora-dir {self.lora_dir}' if self.lora_dir else ''}")
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:

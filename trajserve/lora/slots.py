@@ -85,6 +85,15 @@ class LoRASlots:
         self._groups: dict[tuple, tuple[int, tuple | None]] = {}
         self._version = 0
 
+    @staticmethod
+    def max_bytes(model: ModelConfig, max_loras: int, max_rank: int) -> int:
+        """The most the slots take: every projection adapted at max_rank, in
+        both precisions (8.2.1's P_adapter x (4 + 2) B a slot), which the KV
+        pool leaves free."""
+        from trajserve.plan.adapters import MODULES, adapter_params
+
+        return max_loras * adapter_params(model, max_rank, list(MODULES)) * 6
+
     def slot_of(self, adapter: LoRAAdapter) -> int | None:
         return self._lru.get(adapter.digest)
 

@@ -332,7 +332,8 @@ def test_the_kv_pool_leaves_room_for_the_slots(monkeypatch):
     assert reserve == 4 * 6 * 2 * 16 * (128 + 96 + 96 + 128 + 3 * 192)
     cc = CacheConfig(memory_fraction=0.5)
     per_block = memory.bytes_per_block(mc, cc.block_size, torch.float32)
-    assert memory.num_blocks_for(cc, mc, torch.float32, "cpu") == 5 * 10**7 // per_block
-    assert memory.num_blocks_for(cc, mc, torch.float32, "cpu", reserve) == (5 * 10**7 - reserve) // per_block
+    cpu = torch.device("cpu")
+    assert memory.num_blocks_for(cc, mc, torch.float32, cpu) == 5 * 10**7 // per_block
+    assert memory.num_blocks_for(cc, mc, torch.float32, cpu, reserve) == (5 * 10**7 - reserve) // per_block
     with pytest.raises(ValueError, match="besides .* for LoRA slots"):
-        memory.num_blocks_for(CacheConfig(kv_cache_memory=10**8 - reserve // 2), mc, torch.float32, "cpu", reserve)
+        memory.num_blocks_for(CacheConfig(kv_cache_memory=10**8 - reserve // 2), mc, torch.float32, cpu, reserve)

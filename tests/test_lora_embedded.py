@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_util import run_requests
 from tiny_models import random_adapter
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
@@ -26,16 +27,6 @@ def adapters(tmp_path_factory, hf_gguf_model):
     return d, a
 
 
-def _run(eng: LLMEngine, jobs: list[tuple[list[int], str | None]], sp: SamplingParams) -> list:
-    ids = [eng.add_request(p, sp, lora=name) for p, name in jobs]
-    done = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
-    return [done[i] for i in ids]
-
-
 def _ids(eng: LLMEngine, text: str) -> list[int]:
     return eng.tokenizer.encode_chat([{"role": "user", "content": text}])
 
@@ -46,7 +37,7 @@ def test_float_weights_with_an_adapter_match_peft(adapters, hf_gguf_model):
                                  cache=CacheConfig(num_blocks=256, kv_cache_dtype="float32")))
     ids = _ids(eng, PROMPTS[1])
     sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    out, base = _run(eng, [(ids, "a"), (ids, None)], sp)
+    out, base = run_requests(eng, [(ids, sp, "a"), (ids, sp, None)])
     with torch.inference_mode():
         logp = peft(torch.tensor([ids])).logits[0].float().log_softmax(-1)
         want = peft.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
@@ -65,9 +56,9 @@ def test_quantized_default_path_mixed_batches_equal_each_alone(adapters):
     assert "q4" in " ".join(eng.model.weight_formats())  # the GGUF's blocks, as stored
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
     jobs = [(_ids(eng, p), name) for p in PROMPTS for name in ("a", None, "b")]
-    mixed = _run(eng, jobs, sp)
+    mixed = run_requests(eng, [(p, sp, name) for p, name in jobs])
     for (p, name), got in zip(jobs, mixed):
-        alone = _run(eng, [(p, name)], sp)[0].outputs[0]
+        alone = run_requests(eng, [(p, sp, name)])[0].outputs[0]
         assert (got.outputs[0].token_ids, got.outputs[0].logprobs) == (alone.token_ids, alone.logprobs), name
     by = {name: [o.outputs[0].token_ids for (_, n), o in zip(jobs, mixed) if n == name] for name in ("a", None, "b")}
     assert by["a"] != by[None] and by["b"] != by[None]

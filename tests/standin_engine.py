@@ -86,7 +86,13 @@ class StandInEngine:
         if not ids or blocks_for(len(ids) + 1, self.kv.block_size) > self.kv.num_blocks:
             raise ValueError("prompt does not fit the pool")
 
-    def add_request(self, ids, params, cache_salt=None):
+    def adapter(self, lora):
+        if lora is not None:
+            raise ValueError("the stand-in serves no LoRA adapters")
+        return None
+
+    def add_request(self, ids, params, cache_salt=None, lora=None):
+        self.adapter(lora)
         self.validate_prompt(ids)
         self.n += 1
         r = Request(f"r{self.n}", list(ids), params, max_total_tokens=self.kv.token_capacity, cache_salt=cache_salt)

@@ -221,9 +221,9 @@ def test_last_layer_goes_on_with_the_sampled_rows_alone(engine, prompts, referen
     assert (model.kernels is not None) == kernels
     forward, seen = model.forward, []
 
-    def both(input_ids, positions, meta, kv, sample_rows, before_layer=None, sample_meta=None):
-        whole = forward(input_ids, positions, meta, kv, sample_rows, before_layer, None)
-        alone = forward(input_ids, positions, meta, kv, sample_rows, before_layer, sample_meta)
+    def both(input_ids, positions, meta, kv, sample_rows, before_layer=None, sample_meta=None, lora=None):
+        whole = forward(input_ids, positions, meta, kv, sample_rows, before_layer, None, lora)
+        alone = forward(input_ids, positions, meta, kv, sample_rows, before_layer, sample_meta, lora)
         if kernels:
             assert torch.equal(alone, whole)
         else:

@@ -143,8 +143,7 @@ class LLMEngine:
         self.proposer = None if self.speculative == "off" else DraftProposer(
             SpecConfig(self.speculative, sc.num_speculative_tokens))
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
-        # LoRA adapters (lora/manager.py): their names, slots and counts.
-        self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None
+        self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None  # adapters
         self.runner.lora = self.lora.slots if self.lora is not None else None
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
@@ -267,8 +266,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------- LoRA
     def adapter(self, lora):
-        """The LoRAAdapter a request names (a name, or an adapter a session
-        holds); None: the base model."""
+        """The LoRAAdapter a request names (or a session holds); None: the base model."""
         if lora is not None and self.lora is None:
             raise ValueError("lora: this engine serves no LoRA adapters (start it with --lora-modules, "
                              "--lora-dir or --enable-lora)")
@@ -277,7 +275,9 @@ class LLMEngine:
     def unload_lora(self, name: str) -> int:
         """New requests cannot name it; running ones finish with it; its
         cached KV (every tier) is dropped. Returns the blocks dropped."""
-        _, scopes = self.lora.unload(name) if self.lora is not None else self.adapter(name)
+        if self.lora is None:
+            self.adapter(name)  # the error: LoRA is off
+        _, scopes = self.lora.unload(name)
         return sum(self.kv.invalidate(None, scope) for scope in scopes)
 
     @staticmethod

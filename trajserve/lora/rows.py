@@ -5,10 +5,11 @@ projection `add` puts every row's own low-rank product on top,
 
     y[i] += s B_a (A_a x[i])      a = the adapter of row i's request,
 
-one C call per projection on the kernel path (cpu_kernels.lora_rows: row by
-row, so a row's result never depends on its neighbours' adapters, as for
-the base products), one pair of products per adapter present on the torch
-path (its rows gathered: a grouped product over row segments). The gate and
+one C call per group of projections of one input on the kernel path
+(cpu_kernels.c ts_lora_rows: rows of one adapter in tiles that share each
+weight load; a row's result never depends on its neighbours' adapters, as
+for the base products), one pair of products per adapter present on the
+torch path (its rows gathered: a grouped product over row segments). The gate and
 up projections are fused with the activation on the kernel path, so their
 adapter products are computed first (`gate_up_pre`) and added inside it,
 before silu: silu(W_g x + s B_g A_g x) * (W_u x + s B_u A_u x), as the merged

@@ -52,7 +52,7 @@ loads what the tiers hold back into the tree (KVCacheManager.match).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.radix_invalidate import Invalidation
@@ -80,6 +80,10 @@ class RadixCache(Invalidation):
         self.spill: Spill | None = None  # lower tiers for LRU-evicted blocks
         self.num_spilled_blocks = 0
         self._ns_hashes: dict[Hashable, bytes] = {}
+        # KV events (a cluster router's prefix directory, cluster/directory.py):
+        # on_event(stored, chained hashes) as blocks enter the tree or leave it
+        # (evicted, invalidated, cleared). None: nothing is hashed for it.
+        self.on_event: Callable[[bool, list[bytes]], None] | None = None
 
     # ------------------------------------------------------------------ match
 
@@ -215,6 +219,8 @@ class RadixCache(Invalidation):
             self.num_evictable_blocks += len(new_ids)
             new = len(new_ids)
             node = leaf
+            if self.on_event is not None:
+                self.on_event(True, self.block_hashes(leaf))
         self._touch(node)
         return InsertResult(node, new, duplicates)
 
@@ -267,6 +273,8 @@ class RadixCache(Invalidation):
 
     def _remove_leaf(self, node: RadixNode) -> int:
         """Take a dormant leaf out of the tree; returns blocks freed."""
+        if self.on_event is not None:
+            self.on_event(False, self.block_hashes(node))
         node.heap_stamp = -1
         freed = self._drop_tree_refs(node.block_ids)
         self.num_evicted_nodes += 1

@@ -92,6 +92,8 @@ class Invalidation:
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
+            if self.on_event is not None:  # parent links are kept: the hashes still chain
+                self.on_event(False, self.block_hashes(node))
             node.detached = True
             node.heap_stamp = -1
             nb = len(node.block_ids)
@@ -123,6 +125,8 @@ class Invalidation:
             stack.extend(node.children.values())
         for node in reversed(order):  # children before parents
             if node.ref_count == 0:
+                if self.on_event is not None:
+                    self.on_event(False, self.block_hashes(node))
                 freed += self._drop_tree_refs(node.block_ids)
                 nb = len(node.block_ids)
                 self.num_cached_blocks -= nb

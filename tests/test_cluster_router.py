@@ -1,0 +1,153 @@
+"""The cluster's prefix directory and routing policies (issue 28, first
+step): the directory's hashes are the radix cache's own, a replica's match
+is its leading run of held blocks by tier, the kv router's choice follows
+kv-cache-management figure 7's objective (its worked example: 32,000 of
+40,000 tokens held is an 80 % match), salts never share, sessions stick to
+a healthy replica, and the baselines do what they are named for."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trajserve.cluster.directory import KVEvent, PrefixDirectory, prompt_hashes
+from trajserve.cluster.router import (CharPrefix, KVRouter, LeastLoaded, ReplicaLoad, RoundRobin, RouteRequest,
+                                      make_router)
+from trajserve.kv.cache_manager import KVCacheManager
+
+B = 16
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+def test_prompt_hashes_are_the_radix_caches_own():
+    kv = KVCacheManager(64, B, 0.0, enable_prefix_caching=True, model_id="m")
+    toks = _tokens(5 * B + 3)
+    for salt in (None, "tenant-a", (None, "lora", "d" * 64)):
+        assert prompt_hashes(kv.namespace(salt), toks, B) == kv.prefix_hashes(toks, salt, 5)
+    assert prompt_hashes(kv.namespace("a"), toks, B)[0] != prompt_hashes(kv.namespace("b"), toks, B)[0]
+
+
+def test_a_replicas_match_is_its_leading_run_of_held_blocks_by_tier():
+    d = PrefixDirectory()
+    h = prompt_hashes(("m", None), _tokens(10 * B), B)
+    d.apply(KVEvent(0, tuple(h[:6]), "device"))
+    d.apply(KVEvent(0, tuple(h[4:6]), "host"))                 # spilled down...
+    d.apply(KVEvent(0, tuple(h[4:6]), "device", stored=False))  # ...and gone from the device
+    d.apply(KVEvent(0, tuple(h[7:10]), "device"))              # after a gap: useless
+    d.apply(KVEvent(1, tuple(h[:2]), "disk"))
+    m = d.match(0, h)
+    assert (m.device, m.host, m.disk, m.blocks) == (4, 2, 0, 6)
+    assert d.match(1, h).disk == 2 and d.match(2, h).blocks == 0
+    d.apply(KVEvent(0, (h[4],), "device"))                     # loaded back, its host copy kept
+    assert d.match(0, h).device == 5
+    d.apply(KVEvent(0, (h[4],), "device", stored=False))       # evicted again: the host copy counts
+    assert (d.match(0, h).device, d.match(0, h).host) == (4, 2)
+    d.apply(KVEvent(0, (h[1],), "device", stored=False))       # evicted: the run ends before it
+    assert d.match(0, h).blocks == 1
+    assert d.forget_replica(0) == 8 and d.match(0, h).blocks == 0 and len(d) == 2
+    with pytest.raises(ValueError, match="tier must be one of"):
+        d.apply(KVEvent(0, (h[0],), "tape"))
+
+
+def test_kv_router_follows_figure_7s_objective():
+    """S = 40,000 tokens in blocks of 16; worker 1 holds the first 32,000
+    (an 80 % hit) and is the busiest: mu 0.7, gamma 2 still send it there
+    (0.7 x 0.8 - 0.3 x 1 = 0.26 > 0), and it computes only 8,000 tokens."""
+    toks = _tokens(40_000)
+    ns = ("m", None)
+    h = prompt_hashes(ns, toks, B)
+    r = KVRouter(3, block_size=B, mu=0.7, gamma=2.0)
+    r.directory.apply(KVEvent(1, tuple(h[:2000]), "device"))
+    loads = [ReplicaLoad(1_000), ReplicaLoad(50_000), ReplicaLoad(0)]
+    req = RouteRequest(h, len(toks))
+    assert r.match_tokens(1, h) == 32_000
+    score = r.scores(req, loads, [0, 1, 2])
+    assert score[1] == pytest.approx(0.7 * 0.8 - 0.3) and score[2] == 0.0
+    assert r.route(req, loads) == 1
+    # Affinity traded for load: with mu 0.2 the busiest loses (0.2 x 0.8 - 0.8 < 0).
+    assert KVRouter(3, directory=r.directory, block_size=B, mu=0.2).route(req, loads) == 2
+    # Lower tiers count for less: a host copy beats a disk copy of the same blocks.
+    r2 = KVRouter(2, block_size=B)
+    r2.directory.apply(KVEvent(0, tuple(h[:100]), "disk"))
+    r2.directory.apply(KVEvent(1, tuple(h[:100]), "host"))
+    assert r2.route(req, [ReplicaLoad(), ReplicaLoad()]) == 1
+    # Another salt: other hashes, no match anywhere; the least loaded wins.
+    other = prompt_hashes(("m", "tenant-b"), toks, B)
+    assert all(r.match_tokens(j, other) == 0 for j in range(3))
+    assert r.route(RouteRequest(other, len(toks)), loads) == 2
+    with pytest.raises(ValueError, match="mu in"):
+        KVRouter(2, mu=1.5)
+
+
+def test_sessions_stick_to_a_healthy_replica_and_move_when_it_dies():
+    r = RoundRobin(3)
+    req = RouteRequest((), 10, session_id="s")
+    loads = [ReplicaLoad() for _ in range(3)]
+    first = r.route(req, loads)
+    assert all(r.route(req, loads) == first for _ in range(5))
+    loads[first].healthy = False
+    moved = r.route(req, loads)
+    assert moved != first and r.route(req, loads) == moved
+    loads[first].healthy = True
+    assert r.route(req, loads) == moved  # it stays where its state now is
+    with pytest.raises(RuntimeError, match="no healthy replica"):
+        r.route(req, [ReplicaLoad(healthy=False)] * 3)
+
+
+def test_baselines():
+    loads = [ReplicaLoad(5), ReplicaLoad(1), ReplicaLoad(3)]
+    rr = RoundRobin(3)
+    assert [rr.route(RouteRequest((), 1), loads) for _ in range(4)] == [0, 1, 2, 0]
+    assert LeastLoaded(3).route(RouteRequest((), 1), loads) == 1
+    cp = CharPrefix(3)
+    toks = _tokens(400)
+    first = cp.route(RouteRequest((), 400, toks), loads)
+    assert first == 1  # nothing sent yet: the least loaded
+    loads[1].running_tokens = 100  # now the busiest; the prompt's prefix still pulls there
+    assert cp.route(RouteRequest((), 401, toks + [7]), loads) == 1
+    # Blind to salts: another tenant's identical prompt goes there too (it cannot hit).
+    assert cp.route(RouteRequest(prompt_hashes(("m", "b"), toks, B), 400, toks), loads) == 1
+    # Under the threshold (a 16-token match of 400): least loaded.
+    assert cp.route(RouteRequest((), 400, toks[:16] + _tokens(384, 1)), loads) == 2
+    assert make_router("kv", 2).name == "kv"
+    with pytest.raises(ValueError, match="router must be one of kv, round-robin, least-loaded, char-prefix"):
+        make_router("random", 2)
+
+
+def test_a_directory_fed_by_the_radix_caches_events_agrees_with_it():
+    """Random requests over shared prefixes on a small pool (admission,
+    release, LRU eviction under pressure, invalidation, clear): after every
+    operation, the directory's match for each prompt is the radix cache's."""
+    from trajserve.cluster.directory import KVEvent
+
+    kv = KVCacheManager(40, 4, 0.0, enable_prefix_caching=True, model_id="m")
+    d = PrefixDirectory()
+    kv.radix.on_event = lambda stored, hashes: d.apply(KVEvent(0, tuple(hashes), "device", stored))
+    rng = random.Random(3)
+    stems = [_tokens(12, s) for s in range(4)]
+    prompts: list[tuple[str, list[int]]] = []
+    for i in range(300):
+        op = rng.random()
+        if op < 0.8:
+            salt = rng.choice([None, "t"])
+            toks = rng.choice(stems) + _tokens(rng.randrange(1, 30), 100 + i)
+            rid = f"r{i}"
+            hit = kv.match(rid, toks, salt)
+            if kv.allocate_slots(rid, len(toks), hit):
+                kv.release(rid, toks, len(toks), salt)  # computed, then finished: its blocks go to the tree
+            prompts.append((salt, toks))
+        elif op < 0.9:
+            salt, toks = rng.choice(prompts) if prompts else (None, stems[0])
+            kv.invalidate(toks[:rng.randrange(1, len(toks))], salt)
+        elif op < 0.95:
+            kv.radix.evict(rng.randrange(1, 10))
+        else:
+            kv.clear_cache()
+        for salt, toks in prompts[-20:]:
+            want = kv.radix.match_prefix(kv.namespace(salt), toks).num_tokens // 4
+            assert d.match(0, prompt_hashes(kv.namespace(salt), toks, 4)).device == want
+    assert d.num_events > 100

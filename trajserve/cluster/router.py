@@ -1,0 +1,191 @@
+"""Which replica serves a request (issue 28): the cluster's routing policies.
+
+kv   kv-cache-management figure 7's joint objective over the prefix
+     directory (directory.py):
+
+         w* = argmax_j [ mu * Match_j / S  -  (1 - mu) * (L_j / L_max)^gamma ]
+
+     Match_j: the prompt tokens replica j would not compute, its leading run
+     of held blocks x block size, a block on the host or disk tier credited
+     by what reloading it saves against recomputing it (host_credit,
+     disk_credit); S: the prompt's tokens; L_j: its load, the tokens it has
+     running and waiting; L_max: the largest load now (all idle: no load
+     term). mu trades cache affinity against load (1: always the best
+     match; 0: least loaded), gamma makes the load penalty bite only near
+     the top. Ties go to the lesser load, then the lower index.
+round-robin     in turn, over healthy replicas
+least-loaded    the smallest L_j
+char-prefix     Ray Serve's PrefixCacheAffinityRouter, as a baseline: a
+                prefix tree of the prompts each replica was sent (here
+                chunks of 16 tokens, hashed), the replica with the longest
+                match if it covers at least `match_threshold` of the prompt,
+                else the least loaded; it sees no blocks, no tiers, no
+                evictions and no salts.
+
+Every policy keeps a session on the replica it first went to while that
+replica is healthy (its paused state stays where it is); a session whose
+replica is gone is routed afresh (and recomputes there).
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trajserve.cluster.directory import PrefixDirectory
+
+CHAR_CHUNK = 16
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """What a replica reports with its KV events."""
+    running_tokens: int = 0  # tokens of the sequences it runs (their contexts)
+    waiting_tokens: int = 0  # prompt tokens queued, not yet admitted
+    kv_usage: float = 0.0  # U_KV, for the record
+    healthy: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.running_tokens + self.waiting_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a router sees of a request: its prompt's block hashes (under
+    its namespace), its length, the tokens themselves (char-prefix only),
+    and its session, if any."""
+    hashes: Sequence[bytes]
+    num_tokens: int
+    token_ids: Sequence[int] = ()
+    session_id: str | None = None
+
+
+@dataclass
+class Router:
+    """The shared part: health and session affinity; `_choose` is the policy."""
+    num_replicas: int
+    sessions: dict[str, int] = field(default_factory=dict)
+    name = "base"
+
+    def route(self, req: RouteRequest, loads: Sequence[ReplicaLoad]) -> int:
+        if len(loads) != self.num_replicas:
+            raise ValueError(f"{len(loads)} loads for {self.num_replicas} replicas")
+        healthy = [j for j, load in enumerate(loads) if load.healthy]
+        if not healthy:
+            raise RuntimeError("no healthy replica")
+        if req.session_id is not None:
+            j = self.sessions.get(req.session_id)
+            if j is not None and loads[j].healthy:
+                self._sent(req, j)
+                return j
+        j = self._choose(req, loads, healthy)
+        if req.session_id is not None:
+            self.sessions[req.session_id] = j
+        self._sent(req, j)
+        return j
+
+    def _choose(self, req: RouteRequest, loads: Sequence[ReplicaLoad], healthy: list[int]) -> int:
+        raise NotImplementedError
+
+    def _sent(self, req: RouteRequest, replica: int) -> None:
+        """What a policy learns from its own decision (char-prefix's tree)."""
+
+
+def least_loaded(loads: Sequence[ReplicaLoad], among: Sequence[int]) -> int:
+    return min(among, key=lambda j: (loads[j].tokens, j))
+
+
+@dataclass
+class RoundRobin(Router):
+    name = "round-robin"
+    _next: itertools.count = field(default_factory=itertools.count)
+
+    def _choose(self, req, loads, healthy):
+        return healthy[next(self._next) % len(healthy)]
+
+
+@dataclass
+class LeastLoaded(Router):
+    name = "least-loaded"
+
+    def _choose(self, req, loads, healthy):
+        return least_loaded(loads, healthy)
+
+
+@dataclass
+class KVRouter(Router):
+    directory: PrefixDirectory = field(default_factory=PrefixDirectory)
+    block_size: int = 16
+    mu: float = 0.7
+    gamma: float = 2.0
+    host_credit: float = 0.8
+    disk_credit: float = 0.4
+    name = "kv"
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.mu <= 1.0 and self.gamma > 0 and 0.0 <= self.disk_credit <= self.host_credit <= 1.0):
+            raise ValueError(f"kv router: mu in [0, 1], gamma > 0, 0 <= disk_credit <= host_credit <= 1; got "
+                             f"mu={self.mu}, gamma={self.gamma}, host_credit={self.host_credit}, "
+                             f"disk_credit={self.disk_credit}")
+
+    def match_tokens(self, replica: int, hashes: Sequence[bytes]) -> float:
+        held = self.directory.match(replica, hashes)
+        return self.block_size * (held.device + self.host_credit * held.host + self.disk_credit * held.disk)
+
+    def scores(self, req: RouteRequest, loads: Sequence[ReplicaLoad], among: Sequence[int]) -> dict[int, float]:
+        l_max = max(loads[j].tokens for j in among)
+        s = max(1, req.num_tokens)
+        return {j: self.mu * self.match_tokens(j, req.hashes) / s
+                - (1 - self.mu) * ((loads[j].tokens / l_max) ** self.gamma if l_max else 0.0) for j in among}
+
+    def _choose(self, req, loads, healthy):
+        score = self.scores(req, loads, healthy)
+        return max(healthy, key=lambda j: (score[j], -loads[j].tokens, -j))
+
+
+@dataclass
+class CharPrefix(Router):
+    match_threshold: float = 0.1  # Ray Serve's default
+    _sent_to: list[set[int]] = field(default_factory=list)
+    name = "char-prefix"
+
+    def __post_init__(self) -> None:
+        self._sent_to = [set() for _ in range(self.num_replicas)]
+
+    @staticmethod
+    def _prefixes(token_ids: Sequence[int]) -> list[int]:
+        out, h = [], 0
+        for i in range(0, len(token_ids) - CHAR_CHUNK + 1, CHAR_CHUNK):
+            h = hash((h, tuple(token_ids[i:i + CHAR_CHUNK])))
+            out.append(h)
+        return out
+
+    def _choose(self, req, loads, healthy):
+        prefixes = self._prefixes(req.token_ids)
+        best, best_n = [], 0
+        for j in healthy:
+            n = 0
+            for p in prefixes:
+                if p not in self._sent_to[j]:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = [j], n
+            elif n == best_n and n:
+                best.append(j)
+        if best and best_n * CHAR_CHUNK >= self.match_threshold * max(1, len(req.token_ids)):
+            return least_loaded(loads, best)
+        return least_loaded(loads, healthy)
+
+    def _sent(self, req, replica):
+        self._sent_to[replica].update(self._prefixes(req.token_ids))
+
+
+ROUTERS = {r.name: r for r in (KVRouter, RoundRobin, LeastLoaded, CharPrefix)}
+
+
+def make_router(name: str, num_replicas: int, **options) -> Router:
+    if name not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {name!r}")
+    return ROUTERS[name](num_replicas, **options)

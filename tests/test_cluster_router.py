@@ -55,12 +55,14 @@ def test_a_replicas_match_is_its_leading_run_of_held_blocks_by_tier():
 
 def test_kv_router_follows_figure_7s_objective():
     """S = 40,000 tokens in blocks of 16; worker 1 holds the first 32,000
-    (an 80 % hit) and is the busiest: mu 0.7, gamma 2 still send it there
-    (0.7 x 0.8 - 0.3 x 1 = 0.26 > 0), and it computes only 8,000 tokens."""
+    (an 80 % hit) and is the busiest: mu 0.7, gamma 2 and L_max the
+    largest load (the formula read literally) still send it there
+    (0.7 x 0.8 - 0.3 x 1 = 0.26 > 0), and it computes only 8,000 tokens.
+    With the default L_max = S, its load counts against the prompt's size."""
     toks = _tokens(40_000)
     ns = ("m", None)
     h = prompt_hashes(ns, toks, B)
-    r = KVRouter(3, block_size=B, mu=0.7, gamma=2.0)
+    r = KVRouter(3, block_size=B, mu=0.7, gamma=2.0, load_scale="busiest")
     r.directory.apply(KVEvent(1, tuple(h[:2000]), "device"))
     loads = [ReplicaLoad(1_000), ReplicaLoad(50_000), ReplicaLoad(0)]
     req = RouteRequest(h, len(toks))
@@ -69,7 +71,14 @@ def test_kv_router_follows_figure_7s_objective():
     assert score[1] == pytest.approx(0.7 * 0.8 - 0.3) and score[2] == 0.0
     assert r.route(req, loads) == 1
     # Affinity traded for load: with mu 0.2 the busiest loses (0.2 x 0.8 - 0.8 < 0).
-    assert KVRouter(3, directory=r.directory, block_size=B, mu=0.2).route(req, loads) == 2
+    assert KVRouter(3, directory=r.directory, block_size=B, mu=0.2, load_scale="busiest").route(req, loads) == 2
+    # The default, (Match - L) / 2S: worker 1's 32,000 held tokens do not pay for its 50,000 queued, and the
+    # idle worker 2 (0) beats worker 0 (-1,000 / 80,000).
+    default = KVRouter(3, directory=r.directory, block_size=B)
+    assert default.scores(req, loads, [0, 1, 2])[1] == pytest.approx((32_000 - 50_000) / 80_000)
+    assert default.route(req, loads) == 2
+    loads[1].running_tokens = 20_000  # now its cache is worth the wait
+    assert default.route(req, loads) == 1
     # Lower tiers count for less: a host copy beats a disk copy of the same blocks.
     r2 = KVRouter(2, block_size=B)
     r2.directory.apply(KVEvent(0, tuple(h[:100]), "disk"))

@@ -106,6 +106,12 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", type=int, default=256, help="chat: output tokens")
     w.add_argument("--prefix-len", type=int, default=0, help="chat: shared system-prompt tokens")
 
+    c = p.add_argument_group("replicas (issue 28: the cluster's router on the cost model)")
+    c.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas, each with its own pool and cache, behind --router")
+    c.add_argument("--router", default="all",
+                   help="with --replicas > 1: kv, round-robin, least-loaded, char-prefix, a comma list, or all")
+
     o = p.add_argument_group("output")
     o.add_argument("--cache-blocks", type=_ints, default=None, metavar="N,N,...",
                    help="sweep: prefix hit rate vs KV pool size (blocks), one simulation per size")
@@ -150,7 +156,7 @@ def check_args(args: argparse.Namespace) -> None:
         if not ok:
             raise ValueError(f"{flag} must be {want}, got {value!r}")
 
-    for name in ("max_num_seqs", "max_num_batched_tokens", "tp"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "tp", "replicas"):
         v = getattr(args, name)
         need(v >= 1, "--" + name.replace("_", "-"), "an integer >= 1", v)
     if args.max_concurrency is not None:
@@ -182,6 +188,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     check_args(args)
+    if args.replicas > 1:
+        if args.validate:
+            raise ValueError("--validate predicts one engine: it does not take --replicas")
+        from trajserve.sim.fleet_report import run_fleet
+
+        return run_fleet(args)
     if args.validate:
         from trajserve.sim.validate import run as run_validate
 

@@ -103,6 +103,15 @@ def test_sessions_stick_to_a_healthy_replica_and_move_when_it_dies():
     assert moved != first and r.route(req, loads) == moved
     loads[first].healthy = True
     assert r.route(req, loads) == moved  # it stays where its state now is
+    assert r.held_tokens[moved] == 10 and sum(r.held_tokens) == 10  # its context counts where it is
+    r.route(RouteRequest((), 25, session_id="s"), loads)  # the next turn, longer
+    assert r.held_tokens[moved] == 25
+    r.end_session("s")
+    assert sum(r.held_tokens) == 0 and "s" not in r.sessions
+    # The kv router counts sessions' held contexts as load: equal matches (none), the emptier replica.
+    kv = KVRouter(2)
+    kv.route(RouteRequest((), 5_000, session_id="a"), [ReplicaLoad(), ReplicaLoad()])
+    assert kv.route(RouteRequest((), 100), [ReplicaLoad(), ReplicaLoad()]) == 1
     with pytest.raises(RuntimeError, match="no healthy replica"):
         r.route(req, [ReplicaLoad(healthy=False)] * 3)
 

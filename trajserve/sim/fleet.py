@@ -133,9 +133,11 @@ class Fleet:
                     continue
                 scope = call.cache_salt
                 ns = self.sims[0].kv.namespace(scope)
+                # A session id only where the session has more calls to make (a
+                # client sends none with a one-off request).
                 req_view = RouteRequest(prompt_hashes(ns, prompt, self.block_size)
                                         if isinstance(self.router, KVRouter) else (),
-                                        len(prompt), prompt, s.name)
+                                        len(prompt), prompt, s.name if len(s.calls) > 1 else None)
                 j = self.router.route(req_view, [self._load(i) for i in range(n)])
                 rid = f"{s.name}#{s.next}"
                 req = Request(rid, prompt, self._params_for(max(1, call.output_len)), self.cap,
@@ -181,6 +183,7 @@ class Fleet:
                     seq += 1
                 else:
                     s.history = []
+                    self.router.end_session(s.name)
             heapq.heappush(events, (end, seq, 1, j))
             seq += 1
         q = np.percentile(ttft, [50, 99]) if ttft else [float("nan")] * 2

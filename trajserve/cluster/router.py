@@ -14,18 +14,19 @@ kv   kv-cache-management figure 7's joint objective over the prefix
      idle agents between tool calls looked free and piled onto the replica
      holding their shared preamble: `simulate --replicas 4 --trajectories
      64 --turns 6 --preamble-tokens 2000 --rate 4 --num-blocks 3000`, hit
-     rate 0.43 against round-robin's 0.64; with it 0.62). The spec leaves L_max and the
-     parameters open; here L_max = S by default (load_scale "prompt"), so
-     with mu = 0.5 and gamma = 1 the score is (Match_j - L_j) / 2S: the
-     replica where this request's first token comes soonest, queued work
-     plus the part of its prompt not cached, both in tokens. load_scale
+     rate 0.43 against round-robin's 0.64; with it 0.62). The spec leaves
+     L_max and the parameters open; here L_max = S by default (load_scale
+     "prompt"), so with mu = 0.5 and gamma = 1 the score is (Match_j -
+     L_j) / 2S: the replica where this request's first token comes
+     soonest, queued work plus the part of its prompt not cached, both in
+     tokens (and what its sessions hold). load_scale
      "busiest" takes L_max = the largest load now, the formula's literal
      reading; it gives the busiest replica the whole penalty however small
      the loads, which scattered one document's questions (hit rate 0.56
      against 0.92 in tests/test_sim_fleet.py's workload). mu above 0.5
      lets a full match outweigh any load: in that run, mu 0.7 sent every
-     trajectory to the replica that computed the preamble first. Ties go to the lesser
-     load, then the lower index.
+     trajectory to the replica that computed the preamble first. Ties go to
+     the lesser load, then the lower index.
 round-robin     in turn, over healthy replicas
 least-loaded    the smallest L_j
 char-prefix     Ray Serve's PrefixCacheAffinityRouter, as a baseline: a
@@ -174,7 +175,6 @@ class KVRouter(Router):
         l_max = s if self.load_scale == "prompt" else max(load.values())
         return {j: self.mu * self.match_tokens(j, req.hashes) / s
                 - (1 - self.mu) * ((load[j] / l_max) ** self.gamma if l_max else 0.0) for j in among}
-
 
     def _choose(self, req, loads, healthy):
         score = self.scores(req, loads, healthy)

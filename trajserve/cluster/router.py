@@ -59,7 +59,6 @@ class ReplicaLoad:
     tokens to compute (prompt tokens not computed yet, output tokens to come)."""
     running_tokens: int = 0  # of the sequences it runs
     waiting_tokens: int = 0  # of those queued, not yet admitted
-    kv_usage: float = 0.0  # U_KV, for the record
     healthy: bool = True
     requests: int = 0  # running + waiting (char-prefix's imbalance test)
 

@@ -94,9 +94,6 @@ class LoRASlots:
 
         return max_loras * adapter_params(model, max_rank, list(MODULES)) * 6
 
-    def slot_of(self, adapter: LoRAAdapter) -> int | None:
-        return self._lru.get(adapter.digest)
-
     @property
     def resident(self) -> list[LoRAAdapter]:
         return [a for a in self._held if a is not None]

@@ -33,9 +33,8 @@ from trajserve.cluster.directory import KVEvent, PrefixDirectory, prompt_hashes
 from trajserve.cluster.router import KVRouter, ReplicaLoad, RouteRequest, Router
 from trajserve.engine.core import EngineCore
 from trajserve.engine.request import Request
-from trajserve.kv.block_table import blocks_for
-from trajserve.sampling import SamplingParams
 from trajserve.sim.executor import CostModelExecutor
+from trajserve.sim.simulator import greedy_params, refused
 from trajserve.sim.tokens import TokenSource
 from trajserve.sim.workload import Session
 
@@ -84,8 +83,7 @@ class Fleet:
                 sim.kv.radix.on_event = (lambda stored, hashes, j=j:
                                          router.directory.apply(KVEvent(j, tuple(hashes), "device", stored)))
         kv = self.sims[0].kv
-        self.block_size, self.cap, self.num_blocks = kv.block_size, kv.token_capacity, kv.num_blocks
-        self._params: dict[int, SamplingParams] = {}
+        self.block_size, self.cap = kv.block_size, kv.token_capacity
 
     def _load(self, j: int) -> ReplicaLoad:
         s = self.sims[j].sched
@@ -95,7 +93,7 @@ class Fleet:
 
         return ReplicaLoad(running_tokens=sum(left(r) for r in s.running),
                            waiting_tokens=sum(left(r) for r in s.waiting),
-                           kv_usage=s.kv.pool.num_used / s.kv.num_blocks, requests=len(s.running) + len(s.waiting))
+                           requests=len(s.running) + len(s.waiting))
 
     def run(self, sessions: Sequence[Session]) -> FleetResult:
         gc_was = gc.isenabled()
@@ -128,7 +126,7 @@ class Fleet:
                 call = s.calls[s.next]
                 prompt = call.prompt(s.history)
                 s.history = []
-                if not prompt or blocks_for(len(prompt) + 1, self.block_size) > self.num_blocks:
+                if refused(self.sims[0].kv, prompt):
                     rejected += len(s.calls) - s.next
                     continue
                 scope = call.cache_salt
@@ -140,7 +138,7 @@ class Fleet:
                                         len(prompt), prompt, s.name if len(s.calls) > 1 else None)
                 j = self.router.route(req_view, [self._load(i) for i in range(n)])
                 rid = f"{s.name}#{s.next}"
-                req = Request(rid, prompt, self._params_for(max(1, call.output_len)), self.cap,
+                req = Request(rid, prompt, greedy_params(max(1, call.output_len)), self.cap,
                               arrival_time=clock, cache_salt=scope)
                 if call.output_ids is not None:
                     self.cores[j][1].forced[rid] = call.output_ids
@@ -189,9 +187,3 @@ class Fleet:
         q = np.percentile(ttft, [50, 99]) if ttft else [float("nan")] * 2
         return FleetResult(self.router.name, n, len(ttft), rejected, prompt_tokens, cached_tokens, float(q[0]),
                            float(q[1]), clock, per_replica, time.perf_counter() - t_wall)
-
-    def _params_for(self, n: int) -> SamplingParams:
-        sp = self._params.get(n)
-        if sp is None:
-            sp = self._params[n] = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return sp

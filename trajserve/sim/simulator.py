@@ -26,6 +26,7 @@ queueing everything at once; a trace with a long backlog just does not hold
 """
 from __future__ import annotations
 
+import functools
 import gc
 import heapq
 import time
@@ -135,7 +136,6 @@ class Simulator:
         self.drafts = drafts  # speculative decoding (sim/speculation.py), the scheduler's proposer
         # A request alone can always finish: cap its length at the pool (as the engine does).
         self.cap = self.kv.token_capacity
-        self._params: dict[int, SamplingParams] = {}
 
     def run(self, sessions: Sequence[Session]) -> SimResult:
         # The radix tree holds millions of block-key tuples; with the cyclic
@@ -299,27 +299,19 @@ class Simulator:
         return {"accept": d.accept, "max_draft": d.config.max_draft, "adaptive": d.config.adaptive, **m}
 
     # ---------------------------------------------------------------- private
-    def _params_for(self, n: int) -> SamplingParams:
-        sp = self._params.get(n)
-        if sp is None:
-            sp = self._params[n] = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return sp
-
     def _materialize(self, s: Session, arrival: float, live: dict, forced: dict, fork_on_first: dict
                      ) -> Request | None:
         call = s.calls[s.next]
         prompt = call.prompt(s.history)
         s.history = []
-        kv = self.kv
-        if not prompt or blocks_for(len(prompt) + 1, kv.block_size) + kv.watermark_blocks > kv.num_blocks:
-            # The engine refuses such a prompt (400); its session cannot go on.
+        if refused(self.kv, prompt):  # its session cannot go on
             s.next = len(s.calls)
             return None
         n_out = max(1, call.output_len)
         if call.fork:
             n_out = max(2, n_out)  # branches need a token of their own after the shared first one
         rid = f"{s.name}#{s.next}"
-        req = Request(rid, prompt, self._params_for(n_out), self.cap, arrival_time=arrival,
+        req = Request(rid, prompt, greedy_params(n_out), self.cap, arrival_time=arrival,
                       cache_salt=call.cache_salt)
         live[rid] = (s, call, False)
         if call.output_ids is not None:
@@ -342,6 +334,17 @@ class Simulator:
             if rid in forced:
                 forced[child.request_id] = forced[rid]
         return k
+
+
+@functools.cache
+def greedy_params(n: int) -> SamplingParams:
+    """A simulated call's parameters: n tokens, greedy, no EOS (one object per n)."""
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def refused(kv, prompt: list[int]) -> bool:
+    """Would the engine refuse this prompt (a 400: empty, or more than the pool holds)?"""
+    return not prompt or blocks_for(len(prompt) + 1, kv.block_size) + kv.watermark_blocks > kv.num_blocks
 
 
 def _calls_in(calls: list[Call]) -> int:

@@ -173,6 +173,8 @@ def test_greedy_tokens_match_peft_and_mixed_batches_equal_each_alone(tiny):
     m = llm.engine.metrics()["lora"]
     assert m["adapters"]["a"]["requests"] == 4 and m["adapters"]["a"]["generation_tokens"] == 48
     assert m["adapters"]["c"]["requests"] == 2 and sorted(m["resident"]) == ["a", "b", "c"]
+    llm.engine.kv.clear_cache()  # no block leaked by mixed, drafted LoRA batches
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
     llm.close()
 
 
@@ -253,6 +255,9 @@ def test_unloading_an_adapter_in_use_finishes_its_requests_with_it(tiny):
     again = llm.generate([p + [5]], GREEDY, use_tqdm=False, lora="a2")[0]
     assert done.outputs[0].token_ids == again.outputs[0].token_ids
     assert llm.generate([p], GREEDY, use_tqdm=False, lora="a2")[0].outputs[0].token_ids == want
+    # Nothing leaked: with the cache emptied every block is free again.
+    eng.kv.clear_cache()
+    assert eng.kv.pool.num_free == eng.kv.num_blocks and not eng.lora.in_flight
     llm.close()
 
 

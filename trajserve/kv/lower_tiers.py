@@ -148,6 +148,10 @@ class LowerTiers(SessionHolds):
         self._held_bytes = {"host": 0, "disk": 0}
         self._reserved = {"host": 0, "disk": 0}
         self._lock = threading.Lock()
+        # on_event(tier, stored, chained hash) as a block enters or leaves the
+        # host or disk tier (the cluster's prefix directory follows them:
+        # cluster/replica.py). Called on the thread that changes the tier.
+        self.on_event: Callable[[str, bool, bytes], None] | None = None
         self._io = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-cache-io")
                     if isinstance(self.disk, DiskKVStore) else None)
         if self.persistent:
@@ -268,6 +272,11 @@ class LowerTiers(SessionHolds):
                 self.stats.discarded_blocks += 1
             return
         self.stats.discarded_blocks += len(self._ns)
+        if self.on_event is not None:
+            for key in self.host.keys():
+                self.on_event("host", False, bytes.fromhex(key))
+            for key in self._disk_lru:
+                self.on_event("disk", False, bytes.fromhex(key))
         self.host.clear()
         if isinstance(self.disk, _DiskBookkeeping):
             self.disk.clear()
@@ -336,7 +345,10 @@ class LowerTiers(SessionHolds):
         while self.host.free_bytes - (0 if held else self._reserved["host"]) < size:
             if not self._demote_oldest_host():
                 return False
-        return self.host.put(key, block, self._copy)
+        if not self.host.put(key, block, self._copy):
+            return False
+        self._note("host", True, key)
+        return True
 
     def _demote_oldest_host(self) -> bool:
         key = self.host.oldest(skip=self._holds)
@@ -344,6 +356,7 @@ class LowerTiers(SessionHolds):
             return False
         block = self.host.get(key)
         self.host.discard(key)
+        self._note("host", False, key)
         if self._to_disk(key, block):
             self.stats.demoted_blocks += 1
         else:
@@ -368,6 +381,7 @@ class LowerTiers(SessionHolds):
             self.stats.dropped_blocks += 1
         self._disk_lru[key] = size
         self._disk_used += size
+        self._note("disk", True, key)
         if self._io is None:
             return disk.put(key, block)
         with self._lock:
@@ -418,6 +432,7 @@ class LowerTiers(SessionHolds):
             self._disk_lru[key] = size
             self._disk_used += size
             self._index(key, ident.namespace)
+            self._note("disk", True, key)
         self.stats.restored_blocks = len(keep)
         self.stats.corrupt_blocks += self.disk.num_rejected
         self.stats.mislabelled_blocks += self.disk.num_mislabelled
@@ -430,6 +445,7 @@ class LowerTiers(SessionHolds):
         if size is None:
             return
         self._disk_used -= size
+        self._note("disk", False, key)
         with self._lock:
             self._pending.pop(key, None)
             self.disk.discard(key)
@@ -440,9 +456,15 @@ class LowerTiers(SessionHolds):
             self._held_bytes[tier] -= size
             del self._holds[key]
         if key in self._ns:
-            self.host.discard(key)
+            if self.host.get(key) is not None:
+                self.host.discard(key)
+                self._note("host", False, key)
             self._disk_discard(key)
             self._unindex(key)
+
+    def _note(self, tier: str, stored: bool, key: str) -> None:
+        if self.on_event is not None:
+            self.on_event(tier, stored, bytes.fromhex(key))
 
     def _index(self, key: str, ns: bytes) -> None:
         self._ns[key] = ns

@@ -65,6 +65,9 @@ class HostKVStore:
     def get(self, key: str) -> torch.Tensor | None:
         return self._blocks.get(key)
 
+    def keys(self) -> list[str]:
+        return list(self._blocks)
+
     def oldest(self, skip=()) -> str | None:
         """The key stored longest ago (LRU order: a stored block is never
         touched in place), passing over the keys in `skip`; None if none is left."""

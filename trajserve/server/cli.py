@@ -8,6 +8,10 @@ from trajserve.engine.options import add_engine_args
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.ray_address is not None:
+        from trajserve.cluster.launch import serve_cluster
+
+        return serve_cluster(args)
     from trajserve.server.serve import serve
 
     return serve(args)
@@ -37,5 +41,15 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
                    help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
                         "for Qwen, Llama 3's JSON form)")
+    c = s.add_argument_group("replicas (Ray; pip install 'trajserve[cluster]')")
+    c.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="run N engine replicas as Ray actors behind one front end (each with its own KV pool "
+                        "and tiers, sized by the engine options below)")
+    c.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (e.g. auto, or HOST:6379); default: start a local Ray instance")
+    c.add_argument("--router", default="kv", choices=("kv", "round-robin", "least-loaded", "char-prefix"),
+                   help="which replica serves a request: kv (prefix directory vs load), or a baseline")
+    c.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
+                   help="CPUs each replica reserves on Ray (its torch threads follow)")
     add_engine_args(s)
     s.set_defaults(func=_serve)

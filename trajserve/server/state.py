@@ -168,22 +168,7 @@ class ServerState:
         return s
 
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:
-        """The prompt ids for a chat request through the model's template."""
-        # A template that does not render tool_calls (SmolLM2's) gets them as text.
-        calls_as_text = "tool_calls" not in (self.tok.chat_template or "")
-        try:
-            for i, m in enumerate(req.messages):
-                m.check_parts(f"messages.{i}")
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
-        try:
-            return self.tok.encode_chat([m.as_template_dict(calls_as_text) for m in req.messages],
-                                        add_generation_prompt=req.add_generation_prompt,
-                                        continue_final_message=req.continue_final_message,
-                                        **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
-                                           if req.tools else {}))
-        except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
-            raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
+        return render_chat(self.tok, req)
 
     async def open_chat(self, req: ChatCompletionRequest, request: Request, room_checked: bool = True
                         ) -> AsyncIterator[RequestOutput]:
@@ -234,6 +219,26 @@ class ServerState:
                                 f"store is true, the latest {self.store.limit:,})", param=param,
                            code="previous_response_not_found" if param == "previous_response_id" else None)
         return got
+
+
+def render_chat(tok, req: ChatCompletionRequest) -> list[int]:
+    """The prompt ids for a chat request through the model's template (also
+    what the cluster's front end hashes to route it: cluster/route_key.py)."""
+    # A template that does not render tool_calls (SmolLM2's) gets them as text.
+    calls_as_text = "tool_calls" not in (tok.chat_template or "")
+    try:
+        for i, m in enumerate(req.messages):
+            m.check_parts(f"messages.{i}")
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+    try:
+        return tok.encode_chat([m.as_template_dict(calls_as_text) for m in req.messages],
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
+                                  if req.tools else {}))
+    except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's
+        raise APIError(400, f"chat template failed on these messages: {e}", param="messages") from None
 
 
 def server_state(request: Request) -> ServerState:

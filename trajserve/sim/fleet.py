@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trajserve.cluster.directory import KVEvent, PrefixDirectory, prompt_hashes
+from trajserve.cluster.directory import KVEvent, prompt_hashes
 from trajserve.cluster.router import KVRouter, ReplicaLoad, RouteRequest, Router
 from trajserve.engine.core import EngineCore
 from trajserve.engine.request import Request

@@ -62,7 +62,8 @@ def test_kv_router_follows_figure_7s_objective():
     toks = _tokens(40_000)
     ns = ("m", None)
     h = prompt_hashes(ns, toks, B)
-    r = KVRouter(3, block_size=B, mu=0.7, gamma=2.0, load_scale="busiest")
+    # (No promises: each route below would count the request's own prefix as held by the replica it chose.)
+    r = KVRouter(3, block_size=B, mu=0.7, gamma=2.0, load_scale="busiest", promises=False)
     r.directory.apply(KVEvent(1, tuple(h[:2000]), "device"))
     loads = [ReplicaLoad(1_000), ReplicaLoad(50_000), ReplicaLoad(0)]
     req = RouteRequest(h, len(toks))
@@ -71,16 +72,17 @@ def test_kv_router_follows_figure_7s_objective():
     assert score[1] == pytest.approx(0.7 * 0.8 - 0.3) and score[2] == 0.0
     assert r.route(req, loads) == 1
     # Affinity traded for load: with mu 0.2 the busiest loses (0.2 x 0.8 - 0.8 < 0).
-    assert KVRouter(3, directory=r.directory, block_size=B, mu=0.2, load_scale="busiest").route(req, loads) == 2
+    assert KVRouter(3, directory=r.directory, block_size=B, mu=0.2, load_scale="busiest",
+                    promises=False).route(req, loads) == 2
     # The default, (Match - L) / 2S: worker 1's 32,000 held tokens do not pay for its 50,000 queued, and the
     # idle worker 2 (0) beats worker 0 (-1,000 / 80,000).
-    default = KVRouter(3, directory=r.directory, block_size=B)
+    default = KVRouter(3, directory=r.directory, block_size=B, promises=False)
     assert default.scores(req, loads, [0, 1, 2])[1] == pytest.approx((32_000 - 50_000) / 80_000)
     assert default.route(req, loads) == 2
     loads[1].running_tokens = 20_000  # now its cache is worth the wait
     assert default.route(req, loads) == 1
     # Lower tiers count for less: a host copy beats a disk copy of the same blocks.
-    r2 = KVRouter(2, block_size=B)
+    r2 = KVRouter(2, block_size=B, promises=False)
     r2.directory.apply(KVEvent(0, tuple(h[:100]), "disk"))
     r2.directory.apply(KVEvent(1, tuple(h[:100]), "host"))
     assert r2.route(req, [ReplicaLoad(), ReplicaLoad()]) == 1
@@ -169,3 +171,27 @@ def test_a_directory_fed_by_the_radix_caches_events_agrees_with_it():
             want = kv.radix.match_prefix(kv.namespace(salt), toks).num_tokens // 4
             assert d.match(0, prompt_hashes(kv.namespace(salt), toks, 4)).device == want
     assert d.num_events > 100
+
+
+def test_a_prefix_being_computed_counts_as_held_until_its_request_is_done():
+    """Two agents with one preamble arriving together meet on one replica
+    (the first one's blocks are not stored yet); the promise ends with the
+    request, and a replica's death drops its promises."""
+    router = KVRouter(2, block_size=B)
+    pre = _tokens(40 * B)
+    a = RouteRequest(prompt_hashes(("m", None), pre + _tokens(B, 1), B), 41 * B)
+    b = RouteRequest(prompt_hashes(("m", None), pre + _tokens(B, 2), B), 41 * B)
+    loads = [ReplicaLoad(), ReplicaLoad()]
+    ja = router.route(a, loads)
+    loads[ja].running_tokens += 300  # a is in flight there, its prefill under way
+    assert router.route(b, loads) == ja  # 40 of b's 41 blocks are being computed there: worth the wait
+    assert router.match_tokens(ja, a.hashes) == 41 * B and router.match_tokens(1 - ja, a.hashes) == 0
+    without = KVRouter(2, block_size=B, promises=False)
+    assert without.route(b, loads) != ja  # a router blind to it sends b to the idle replica
+    router.done(a, ja)
+    assert router.match_tokens(ja, a.hashes) == 40 * B  # b's promise still holds the preamble, not a's last block
+    router.done(b, ja)
+    assert router.match_tokens(ja, b.hashes) == 0 and len(router.directory._promised) == 0
+    router.route(a, loads)
+    router.directory.forget_replica(ja)
+    assert router.match_tokens(ja, a.hashes) == 0

@@ -141,6 +141,8 @@ def add_bench_parser(sub) -> None:
     add_spec_parser(bsub)
     from trajserve.bench.lora import add_parser as add_lora_parser
     add_lora_parser(bsub)
+    from trajserve.bench.cluster import add_parser as add_cluster_parser
+    add_cluster_parser(bsub)
 
     v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -151,6 +153,7 @@ def add_bench_parser(sub) -> None:
     v.add_argument("--output-len", type=int, default=64)
     v.add_argument("--prefix-len", type=int, default=512, help="shared-prefix / agent preamble length")
     v.add_argument("--turns", type=int, default=4, help="agent: turns per trajectory")
+    v.add_argument("--preambles", type=int, default=1, help="agent: kinds of agent, each with its own system prompt")
     v.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
     v.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
     v.add_argument("--max-concurrency", type=int, default=None)

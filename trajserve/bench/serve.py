@@ -8,9 +8,10 @@ and inter-token latencies are seen by the client. Datasets:
 
   random         random token ids, --input-len / --output-len (completions API)
   shared-prefix  a common --prefix-len token prefix + random suffix
-  agent          trajectories of --turns chat turns: a shared system + tool
-                 preamble, each turn the server's reply and a tool result;
-                 a trajectory's turns run one after another (closed loop)
+  agent          trajectories of --turns chat turns: a system + tool preamble
+                 (one shared, or --preambles K kinds), each turn the server's
+                 reply and a tool result; a trajectory's turns run one after
+                 another (closed loop)
 
 Reports successful and failed requests, duration, request and token
 throughput, goodput under `--goodput ttft:MS tpot:MS e2e:MS`, and
@@ -130,10 +131,14 @@ async def run_async(args: argparse.Namespace) -> dict:
             results.append(res)
             bar.update(1)
 
-        preamble = "You are a coding agent. Tools: " + " ".join(f"tool_{k}(path, args)" for k in range(args.prefix_len // 6))
+        tools = " ".join(f"tool_{k}(path, args)" for k in range(args.prefix_len // 6))
+        kinds = max(1, getattr(args, "preambles", 1))
 
         async def trajectory(i: int) -> None:
-            msgs = [{"role": "system", "content": preamble}, {"role": "user", "content": task(i)}]
+            # --preambles K: K kinds of agent, each its own system prompt (trajectory i is kind i % K).
+            kind = f"You are coding agent {i % kinds}. " if kinds > 1 else "You are a coding agent. "
+            msgs = [{"role": "system", "content": kind + "Tools: " + tools}, {"role": "user", "content": task(i)}]
+            own = random.Random(args.seed * 1_000_003 + i)  # its tool outputs, whatever order turns finish in
             for turn in range(args.turns):
                 body = {"model": model, "messages": msgs, "max_tokens": args.output_len, "temperature": 0}
                 res = await limited(lambda: stream_request(client, "/v1/chat/completions", body))
@@ -142,7 +147,7 @@ async def run_async(args: argparse.Namespace) -> dict:
                 if not res.ok:
                     return
                 msgs = msgs + [{"role": "assistant", "content": res.text},
-                               {"role": "user", "content": "Tool output:\n" + tool_text(rng, args.input_len)}]
+                               {"role": "user", "content": "Tool output:\n" + tool_text(own, args.input_len)}]
 
         start = time.perf_counter()
         tasks = []

@@ -15,7 +15,8 @@ per hash, the tiers each replica holds it on (a bit each: a block loaded
 back to the device may keep its host copy). `match` walks a prompt's hashes
 for one replica and counts the blocks it holds, each at its best tier, up
 to the first block it does not hold (a block after a gap is of no use: its
-prefix would be recomputed anyway).
+prefix would be recomputed anyway). A prefix a request sent there is
+computing counts as held on the device (`promise` / `settle`).
 """
 from __future__ import annotations
 
@@ -65,7 +66,31 @@ class Held:
 class PrefixDirectory:
     def __init__(self) -> None:
         self._where: dict[bytes, dict[int, int]] = {}  # hash -> {replica: tier bits}
+        # Prefixes a replica was sent and is computing (or has queued): hash ->
+        # {replica: requests}. A router that sees only stored blocks would send
+        # a second agent with the same preamble elsewhere while the first one's
+        # prefill runs (or before the replica's report of it arrives) and
+        # compute the preamble twice; a promise counts as held on the device
+        # until the request is done, by which time its own events have come.
+        self._promised: dict[bytes, dict[int, int]] = {}
         self.num_events = 0
+
+    def promise(self, replica: int, hashes: Iterable[bytes]) -> None:
+        for h in hashes:
+            holders = self._promised.setdefault(h, {})
+            holders[replica] = holders.get(replica, 0) + 1
+
+    def settle(self, replica: int, hashes: Iterable[bytes]) -> None:
+        """The request that promised hashes on replica is done (or failed)."""
+        for h in hashes:
+            holders = self._promised.get(h)
+            if holders is None or replica not in holders:
+                continue
+            holders[replica] -= 1
+            if not holders[replica]:
+                del holders[replica]
+                if not holders:
+                    del self._promised[h]
 
     def apply(self, event: KVEvent) -> None:
         bit = _BIT.get(event.tier)
@@ -89,7 +114,11 @@ class PrefixDirectory:
                         del self._where[h]
 
     def forget_replica(self, replica: int) -> int:
-        """A replica died or restarted empty: none of its blocks count. Returns the hashes it held."""
+        """A replica died or restarted empty: none of its blocks (or promises) count. Returns the hashes it held."""
+        for h in list(self._promised):
+            holders = self._promised[h]
+            if holders.pop(replica, None) is not None and not holders:
+                del self._promised[h]
         n = 0
         for h in list(self._where):
             holders = self._where[h]
@@ -104,7 +133,9 @@ class PrefixDirectory:
         for h in hashes:
             bits = self._where.get(h, {}).get(replica)
             if not bits:
-                break
+                if replica not in self._promised.get(h, ()):
+                    break
+                bits = _BIT["device"]  # being computed there
             counts[_BEST[bits]] += 1
         return Held(**counts)
 

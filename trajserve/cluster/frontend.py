@@ -107,30 +107,35 @@ class Frontend:
         return prompt_hashes((info.model_id, scope_of(key.cache_salt, digest)), key.token_ids[:-1],
                              info.block_size)
 
-    def _choose(self, key: RouteKey, exclude: set[int]) -> tuple[int, int]:
-        """(replica, the work this request adds there in tokens)."""
+    def _choose(self, key: RouteKey, exclude: set[int]) -> tuple[int, int, RouteRequest | None]:
+        """(replica, the work this request adds there in tokens, what the router
+        was shown: it is told when the request is done)."""
         loads = self._loads(exclude)
         if key.kind == "session" or key.kind == "response":
             j = self.router.sessions.get(key.session_id) if key.kind == "session" \
                 else self.response_owner.get(key.response_id)
             if j is not None and loads[j].healthy:
-                return j, 0
+                return j, 0, None
         if key.kind != "prompt":
             healthy = [r.index for r in self.replicas if loads[r.index].healthy]
-            return min(healthy, key=lambda i: (loads[i].tokens, loads[i].requests, i)), 0
+            return min(healthy, key=lambda i: (loads[i].tokens, loads[i].requests, i)), 0, None
+        n = len(key.token_ids or ())
+        output = key.max_tokens or DEFAULT_OUTPUT_TOKENS
         if key.response_id is not None:  # its conversation lives with the stored response
             j = self.response_owner.get(key.response_id)
             if j is not None and loads[j].healthy:
-                return j, (len(key.token_ids or ()) + (key.max_tokens or DEFAULT_OUTPUT_TOKENS))
+                return j, n + output, None
         hashes = self._hashes(key)
-        n = len(key.token_ids or ())
-        j = self.router.route(RouteRequest(hashes, n, key.token_ids or (), key.session_id), loads)
-        matched = int(self.router.match_tokens(j, hashes)) if isinstance(self.router, KVRouter) else 0
+        view = RouteRequest(hashes, n, key.token_ids or (), key.session_id)
+        if isinstance(self.router, KVRouter):  # what the chosen replica holds, before this request's promise
+            matched = {j: self.router.match_tokens(j, hashes) for j in range(len(loads)) if loads[j].healthy}
+        j = self.router.route(view, loads)
+        m = int(matched[j]) if isinstance(self.router, KVRouter) else 0
         self.m_prompt.inc(n)
-        self.m_matched.inc(min(matched, n))
-        return j, max(0, n - matched) + (key.max_tokens or DEFAULT_OUTPUT_TOKENS)
+        self.m_matched.inc(min(m, n))
+        return j, max(0, n - m) + output, view
 
-    async def _pick(self, key: RouteKey, exclude: set[int]) -> tuple[int, int]:
+    async def _pick(self, key: RouteKey, exclude: set[int]) -> tuple[int, int, RouteRequest | None]:
         """A healthy replica not in exclude (those this request died on); if
         only those are up (they restarted since), them; if none is, wait for one."""
         while True:
@@ -180,7 +185,7 @@ class Frontend:
         tries = len(self.replicas) + 2  # a request that kills every replica it meets stops here
         for _ in range(tries):
             try:
-                j, work = await self._pick(key, exclude)
+                j, work, view = await self._pick(key, exclude)
             except ReplicaDown as e:
                 return error_response(503, f"no replica can serve: {e}", "server_error", path=path)
             r = self.replicas[j]
@@ -197,7 +202,7 @@ class Frontend:
                     rest = await self.replicas.rest(r, gen)
                     return Response(first + rest, start.status, headers=_headers(start, j))
                 handed_over = True
-                return StreamingResponse(self._stream(r, gen, first, work, path), start.status,
+                return StreamingResponse(self._stream(r, gen, first, work, view, path), start.status,
                                          headers=_headers(start, j))
             except ReplicaDown:
                 self.replicas.mark_down(r)
@@ -206,12 +211,18 @@ class Frontend:
                 log.warning("%s %s: replica %d died under it; sending it to another", request.method, path, j)
             finally:
                 if not handed_over:
-                    r.in_flight -= 1
-                    r.tokens -= work
+                    self._done(r, work, view)
         return error_response(503, f"the request failed on {tries} replicas in turn, each dying under it",
                               "server_error", path=path)
 
-    async def _stream(self, r: ReplicaState, gen, first: bytes, work: int, path: str) -> AsyncIterator[bytes]:
+    def _done(self, r: ReplicaState, work: int, view: RouteRequest | None) -> None:
+        r.in_flight -= 1
+        r.tokens -= work
+        if view is not None:
+            self.router.done(view, r.index)
+
+    async def _stream(self, r: ReplicaState, gen, first: bytes, work: int, view: RouteRequest | None,
+                      path: str) -> AsyncIterator[bytes]:
         """The rest of a stream. Each chunk is held until the next comes, so
         the last one (the end of the reply) reaches the client only after
         the report carrying this turn's KV events is applied: the next turn
@@ -244,8 +255,7 @@ class Frontend:
                 yield held
             finished = True
         finally:
-            r.in_flight -= 1
-            r.tokens -= work
+            self._done(r, work, view)
             if not finished:  # the client left: cancelling the call aborts the replica's request
                 with contextlib.suppress(Exception):
                     import ray

@@ -122,7 +122,10 @@ class Router:
         raise NotImplementedError
 
     def _sent(self, req: RouteRequest, replica: int) -> None:
-        """What a policy learns from its own decision (char-prefix's tree)."""
+        """What a policy learns from its own decision (char-prefix's tree, kv's promises)."""
+
+    def done(self, req: RouteRequest, replica: int) -> None:
+        """The request routed to replica finished, failed or was given up."""
 
 
 def least_loaded(loads: Sequence[ReplicaLoad], among: Sequence[int]) -> int:
@@ -155,6 +158,7 @@ class KVRouter(Router):
     host_credit: float = 0.8
     disk_credit: float = 0.4
     load_scale: str = "prompt"
+    promises: bool = True  # a prefix sent to a replica counts as held there until done (directory.promise)
     name = "kv"
 
     def __post_init__(self) -> None:
@@ -179,6 +183,14 @@ class KVRouter(Router):
     def _choose(self, req, loads, healthy):
         score = self.scores(req, loads, healthy)
         return max(healthy, key=lambda j: (score[j], -loads[j].tokens, -j))
+
+    def _sent(self, req, replica):
+        if self.promises:
+            self.directory.promise(replica, req.hashes)
+
+    def done(self, req, replica):
+        if self.promises:
+            self.directory.settle(replica, req.hashes)
 
 
 @dataclass

@@ -115,7 +115,7 @@ class Fleet:
                 seq += 1
         heapq.heapify(events)
         stepping = [False] * n  # a step-end event is pending for the replica
-        live: dict[str, tuple[Session, int]] = {}
+        live: dict[str, tuple[Session, RouteRequest, int]] = {}  # request id -> its session, view, replica
         per_replica = [0] * n
         ttft, prompt_tokens, cached_tokens, rejected, clock = [], 0, 0, 0, 0.0
         stalls = [0] * n
@@ -142,7 +142,7 @@ class Fleet:
                               arrival_time=clock, cache_salt=scope)
                 if call.output_ids is not None:
                     self.cores[j][1].forced[rid] = call.output_ids
-                live[rid] = (s, call.turn)
+                live[rid] = (s, req_view, j)
                 per_replica[j] += 1
                 self.sims[j].sched.add(req)
                 if not stepping[j]:
@@ -169,7 +169,8 @@ class Fleet:
             stalls[j] = 0
             end = step.end
             for req in step.finished:
-                s, _turn = live.pop(req.request_id)
+                s, view, _ = live.pop(req.request_id)
+                self.router.done(view, j)
                 executor.forced.pop(req.request_id, None)
                 prompt_tokens += req.num_prompt_tokens
                 cached_tokens += req.num_cached_tokens

@@ -167,6 +167,27 @@ def test_bad_requests_get_the_servers_own_4xx_through_the_front_end(cluster):
     assert httpx.get(url + "/health", timeout=30).json()["healthy"] == 2
 
 
+def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster):
+    url = cluster.url
+    body = {"prompt": "Count slowly from one to a thousand:", "max_tokens": 2000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as s:
+        j = int(s.headers["x-trajserve-replica"])
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                break
+    aborted = f'trajserve_requests_total{{finish_reason="abort",replica="{j}"}}'
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the replica aborted the request, the front end's count dropped
+        if _metric(httpx.get(url + "/metrics", timeout=30).text, aborted) >= 1 and _replicas(url)[j]["in_flight"] == 0:
+            break
+        time.sleep(0.25)
+    time.sleep(1.5)  # reports come every 0.5 s: this one is from after the abort
+    r = _replicas(url)[j]
+    assert (r["in_flight"], r["running"], r["waiting"]) == (0, 0, 0), r
+    assert _metric(httpx.get(url + "/metrics", timeout=30).text, aborted) >= 1
+
+
 def test_a_killed_replica_loses_no_request_and_comes_back(cluster):
     url = cluster.url
     prompts = [f"Write a short note number {i} about caching:" for i in range(6)]

@@ -130,6 +130,8 @@ class Frontend:
         if isinstance(self.router, KVRouter):  # what the chosen replica holds, before this request's promise
             matched = {j: self.router.match_tokens(j, hashes) for j in range(len(loads)) if loads[j].healthy}
         j = self.router.route(view, loads)
+        while len(self.router.sessions) > MAX_OWNERS:  # client-chosen ids: the oldest placements go first
+            self.router.end_session(next(iter(self.router.sessions)))
         m = int(matched[j]) if isinstance(self.router, KVRouter) else 0
         self.m_prompt.inc(n)
         self.m_matched.inc(min(m, n))
@@ -176,7 +178,8 @@ class Frontend:
         body = await request.body()
         path = request.url.path
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
-        key = route_key(request.method, path, body, headers, self.tok)
+        # Rendering and tokenizing a long prompt takes milliseconds: not on the event loop.
+        key = await asyncio.to_thread(route_key, request.method, path, body, headers, self.tok)
         hreq = HttpRequest(request.method, path, request.url.query.encode(),
                            tuple((k, v) for k, v in request.headers.raw if k.lower() not in _DROP), body)
         if key.kind == "all":
@@ -197,13 +200,15 @@ class Frontend:
             try:
                 gen = self.replicas.open(r, hreq)
                 start, first = await self.replicas.head(r, gen)
-                self._learn(key, j, path, start.status, first)
                 if not (key.stream and start.status == 200):
-                    rest = await self.replicas.rest(r, gen)
-                    return Response(first + rest, start.status, headers=_headers(start, j))
+                    whole = first + await self.replicas.rest(r, gen)
+                    self._learn(key, j, path, start.status, whole)
+                    return Response(whole, start.status, headers=_headers(start, j))
+                self._learn(key, j, path, start.status, first)  # a stream's first event names its response
                 handed_over = True
-                return StreamingResponse(self._stream(r, gen, first, work, view, path), start.status,
-                                         headers=_headers(start, j))
+                done = _Once(lambda: self._done(r, work, view))
+                return _Stream(self._stream(r, gen, first, done, path), done, start.status,
+                               headers=_headers(start, j))
             except ReplicaDown:
                 self.replicas.mark_down(r)
                 exclude.add(j)
@@ -221,8 +226,7 @@ class Frontend:
         if view is not None:
             self.router.done(view, r.index)
 
-    async def _stream(self, r: ReplicaState, gen, first: bytes, work: int, view: RouteRequest | None,
-                      path: str) -> AsyncIterator[bytes]:
+    async def _stream(self, r: ReplicaState, gen, first: bytes, done: _Once, path: str) -> AsyncIterator[bytes]:
         """The rest of a stream. Each chunk is held until the next comes, so
         the last one (the end of the reply) reaches the client only after
         the report carrying this turn's KV events is applied: the next turn
@@ -255,7 +259,7 @@ class Frontend:
                 yield held
             finished = True
         finally:
-            self._done(r, work, view)
+            done()
             if not finished:  # the client left: cancelling the call aborts the replica's request
                 with contextlib.suppress(Exception):
                     import ray
@@ -311,6 +315,34 @@ class Frontend:
                 continue
             out.append(_labelled(text.decode(), r.index))
         return Response("".join(out), media_type=CONTENT_TYPE_LATEST)
+
+
+class _Once:
+    """A cleanup that runs once, from whichever end comes first."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+class _Stream(StreamingResponse):
+    """A stream whose in-flight accounting ends even if its body never starts
+    (the client left between the head and the first chunk: the body
+    generator then never runs, so its own finally would not either)."""
+
+    def __init__(self, content, done: _Once, status_code: int, headers: dict) -> None:
+        super().__init__(content, status_code, headers=headers)
+        self.done = done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.done()
 
 
 def _headers(start: ResponseStart, j: int) -> dict[str, str]:

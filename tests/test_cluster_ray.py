@@ -10,6 +10,7 @@ count), and /metrics carries each replica's counters under replica="j"."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -254,3 +255,17 @@ def test_a_session_survives_its_replicas_death(cluster):
         {"role": "user", "content": "Finish."}], session_id="survivor"), timeout=300)
     assert _replica(t3) == _replica(t2) and _cached(t3) > 0  # it stays where it moved
     _wait_healthy(url)
+
+
+def test_bench_cluster_compares_routers_on_the_same_prompts():
+    from test_cli import trajserve
+
+    r = trajserve("bench", "cluster", "--routers", "kv", "--trajectories", "3", "--turns", "2", "--preambles", "2",
+                  "--prefix-len", "96", "--tool-words", "16", "--output-len", "4", "--request-rate", "inf", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    assert [row["config"] for row in rows] == ["one server", "2 replicas, kv"]
+    assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"] > 0  # the same prompts through both
+    assert all(row["failed"] == 0 and 0 < row["hit_rate"] < 1 for row in rows), rows
+    assert rows[1]["hit_rate_vs_one"] == pytest.approx(rows[1]["hit_rate"] / rows[0]["hit_rate"])
+    assert sum(rows[1]["routed"]) >= 6  # every turn went through the front end

@@ -26,8 +26,6 @@ import sys
 import threading
 import time
 
-from trajserve.bench.common import command_line
-
 
 class _Server:
     """`trajserve serve --port 0 ARGS` until stop(); url from its start-up line."""
@@ -84,6 +82,7 @@ def _load_args(args: argparse.Namespace, url: str) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
+    from trajserve.bench.common import command_line
     from trajserve.bench.serve import run_async
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise

@@ -13,8 +13,11 @@ returning, which would hold a stream's tokens until it ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+log = logging.getLogger("trajserve.cluster")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +81,10 @@ async def call(app, req: HttpRequest, disconnected: asyncio.Event | None = None
                     yield bytes(message["body"])
                 if not message.get("more_body", False):
                     break
-        await task  # an app error surfaces here
+        try:
+            await task
+        except Exception:  # noqa: BLE001 - the app answered it already (its error middleware sent a 500)
+            log.exception("%s %s raised after its response", req.method, req.path)
     finally:
         if not task.done():  # the caller stopped reading: the client is gone
             gone.set()

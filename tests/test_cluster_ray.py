@@ -269,3 +269,28 @@ def test_bench_cluster_compares_routers_on_the_same_prompts():
     assert all(row["failed"] == 0 and 0 < row["hit_rate"] < 1 for row in rows), rows
     assert rows[1]["hit_rate_vs_one"] == pytest.approx(rows[1]["hit_rate"] / rows[0]["hit_rate"])
     assert sum(rows[1]["routed"]) >= 6  # every turn went through the front end
+
+
+def test_each_replica_keeps_its_own_disk_tier_and_reports_it_after_a_restart(tmp_path):
+    """--kv-disk-dir DIR: replica j's tier is DIR/replica-j (one engine holds a
+    directory); after a clean stop and a new start, the blocks each replica
+    adopted from its directory are in the prefix directory before any
+    request, and a conversation computed before the restart hits there."""
+    disk = tmp_path / "kv"
+    args = ("--replicas", "2", "--threads", "1", "--kv-disk-dir", str(disk), "--kv-disk-cache", "64MiB")
+    convs = [[{"role": "system", "content": f"Persisted {i}. " + PREAMBLE * 3}, {"role": "user", "content": "Hi."}]
+             for i in range(2)]
+    with ServerProcess(*args, startup_timeout=300) as s:
+        first = asyncio.run(_gather(s.url, [("/v1/chat/completions", _chat(m)) for m in convs]))
+        assert [r.status_code for r in first] == [200, 200] and {_replica(r) for r in first} == {0, 1}
+    assert sorted(p.name for p in disk.iterdir()) == ["replica-0", "replica-1"]
+    assert all(any((disk / f"replica-{j}").iterdir()) for j in range(2))
+    with ServerProcess(*args, startup_timeout=300) as s:
+        deadline = time.monotonic() + 30
+        while httpx.get(s.url + "/v1/replicas", timeout=30).json()["directory_hashes"] == 0:
+            assert time.monotonic() < deadline, "the adopted blocks were never reported"
+            time.sleep(0.25)
+        for i in (1, 0):  # one at a time: only the directory can tell where each is
+            again = httpx.post(s.url + "/v1/chat/completions", json=_chat(convs[i]), timeout=300)
+            assert _replica(again) == _replica(first[i]) and _cached(again) > 0
+            assert again.json()["choices"][0]["message"] == first[i].json()["choices"][0]["message"]

@@ -15,8 +15,7 @@ from trajserve.kv.lower_tiers import LowerTiers
 
 
 def _held(tiers: LowerTiers) -> dict[str, set[bytes]]:
-    return {"host": {bytes.fromhex(k) for k in tiers.host.keys()},
-            "disk": {bytes.fromhex(k) for k in tiers._disk_lru}}
+    return {tier: set(hashes) for tier, hashes in tiers.contents().items()}
 
 
 def test_tier_events_track_both_tiers_through_random_operations():
@@ -52,6 +51,7 @@ def test_tier_events_track_both_tiers_through_random_operations():
             tiers.clear()
         counts[op] += 1
         assert seen == _held(tiers), op
+        assert seen["host"] == {bytes.fromhex(k) for k in tiers.host._blocks}  # contents() is what the tiers hold
     assert min(counts.values()) > 0, counts  # every kind of operation ran
     assert tiers.stats.demoted_blocks > 0 and tiers.stats.loaded_host_blocks > 0
     held = _held(tiers)

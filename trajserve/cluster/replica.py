@@ -57,6 +57,9 @@ class Replica:
 
         self.index = index
         self.epoch = uuid.uuid4().hex
+        if getattr(args, "disk_cache_dir", None):  # one engine holds a --kv-disk-dir: each replica its own under it
+            args = argparse.Namespace(**{**vars(args),
+                                         "disk_cache_dir": os.path.join(args.disk_cache_dir, f"replica-{index}")})
         self.server = build_server(args, api_keys)
         self._lock = threading.Lock()  # events come from the engine thread (and the disk writer's caller)
         self._events: list[tuple[str, bool, tuple[bytes, ...]]] = []
@@ -66,6 +69,9 @@ class Replica:
             kv.radix.on_event = lambda stored, hashes: self._push("device", stored, hashes)
         if kv.lower is not None:
             kv.lower.on_event = lambda tier, stored, h: self._push(tier, stored, (h,))
+            for tier, hashes in kv.lower.contents().items():  # a --kv-disk-dir's blocks adopted at start-up
+                if hashes:
+                    self._push(tier, True, hashes)
 
     def _push(self, tier: str, stored: bool, hashes) -> None:
         with self._lock:

@@ -324,6 +324,11 @@ class LowerTiers(SessionHolds):
         with self._lock:
             return len(self._pending)
 
+    def contents(self) -> dict[str, list[bytes]]:
+        """The chained hashes each tier holds now (what on_event reports from here on)."""
+        return {"host": [bytes.fromhex(k) for k in self.host.keys()],
+                "disk": [bytes.fromhex(k) for k in self._disk_lru]}
+
     def metrics(self) -> dict:
         st = self.stats
         return {"host_blocks": self.num_host_blocks, "host_bytes": self.host.nbytes,

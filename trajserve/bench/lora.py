@@ -11,6 +11,8 @@ so both sides of a ratio are taken seconds apart):
                (cpu_kernels ts_lora_rows)
   lora-torch   the same with the adapters' products as torch matmuls
                grouped by adapter (what the C kernel was measured against)
+  lora-vector  where bf16 adapters run on AVX512-BF16 dot products (the
+               `lora` case there), the C kernel's float vector path instead
 
 Each pass runs under a fresh cache_salt, so every prompt is prefilled;
 speculation is off, so every decode step has one row per request. Per case:
@@ -130,11 +132,17 @@ def run(args: argparse.Namespace) -> int:
     cases = {"base": [None] * args.requests,
              "lora": [names[i % args.adapters] for i in range(args.requests)]}
     cases["lora-torch"] = cases["lora"]
+    kernels = engine.model.kernels
+    dp = kernels is not None and kernels.lora_dp
+    if dp:  # bf16 adapters run on AVX512-BF16 dot products here: the vector path beside them
+        cases["lora-vector"] = cases["lora"]
     rows = {c: {"wall": [], "step": [], "prefill": [], "outs": None} for c in cases}
     for r in range(args.rounds):
         order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for c in order:
             engine.runner.lora_kernels = c != "lora-torch"
+            if dp:
+                kernels.lora_dp = c != "lora-vector"
             wall, steps, prefill, outs = _pass(engine, prompts, cases[c], f"{c}-{r}", args.max_tokens)
             row = rows[c]
             row["wall"].append(wall)
@@ -145,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
             elif row["outs"] != outs:
                 row["outs"] = "differ"
     engine.runner.lora_kernels = True
+    if dp:
+        kernels.lora_dp = True
     base = rows["base"]
     out_cases = []
     for c, row in rows.items():

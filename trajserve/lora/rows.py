@@ -29,8 +29,12 @@ class LoRARows:
     slots: LoRASlots
     rows: torch.Tensor  # int32 [T]: the slot of each row, -1 for the base model
     kernels: object = None  # CpuKernels, or None for the torch path
-    _threads: int = 0
     _order: torch.Tensor | None = None  # the rows grouped by slot (the C kernel's tiles)
+    # What every C call of this step passes besides its input and outputs,
+    # taken once: ~120 calls a step, whose Python side was a fifth of their time.
+    _call: object = None
+    _fixed: tuple = ()
+    _pre: torch.Tensor | None = None  # gate_up_pre's buffer, reused layer after layer
 
     def __post_init__(self) -> None:
         # Checked once a step: each projection's call below passes pointers.
@@ -40,8 +44,9 @@ class LoRARows:
         if r.numel() and int(r.max()) >= self.slots.max_loras:
             raise IndexError(f"a row names slot {int(r.max())}; there are {self.slots.max_loras}")
         if self.kernels is not None:
-            self._threads = self.kernels.threads()
             self._order = torch.sort(r, stable=True).indices.to(torch.int32)
+            self._call = self.kernels.lib.ts_lora_rows
+            self._fixed = (self._order.data_ptr(), r.data_ptr(), self.slots.scale.data_ptr(), self.kernels.threads())
 
     def subset(self, idx: torch.Tensor) -> LoRARows:
         """The rows `idx` (the sampled rows of the last layer)."""
@@ -63,9 +68,8 @@ class LoRARows:
                 for out in outs:
                     out.zero_()
             return
-        words, stacks = group
+        words, stacks, words_ptr, fan_in = group
         m = self.rows.shape[0]
-        fan_in = next(st.fan_in for st in stacks if st is not None)
         if x.shape != (m, fan_in) or x.stride(1) != 1 or x.dtype != torch.float32:
             raise ValueError(f"LoRA {modules}: input {tuple(x.shape)} {x.dtype} for {m} rows of {fan_in} features")
         for i, (st, out) in enumerate(zip(stacks, outs)):
@@ -78,9 +82,9 @@ class LoRARows:
                                  f"{st.fan_out}")
             words[i, 7] = out.data_ptr()
             words[i, 8] = out.stride(0)
-        if self.kernels.lib.ts_lora_rows(x.data_ptr(), m, fan_in, x.stride(0), self._order.data_ptr(),
-                                         self.rows.data_ptr(), self.slots.scale.data_ptr(), words.ctypes.data,
-                                         len(modules), self.slots.max_rank, int(overwrite), self._threads):
+        order, slot, scale, threads = self._fixed
+        if self._call(x.data_ptr(), m, fan_in, x.stride(0), order, slot, scale, words_ptr, len(modules),
+                      self.slots.max_rank, overwrite, self.kernels.lora_dp, threads):
             raise MemoryError(f"LoRA {modules}: no memory for the tile list of {m} rows")
 
     def _add_torch(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, overwrite: bool) -> None:
@@ -104,6 +108,8 @@ class LoRARows:
         st = self.slots.stack
         if (layer, "gate_proj") not in st and (layer, "up_proj") not in st:
             return None
-        pre = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32, device=x.device)
+        pre = self._pre
+        if pre is None or pre.shape != (x.shape[0], 2 * inter):  # every layer's is consumed before the next
+            pre = self._pre = torch.empty(x.shape[0], 2 * inter, dtype=torch.float32, device=x.device)
         self.add(layer, ("gate_proj", "up_proj"), x, (pre[:, :inter], pre[:, inter:]), overwrite=True)
         return pre

@@ -144,10 +144,11 @@ class LoRASlots:
             self._version += 1
         return st.a[dtype], st.bt[dtype], st.rank[dtype]
 
-    def group(self, layer: int, modules: tuple[str, ...]) -> tuple[np.ndarray, list[Stack | None]] | None:
+    def group(self, layer: int, modules: tuple[str, ...]) -> tuple[np.ndarray, list[Stack | None], int, int] | None:
         """For cpu_kernels.c ts_lora_rows: one LoraModule row of int64 words
         per projection (its stacks' addresses and width; the caller fills in
-        the output), and the stacks; None when no slot adapts any of them."""
+        the output), the stacks, the words' address and the projections'
+        input width; None when no slot adapts any of them."""
         got = self._groups.get((layer, modules))
         if got is not None and got[0] == self._version:
             return got[1]
@@ -159,7 +160,7 @@ class LoRASlots:
                 if st is not None:
                     words[i, :6] = st.ptrs
                     words[i, 6] = st.fan_out
-            out = (words, stacks)
+            out = (words, stacks, words.ctypes.data, next(st.fan_in for st in stacks if st is not None))
         self._groups[(layer, modules)] = (self._version, out)
         return out
 

@@ -342,3 +342,37 @@ def test_the_kv_pool_leaves_room_for_the_slots(monkeypatch):
     assert memory.num_blocks_for(cc, mc, torch.float32, cpu, reserve) == (5 * 10**7 - reserve) // per_block
     with pytest.raises(ValueError, match="besides .* for LoRA slots"):
         memory.num_blocks_for(CacheConfig(kv_cache_memory=10**8 - reserve // 2), mc, torch.float32, cpu, reserve)
+
+
+def test_lora_dtype_bfloat16_runs_a_float_file_as_its_bf16_rounding(tmp_path):
+    """--lora-dtype bfloat16: a float32 adapter file runs as the same values
+    rounded to bf16, bit for bit what a bf16 file of them gives, under an
+    identity of its own (other numbers: other KV); auto keeps the file's
+    float32 values, and float32 widens a bf16 file exactly."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_hf_model("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16)
+    save_with_tokenizer(base, tmp_path / "base")
+    random_adapter(base, tmp_path / "f32", 4, r=4)
+    w = load_file(str(tmp_path / "f32" / "adapter_model.safetensors"))
+    (tmp_path / "b16").mkdir()
+    (tmp_path / "b16" / "adapter_config.json").write_bytes((tmp_path / "f32" / "adapter_config.json").read_bytes())
+    save_file({k: v.bfloat16() for k, v in w.items()}, str(tmp_path / "b16" / "adapter_model.safetensors"))
+    cfg, _ = load_weights(tmp_path / "base", torch.float32, "cpu")
+    auto = load_adapter(tmp_path / "f32", "f", cfg, 8)
+    rounded = load_adapter(tmp_path / "f32", "f", cfg, 8, "bfloat16")
+    assert (auto.dtype, rounded.dtype) == (torch.float32, torch.bfloat16) and auto.digest != rounded.digest
+    assert load_adapter(tmp_path / "b16", "b", cfg, 8, "float32").dtype == torch.float32
+    prompt = _prompts(1, seed=5)[0][:12]
+
+    def logits(run_dtype: str, name: str) -> torch.Tensor:
+        llm = LLM(str(tmp_path / "base"), dtype="float32", num_blocks=64, block_size=4,
+                  lora_modules={name: str(tmp_path / name)}, lora_dtype=run_dtype)
+        out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                           use_tqdm=False, lora=name)[0]
+        llm.close()
+        return torch.tensor([out.prompt_logprobs[i][0] for i in range(1, len(prompt))])
+    as_bf16 = logits("bfloat16", "f32")
+    assert torch.equal(as_bf16, logits("auto", "b16"))
+    assert not torch.equal(as_bf16, logits("auto", "f32"))

@@ -24,6 +24,8 @@ SPECULATIVE = ("auto", "off", "ngram", "suffix")
 LORA_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
 
+LORA_DTYPES = ("auto", "bfloat16", "float32")
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str  # "llama" | "qwen2" | "qwen3"
@@ -122,6 +124,11 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     lora_dir: str | None = None
     max_lora_rank: int = 16
+    # The precision adapters run in: "auto" = each file's (bf16 files as
+    # bf16, others float32, exactly their values); "bfloat16" rounds float
+    # adapters to bf16 (vLLM runs adapters in the model's dtype), which CPUs
+    # with AVX512-BF16 run on dot products; "float32" runs every one in float32.
+    lora_dtype: str = "auto"
 
     @property
     def lora_enabled(self) -> bool:
@@ -172,6 +179,7 @@ class EngineConfig:
               "num_speculative_tokens", "an integer in [1, 64]", sc.num_speculative_tokens)
         check(isinstance(sc.max_loras, int) and 1 <= sc.max_loras <= 256, "max_loras", "an integer in [1, 256]",
               sc.max_loras)
+        check(self.lora_dtype in LORA_DTYPES, "lora_dtype", f"one of {', '.join(LORA_DTYPES)}", self.lora_dtype)
         check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512, "max_lora_rank",
               "an integer in [1, 512]", self.max_lora_rank)
         names = [n for n, _ in self.lora_modules]

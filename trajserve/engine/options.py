@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, SPECULATIVE, CacheConfig, EngineConfig, SchedulerConfig
+from trajserve.config import (KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, SPECULATIVE, CacheConfig, EngineConfig,
+                              SchedulerConfig)
 from trajserve.units import parse_bytes
 
 _UNSET = object()
@@ -109,6 +110,10 @@ OPTIONS: tuple[Option, ...] = (
            "adapters resident at once: a step runs at most this many distinct adapters; the rest wait in host "
            "memory and are loaded on demand (LRU)", type=int),
     Option("max_lora_rank", "max_lora_rank", "--max-lora-rank", "largest adapter rank accepted", type=int),
+    Option("lora_dtype", "lora_dtype", "--lora-dtype",
+           "precision adapters run in: auto = each file's (bf16 files as bf16, others float32, exactly); "
+           "bfloat16 rounds float adapters to bf16 (as vLLM runs them in the model's dtype; CPUs with "
+           "AVX512-BF16 run bf16 adapters on dot products); float32", choices=LORA_DTYPES),
     Option("max_model_len", "max_model_len", "--max-model-len",
            "context limit, prompt + output (default: the model's)", type=int),
     Option("seed", "seed", "--seed", "the engine's seed for requests that give none", type=int),

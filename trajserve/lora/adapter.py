@@ -56,8 +56,12 @@ class LoRAAdapter:
     scaling: float  # s: lora_alpha / r, or / sqrt(r) with use_rslora
     # (layer, module) -> (A [r, in], B [out, r]), float32
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    digest: str = ""  # sha256 of the config and weights files: the adapter's identity
-    dtype: torch.dtype = torch.float32  # the file's, where all its matrices share one (else float32)
+    # sha256 of the config and weights files (and of the precision it runs in,
+    # where --lora-dtype changes it: other numbers, other KV): its identity
+    digest: str = ""
+    # The precision it runs in: bf16 for a bf16 file, else float32 (float16
+    # too: bf16 would round it), unless --lora-dtype says otherwise.
+    dtype: torch.dtype = torch.float32
 
     @property
     def modules(self) -> list[str]:
@@ -100,7 +104,8 @@ def _number(cfg: dict, key: str, d: Path, integer: bool = False) -> float:
     return v
 
 
-def load_adapter(path: str | Path, name: str, model: ModelConfig, max_rank: int = 64) -> LoRAAdapter:
+def load_adapter(path: str | Path, name: str, model: ModelConfig, max_rank: int = 64,
+                 run_dtype: str = "auto") -> LoRAAdapter:
     """Read and check a PEFT LoRA adapter for `model`. AdapterError (a
     ValueError) naming the file, field or module and its shapes otherwise."""
     from safetensors import SafetensorError
@@ -149,6 +154,12 @@ def load_adapter(path: str | Path, name: str, model: ModelConfig, max_rank: int 
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{where}: the matrices hold NaN or infinity")
         weights[(layer, module)] = (a.float().contiguous(), b.float().contiguous())
-    digest = hashlib.sha256((d / CONFIG_FILE).read_bytes() + wfile.read_bytes()).hexdigest()
     dtypes = {t.dtype for t in tensors.values()}
-    return LoRAAdapter(name, rank, alpha, scaling, weights, digest, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    if dtype != torch.bfloat16:
+        dtype = torch.float32
+    tag = b""
+    if run_dtype != "auto" and getattr(torch, run_dtype) != dtype:  # rounded (or widened) to run: other KV
+        dtype, tag = getattr(torch, run_dtype), f"\0run as {run_dtype}".encode()
+    digest = hashlib.sha256((d / CONFIG_FILE).read_bytes() + wfile.read_bytes() + tag).hexdigest()
+    return LoRAAdapter(name, rank, alpha, scaling, weights, digest, dtype)

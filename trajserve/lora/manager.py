@@ -47,9 +47,10 @@ def check_name(name: object) -> str:
 
 class LoRAManager:
     def __init__(self, model: ModelConfig, max_loras: int, max_rank: int, lora_dir: str | None = None,
-                 device="cpu") -> None:
+                 device="cpu", run_dtype: str = "auto") -> None:
         self.model = model
         self.max_rank = max_rank
+        self.run_dtype = run_dtype  # --lora-dtype (lora/adapter.py load_adapter)
         self.lora_dir = Path(lora_dir).resolve() if lora_dir else None
         if self.lora_dir is not None and not self.lora_dir.is_dir():
             raise ValueError(f"lora_dir (--lora-dir) {lora_dir!r} is not a directory")
@@ -65,7 +66,7 @@ class LoRAManager:
     @classmethod
     def from_config(cls, config, model: ModelConfig, device) -> LoRAManager:
         """The engine's: EngineConfig's lora fields, --lora-modules loaded."""
-        m = cls(model, config.scheduler.max_loras, config.max_lora_rank, config.lora_dir, device)
+        m = cls(model, config.scheduler.max_loras, config.max_lora_rank, config.lora_dir, device, config.lora_dtype)
         for name, path in config.lora_modules:
             m.load(name, path)
         return m
@@ -73,14 +74,15 @@ class LoRAManager:
     def summary(self) -> str:
         """The engine's start-up line."""
         return (f"LoRA: {len(self.adapters)} adapters loaded ({', '.join(sorted(self.adapters)) or 'none'}), "
-                f"--max-loras {self.slots.max_loras} resident, --max-lora-rank {self.max_rank} (slots up to "
+                f"--max-loras {self.slots.max_loras} resident, --max-lora-rank {self.max_rank}, --lora-dtype "
+                f"{self.run_dtype} (slots up to "
                 f"{LoRASlots.max_bytes(self.model, self.slots.max_loras, self.max_rank) / 2**20:,.0f} MiB, kept out "
                 f"of the KV pool)"
                 f"{f', --lora-dir {self.lora_dir}' if self.lora_dir else ''}")
 
     def load(self, name: str, path: str | Path) -> LoRAAdapter:
         self._check_free(name)
-        return self.add(load_adapter(path, name, self.model, self.max_rank))
+        return self.add(load_adapter(path, name, self.model, self.max_rank, self.run_dtype))
 
     def _check_free(self, name: str) -> None:
         check_name(name)
@@ -101,7 +103,7 @@ class LoRAManager:
         if not isinstance(entry, str) or entry not in listed:
             raise AdapterError(f"lora_path must name an adapter directory in --lora-dir ({len(listed)} there), "
                                f"got {str(entry)[:80]!r}")
-        return load_adapter(Path(listed[entry].path), name, self.model, self.max_rank)
+        return load_adapter(Path(listed[entry].path), name, self.model, self.max_rank, self.run_dtype)
 
     def add(self, adapter: LoRAAdapter) -> LoRAAdapter:
         self._check_free(adapter.name)

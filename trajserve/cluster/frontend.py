@@ -32,6 +32,10 @@ replica completes it; a stream is moved only while nothing of it has reached
 the client, and one that already sent tokens ends with an error event (as
 OpenAI's API ends a failed stream). A session whose replica died moves with
 its next turn and recomputes its context there.
+
+A client that leaves a stream cancels the replica's call, which aborts its
+request there; a non-streaming request whose client leaves runs to its end
+(the front end learns of the leaving only when it answers).
 """
 from __future__ import annotations
 

@@ -381,10 +381,7 @@ def _stream_error(path: str, message: str) -> bytes:
 
 def build_frontend(frontend: Frontend, max_body_bytes: int = 8 * 2**20, api_keys: list[str] | None = None,
                    allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
-    from fastapi.middleware.cors import CORSMiddleware
-
-    from trajserve.server.auth import ApiKeyAuth
-    from trajserve.server.body_cap import BodyCap
+    from trajserve.server.app import add_outer_middleware
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -411,12 +408,6 @@ def build_frontend(frontend: Frontend, max_body_bytes: int = 8 * 2**20, api_keys
     async def forward(request: Request):
         return await frontend.forward(request)
 
-    app.add_middleware(BodyCap, max_bytes=max_body_bytes,
-                       respond=lambda status, message, path: error_response(status, message, path=path))
-    if api_keys:
-        app.add_middleware(ApiKeyAuth, keys=list(api_keys), respond=lambda status, message, path: error_response(
-            status, message, code="invalid_api_key", path=path))
-    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                       allow_headers=["*"])
+    add_outer_middleware(app, max_body_bytes, api_keys, allowed_origins)
     return app
 

@@ -47,6 +47,19 @@ def _calibrate(sessions: SessionManager) -> None:
         log.exception("keep policy calibration failed; using default rates")
 
 
+def add_outer_middleware(app: FastAPI, max_body_bytes: int, api_keys: list[str] | None,
+                         allowed_origins) -> None:
+    """The body cap, API keys and CORS, outermost last: the server's and the
+    cluster front end's (cluster/frontend.py), which reads a body whole."""
+    app.add_middleware(BodyCap, max_bytes=max_body_bytes,
+                       respond=lambda status, message, path: error_response(status, message, path=path))
+    if api_keys:
+        app.add_middleware(ApiKeyAuth, keys=list(api_keys), respond=lambda status, message, path: error_response(
+            status, message, code="invalid_api_key", path=path))
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                       allow_headers=["*"])
+
+
 def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body_bytes: int = 8 * 2**20,
               tool_call_parser: str = "auto", allowed_origins: list[str] | tuple[str, ...] = ("*",),
               session_ttl_s: float | None = 3600.0, max_sessions: int | None = 4096,
@@ -84,13 +97,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     install_handlers(app)
     app.add_middleware(UnicodeGuard, respond=lambda status, message, param, path: error_response(
         status, message, param=param, path=path))
-    app.add_middleware(BodyCap, max_bytes=max_body_bytes,
-                       respond=lambda status, message, path: error_response(status, message, path=path))
-    if api_keys:
-        app.add_middleware(ApiKeyAuth, keys=list(api_keys), respond=lambda status, message, path: error_response(
-            status, message, code="invalid_api_key", path=path))
-    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
-                       allow_headers=["*"])
+    add_outer_middleware(app, max_body_bytes, api_keys, allowed_origins)
     for api in (admin, sessions, completions, chat, messages, responses, lora):
         app.include_router(api.router)
     return app

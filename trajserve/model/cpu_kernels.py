@@ -18,7 +18,9 @@ avx2, an avx2 build that fails to none. In the avx512 build on a CPU with
 AMX (Sapphire Rapids and later) two tile paths are checked too, each
 against the vector kernel's bits, and used only if they match: the prefill
 attention of a bf16 KV pool (AMX-BF16) and quantized products of prefill
-chunks (AMX-INT8). No compiler, no AVX2/FMA, a failed
+chunks (AMX-INT8); on a CPU with AVX512-BF16, bf16 LoRA adapters' products
+on dot products (model/lora_check.py, within bf16 rounding of the vector
+path, rows independent of their neighbours). No compiler, no AVX2/FMA, a failed
 build or TRAJSERVE_CPU_KERNELS=0: `load()` returns None and the model keeps
 its torch path (same results within float rounding; the kernels are only
 faster).

@@ -33,16 +33,20 @@ def _ray():
     return ray
 
 
+def _check(args: argparse.Namespace) -> None:
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if not 0 < args.replica_cpus < float("inf"):
+        raise ValueError(f"--replica-cpus must be a number > 0, got {args.replica_cpus}")
+
+
 def start_replicas(args: argparse.Namespace, api_keys: list[str] | None = None) -> list:
     """The replicas' actors (each loads its engine in its own process; call
     Frontend.start to wait for them). Ray must be initialised."""
     ray = _ray()
     from trajserve.cluster.replica import Replica
 
-    if args.replicas < 1:
-        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    if args.replica_cpus <= 0:
-        raise ValueError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
+    _check(args)
     actor = ray.remote(Replica)
     return [actor.options(max_restarts=-1, max_task_retries=0, num_cpus=args.replica_cpus,
                           max_concurrency=1000).remote(args, i, api_keys)
@@ -69,7 +73,8 @@ def serve_cluster(args: argparse.Namespace) -> int:
     api_keys = check_args(args)
     if args.replicas is None:
         args.replicas = 1
-    make_router(args.router, max(1, args.replicas))  # a bad name fails before anything starts
+    _check(args)
+    make_router(args.router, args.replicas)  # a bad name fails before anything starts
     sock = bind(args)
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
     actors = start_replicas(args, api_keys)

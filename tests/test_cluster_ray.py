@@ -294,3 +294,14 @@ def test_each_replica_keeps_its_own_disk_tier_and_reports_it_after_a_restart(tmp
             again = httpx.post(s.url + "/v1/chat/completions", json=_chat(convs[i]), timeout=300)
             assert _replica(again) == _replica(first[i]) and _cached(again) > 0
             assert again.json()["choices"][0]["message"] == first[i].json()["choices"][0]["message"]
+
+
+def test_bad_replica_options_are_refused_before_ray_starts():
+    from test_cli import trajserve
+
+    for args, said in ((("--replicas", "0"), "--replicas must be >= 1"),
+                       (("--replicas", "2", "--replica-cpus", "0"), "--replica-cpus must be a number > 0"),
+                       (("--replicas", "2", "--router", "random"), "invalid choice")):
+        r = trajserve("serve", *args, "--port", "0", timeout=60)
+        assert r.returncode != 0 and said in r.stderr, r.stderr[-500:]
+        assert "Started a local Ray instance" not in r.stderr

@@ -62,7 +62,7 @@ class Replica:
                                          "disk_cache_dir": os.path.join(args.disk_cache_dir, f"replica-{index}")})
         self.server = build_server(args, api_keys)
         self._lock = threading.Lock()  # events come from the engine thread (and the disk writer's caller)
-        self._events: list[tuple[str, bool, tuple[bytes, ...]]] = []
+        self._events: list[tuple[str, bool, list[bytes]]] = []
         self._seq = 0
         kv = self.server.engine.kv
         if kv.radix is not None:
@@ -77,9 +77,9 @@ class Replica:
         with self._lock:
             last = self._events[-1] if self._events else None
             if last is not None and last[0] == tier and last[1] == stored:  # one entry per run of alike events
-                self._events[-1] = (tier, stored, last[2] + tuple(hashes))
+                last[2].extend(hashes)
             else:
-                self._events.append((tier, stored, tuple(hashes)))
+                self._events.append((tier, stored, list(hashes)))
 
     def info(self) -> ReplicaInfo:
         import ray
@@ -100,8 +100,8 @@ class Replica:
             seq = self._seq
             self._seq += 1
         snap = self.server.aengine.snapshot
-        return Report(self.epoch, seq, tuple(events), int(snap.get("running", 0)), int(snap.get("waiting", 0)),
-                      float(snap.get("U_KV", 0.0)))
+        return Report(self.epoch, seq, tuple((t, s, tuple(h)) for t, s, h in events), int(snap.get("running", 0)),
+                      int(snap.get("waiting", 0)), float(snap.get("U_KV", 0.0)))
 
     async def handle(self, req: asgi.HttpRequest) -> AsyncIterator:
         """The app's answer to req (a ResponseStart, then bytes), then a Report."""

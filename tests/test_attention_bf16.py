@@ -5,7 +5,6 @@ the engine's --kv-cache-dtype choosing and reporting it.
 
 Every build the CPU runs is tested; the AMX paths where the CPU has AMX
 (elsewhere they are never selected, which is tested too)."""
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -209,10 +208,11 @@ def test_amx_is_used_only_where_it_runs_and_gives_the_same_bits(monkeypatch, cap
     """No AMX flags, or a tile kernel whose bits differ from the decode
     kernel's: the paths stay off (with a warning for the second), and the
     engine's auto pool then stays float32."""
+    from trajserve.model import amx_check
+
     K = cpu_kernels.load()
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "f16c"}))
-    assert not cpu_kernels._amx_usable(K) and not cpu_kernels._amx_int8_usable(K)
-    monkeypatch.undo()
+    no_amx = frozenset({"avx2", "fma", "f16c"})
+    assert not amx_check.amx_usable(K, no_amx) and not amx_check.amx_int8_usable(K, no_amx, ["q8_0"])
     if not AMX:
         return
     real = K.prefill_attention
@@ -223,12 +223,17 @@ def test_amx_is_used_only_where_it_runs_and_gives_the_same_bits(monkeypatch, cap
             out.view(torch.int32)[0, 0, 0] ^= 1
 
     monkeypatch.setattr(K, "prefill_attention", off_by_one_bit)
+    was = K.amx_kv_quant
     try:
         with caplog.at_level("WARNING"):
-            assert not cpu_kernels._amx_usable(K)
+            assert not amx_check.amx_usable(K, cpu_kernels.cpu_flags())
+            # a quantized pool's tile path whose bits differ from the bf16 kernel's stays off too
+            K.amx = True
+            assert not amx_check.amx_kv_quant_usable(K)
     finally:
-        K.amx = True  # the shared instance, as load() left it
+        K.amx, K.amx_kv_quant = True, was  # the shared instance, as load() left it
     assert "differs from the vector decode kernel" in caplog.text
+    assert "quantized KV pools stay on the vector kernel" in caplog.text
 
 
 def test_kv_dtype_resolution():
@@ -236,7 +241,7 @@ def test_kv_dtype_resolution():
 
     class Kern(cpu_kernels.CpuKernels):
         def __init__(self, amx):
-            self.amx = amx
+            self.amx = self.amx_kv_quant = amx
 
     f32, bf16 = torch.float32, torch.bfloat16
 
@@ -252,6 +257,8 @@ def test_kv_dtype_resolution():
     fmt, why = resolve_kv_dtype("bfloat16", f32, Kern(False))
     assert fmt.storage == bf16 and why == "requested (no AMX tiles for it here: a prefill chunk runs as decodes, slower)"
     assert name("q8_0", f32, Kern(False)) == "q8_0" and name("q4_0", bf16, None) == "q4_0"  # never auto
+    assert "on AMX tiles" in resolve_kv_dtype("q8_0", f32, Kern(True), group=3)[1]
+    assert "dequantized as read in the C kernels" in resolve_kv_dtype("q8_0", f32, Kern(True), group=17)[1]
     with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) bfloat16 .* C kernels"):
         resolve_kv_dtype("bfloat16", f32, None)
     with pytest.raises(ValueError, match=r"kv_cache_dtype \(--kv-cache-dtype\) float32 cannot run under"):

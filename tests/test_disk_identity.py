@@ -80,6 +80,13 @@ def test_a_block_of_another_model_or_layout_is_mislabelled(tmp_path):
         assert e.value.kind == "mislabelled"
     good = fmt.encode(LAYOUT, ident, fmt.to_bytes(block)) + fmt.to_bytes(block)
     assert torch.equal(fmt.decode(good, LAYOUT, ident), block)
+    # q8_0 rows written before their groups were rotated (named "q8_0") are sound blocks of another layout.
+    rows = torch.zeros(2, 4, 68, dtype=torch.uint8)
+    plain, rotated = (BlockLayout.of(b"m", name, (2, 4, 68)) for name in ("q8_0", "q8_0+h32"))
+    data = fmt.encode(plain, ident, fmt.to_bytes(rows)) + fmt.to_bytes(rows)
+    with pytest.raises(BlockRejected) as e:
+        fmt.decode(data, rotated, ident)
+    assert e.value.kind == "mislabelled"
     # The header says what it is: a version this engine does not write is refused by name.
     old = bytearray(good)
     struct.pack_into("<H", old, 8, fmt.VERSION + 1)

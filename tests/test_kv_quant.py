@@ -1,14 +1,15 @@
 """q8_0 / q4_0 KV pools (kv/kv_quant.py, cpu_kernels.c): the rows' bytes, the
 C kernels against torch and against a float32 pool holding the dequantized
-values, the error bound of each format, and the pool's capacity."""
+(rotated) values, the rotation, the error bound of each format, and the
+pool's capacity."""
 from __future__ import annotations
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from trajserve.kv.kv_quant import (FORMATS, dequantize_q4_0, dequantize_q8_0, pool_format, quantize_q4_0,
-                                   quantize_q8_0)
+from trajserve.kv.kv_quant import (FORMATS, dequantize_q4_0, dequantize_q8_0, load_rows, pool_format,
+                                   quantize_q4_0, quantize_q8_0, rotate, store_rows)
 from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, PrefillSeq, paged_attention, write_kv
 from trajserve.model.rope import apply_rope, cos_sin_table
@@ -105,16 +106,49 @@ def test_c_store_writes_torchs_bytes(K, fmt, hq, hkv, d, bs):
 
 
 def _pools(g, fmt, nblocks, hkv, bs, d):
-    """A quantized pool of random rows and the float32 pool of their values."""
+    """A quantized pool of random rows and the float32 pool of their values
+    (as stored: the rotated groups' values)."""
     x = torch.randn(2, nblocks, hkv, bs, d, generator=g) * 3
-    rows = QUANT[fmt](x)
+    rows = store_rows(x, FORMATS[fmt])
     return rows[0], rows[1], DEQUANT[fmt](rows[0], d), DEQUANT[fmt](rows[1], d)
+
+
+def _rotated_attention(call, q, scale, out):
+    """What a quantized pool's kernel computes, through a float kernel: the
+    query rotated (and / 32 with the scale), the output rotated back."""
+    call(rotate(q), scale / 32, out)
+    out.copy_(rotate(out) * (1 / 32))
+
+
+def _as_read(K, kf, vf, hq):
+    """The float pool whose kernel a quantized pool's kernel equals: float32
+    values (the vector kernels), or the values as bf16 where its attention
+    runs on AMX tiles (the bf16 kernels)."""
+    if K.amx_quantized(kf.shape[-1], kf.shape[2], hq // kf.shape[1]):
+        return kf.bfloat16(), vf.bfloat16()
+    return kf, vf
+
+
+def test_rotation_is_its_own_inverse_times_32_and_spreads_an_outlier():
+    g = _g(3)
+    x = torch.randn(5, 4, 64, generator=g)
+    assert torch.equal(rotate(rotate(x)) / 32, rotate(rotate(x)) * (1 / 32))
+    torch.testing.assert_close(rotate(rotate(x)) / 32, x, atol=1e-5, rtol=0)
+    # H's rows are orthogonal: dot products survive up to the factor 32
+    torch.testing.assert_close((rotate(x[0]) * rotate(x[1])).sum(-1) / 32, (x[0] * x[1]).sum(-1), atol=1e-4, rtol=1e-5)
+    # K with an outlier channel (as real keys have): the rotated q8_0 / q4_0 rows read back closer to the values
+    k = torch.randn(256, 64, generator=g)
+    k[:, 5] *= 30.0
+    for fmt in QFORMATS:
+        plain = (DEQUANT[fmt](QUANT[fmt](k), 64) - k).pow(2).mean()
+        rotated = (load_rows(store_rows(k, FORMATS[fmt]), FORMATS[fmt], 64, torch.float32) - k).pow(2).mean()
+        assert rotated < plain / 4, (fmt, plain, rotated)
 
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", QFORMATS)
 @pytest.mark.parametrize("ctxs,bs,gqa,d", [((1, 17, 70, 200), 16, (9, 3), 64), ((5, 64), 8, (4, 2), 128)])
-def test_c_decode_over_quantized_rows_is_the_float32_kernel_on_their_values(K, fmt, ctxs, bs, gqa, d):
+def test_c_decode_over_quantized_rows_is_the_float_kernel_on_their_values(K, fmt, ctxs, bs, gqa, d):
     g = _g(len(ctxs) + d)
     hq, hkv = gqa
     nblocks = sum((c + bs - 1) // bs for c in ctxs) + 3
@@ -130,14 +164,15 @@ def test_c_decode_over_quantized_rows_is_the_float32_kernel_on_their_values(K, f
     q = torch.randn(len(ctxs), hq, d, generator=g)
     out_q, out_f = torch.empty_like(q), torch.empty_like(q)
     K.decode_attention(q, kq, vq, *args, 0.125, out_q)
-    K.decode_attention(q, kf, vf, *args, 0.125, out_f)
+    kf, vf = _as_read(K, kf, vf, hq)
+    _rotated_attention(lambda qr, sc, o: K.decode_attention(qr, kf, vf, *args, sc, o), q, 0.125, out_f)
     assert torch.equal(out_q, out_f)
 
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", QFORMATS)
-@pytest.mark.parametrize("prefix,n,bs,d", [(0, 40, 16, 64), (150, 70, 16, 64), (33, 9, 8, 128)])
-def test_c_prefill_over_quantized_rows_is_the_float32_kernel_on_their_values(K, fmt, prefix, n, bs, d):
+@pytest.mark.parametrize("prefix,n,bs,d", [(0, 40, 16, 64), (150, 70, 16, 64), (60, 2, 16, 64), (33, 9, 8, 128)])
+def test_c_prefill_over_quantized_rows_is_the_float_kernel_on_their_values(K, fmt, prefix, n, bs, d):
     g = _g(prefix + n)
     hq, hkv, ctx = 6, 2, prefix + n
     nb = (ctx + bs - 1) // bs
@@ -146,16 +181,24 @@ def test_c_prefill_over_quantized_rows_is_the_float32_kernel_on_their_values(K, 
     q = torch.randn(n, hq, d, generator=g)
     out_q, out_f = torch.empty_like(q), torch.empty_like(q)
     K.prefill_attention(q, kq, vq, table, ctx, 0.125, out_q)
-    K.prefill_attention(q, kf, vf, table, ctx, 0.125, out_f)
+    kf, vf = _as_read(K, kf, vf, hq)
+    _rotated_attention(lambda qr, sc, o: K.prefill_attention(qr, kf, vf, table, ctx, sc, o), q, 0.125, out_f)
     assert torch.equal(out_q, out_f)
+    # each query decoded alone over the keys it sees: the chunk's bits (one arithmetic for every query)
+    per_query = (table.repeat(n), torch.arange(n) * nb, torch.arange(ctx - n + 1, ctx + 1), torch.arange(n))
+    alone = torch.empty_like(q)
+    K.decode_attention(q, kq, vq, *per_query, 0.125, alone)
+    assert torch.equal(alone, out_q)
 
 
 @pytest.mark.parametrize("fmt", QFORMATS)
 def test_torch_path_reads_the_same_values(fmt):
-    # The torch path (no kernels) over a quantized pool equals it over the float32 pool of the dequantized values.
+    # The torch path (no kernels) over a quantized pool equals it over the float32 pool of the values it reads
+    # (dequantized and rotated back).
     g = _g(5)
     hq, hkv, d, bs, nb = 4, 2, 64, 8, 12
-    kq, vq, kf, vf = _pools(g, fmt, nb, hkv, bs, d)
+    kq, vq, _, _ = _pools(g, fmt, nb, hkv, bs, d)
+    kf, vf = (load_rows(c, FORMATS[fmt], d, torch.float32) for c in (kq, vq))
     ctx, n = 50, 20
     table = torch.randperm(nb, generator=g)[:7]
     q = torch.randn(n, hq, d, generator=g)

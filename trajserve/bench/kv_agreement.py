@@ -8,9 +8,10 @@ interpreter's version) and a question about it. Each runs twice per pool:
 64 greedy tokens (EOS ignored), then teacher-forced along the float32
 pool's continuation, scoring every position's full next-token
 distribution. Reports per prompt the tokens identical up to the first
-divergence and the mean KL(p_float32 || p_format) over the 64 positions;
-then the share of continuations identical for all 64 and the mean KL over
-all positions. Weights and compute are the same on both sides (default
+divergence, the mean KL(p_float32 || p_format) over the 64 positions, and
+where they part, float32's own log-probability gap between its token and
+the format's (how near a tie the flipped choice was); then the share of
+continuations identical for all 64 and the mean KL over all positions. Weights and compute are the same on both sides (default
 `--quantization none`: float32 weights, so only the pool differs).
 """
 from __future__ import annotations
@@ -113,13 +114,18 @@ def run(args: argparse.Namespace) -> int:
         same = identical_prefix(x, y, TOKENS)
         lp, lq = _distributions(ref, p, y), _distributions(tested, p, y)
         kl = (lp.exp() * (lp - lq)).sum(-1)  # KL(p_float32 || p_format) at each position
+        # Where the continuations part: how far float32 itself put its token above the one the format chose
+        # (log-probability gap under float32; a near tie flips under any perturbation).
+        gap = (lp[same, y[same]] - lp[same, x[same]]).item() if same < TOKENS else None
         rows.append({"prompt_tokens": len(p), "identical_tokens": same, "mean_kl": kl.mean().item(),
-                     "max_kl": kl.max().item()})
+                     "max_kl": kl.max().item(), "divergence_gap": gap})
     summary = {"prompts": len(rows), "tokens": TOKENS,
                "share_identical_for_64": sum(r["identical_tokens"] == TOKENS for r in rows) / len(rows),
                "mean_identical_prefix": sum(r["identical_tokens"] for r in rows) / len(rows) / TOKENS,
                "mean_kl": sum(r["mean_kl"] for r in rows) / len(rows),
-               "max_kl": max(r["max_kl"] for r in rows)}
+               "max_kl": max(r["max_kl"] for r in rows),
+               "largest_divergence_gap": max((r["divergence_gap"] for r in rows if r["divergence_gap"] is not None),
+                                             default=None)}
     out = {"command": command_line(), "machine": machine_info(), "kv_dtype": tested.engine.kv_format.name,
            "reference_kv_dtype": ref.engine.kv_format.name, "quantization": tested.engine.quantization,
            "weights": tested.engine.model.weight_formats(),
@@ -131,14 +137,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"\n{out['command']}\nKV {out['kv_dtype']} against KV float32; weights {out['weights']} in float32 "
           f"(kernels {out['kernels']})\n")
-    print(f"{'#':>3} {'prompt':>7} {'identical':>9} {'mean KL':>10} {'max KL':>9}")
+    print(f"{'#':>3} {'prompt':>7} {'identical':>9} {'mean KL':>10} {'max KL':>9} {'gap at divergence':>18}")
     for i, r in enumerate(rows):
+        gap = "" if r["divergence_gap"] is None else f"{r['divergence_gap']:.4f}"
         print(f"{i:>3} {r['prompt_tokens']:>7} {r['identical_tokens']:>6}/{TOKENS} {r['mean_kl']:>10.5f} "
-              f"{r['max_kl']:>9.4f}")
+              f"{r['max_kl']:>9.4f} {gap:>18}")
     s = summary
     print(f"\n{s['share_identical_for_64'] * 100:.0f} % of continuations identical for {TOKENS} tokens; identical "
           f"prefix {s['mean_identical_prefix'] * 100:.0f} % on average; mean KL {s['mean_kl']:.5f} "
           f"(max {s['max_kl']:.4f})")
+    if s["largest_divergence_gap"] is not None:
+        print(f"where continuations part, float32's own log-probability gap between its token and the format's: "
+              f"at most {s['largest_divergence_gap']:.4f}")
     print("\nJSON:")
     print(json.dumps(out))
     return 0

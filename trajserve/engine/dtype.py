@@ -91,7 +91,7 @@ def resolve_quantization(name: str, dtype: torch.dtype, device: torch.device,
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
-                     block_size: int = 16):
+                     block_size: int = 16, group: int = 1):
     """What the KV pool stores (--kv-cache-dtype), a KVFormat
     (kv/kv_quant.py), and why, for the start-up line. `kernels`: the
     model's CpuKernels, or None where torch runs it.
@@ -104,8 +104,10 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
     bytes per token. Without AMX a bf16 chunk runs as one decode per query
     (~6x the float32 kernel's time), so auto keeps float32 there; asked for
     explicitly it runs. q8_0 and q4_0 run under any compute dtype (the C
-    kernels and torch's attention dequantize the rows they read) for a
-    head_dim that is a multiple of 32; auto never picks them: they trade
+    kernels and torch's attention dequantize the rows they read; with AMX,
+    `group` query heads per kv head up to 16, the C kernels read them as bf16
+    on the bf16 pool's tiles) for a head_dim that is a multiple of 32; auto
+    never picks them: they trade
     quality for capacity, the user's call (as llama.cpp's --cache-type-k/v
     and vLLM's --kv-cache-dtype fp8)."""
     from trajserve.kv.kv_quant import FORMATS
@@ -119,8 +121,11 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
     fmt = FORMATS[name]
     if fmt.quantized:
         fmt.row_elems(head_dim)  # a ValueError naming the field for a head_dim it cannot group
-        where = "the C kernels'" if kernels is not None and dtype == torch.float32 else "torch's"
-        return fmt, f"requested: rows dequantized as read in {where} attention"
+        if kernels is None or dtype != torch.float32:
+            return fmt, "requested: rows dequantized as read in torch's attention"
+        if kernels.amx_quantized(head_dim, block_size, group):
+            return fmt, "requested: rows read as bf16 by the C kernels' attention on AMX tiles"
+        return fmt, "requested: rows dequantized as read in the C kernels' attention"
     if fmt.storage == dtype:
         return fmt, "requested"
     if dtype == torch.float32 and fmt.storage == torch.bfloat16:

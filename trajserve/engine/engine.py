@@ -109,7 +109,7 @@ class LLMEngine:
         cc = config.cache
         # kv_format: what a pool row is (kv/kv_quant.py); kv_dtype: the pool tensors' dtype (uint8 for q8_0 / q4_0).
         self.kv_format, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels, mc.head_dim,
-                                                     cc.block_size)
+                                                     cc.block_size, mc.num_heads // mc.num_kv_heads)
         self.kv_dtype = self.kv_format.storage
         lora_bytes = LoRASlots.max_bytes(mc, config.scheduler.max_loras, config.max_lora_rank)  # kept free
         self.num_blocks = num_blocks_for(cc, mc, self.kv_format, self.device, lora_bytes if config.lora_enabled else 0)
@@ -121,8 +121,8 @@ class LLMEngine:
         # What every block written to disk says it is (kv/block_format.py).
         formats = self.model.weight_formats()
         quantized = sorted(f for f in formats if f in QUANT_FORMATS)
-        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)), self.kv_format.name,
-                                           (mc.num_layers, 2, mc.num_kv_heads, cc.block_size,
+        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)),
+                                           self.kv_format.disk_name, (mc.num_layers, 2, mc.num_kv_heads, cc.block_size,
                                             self.kv_format.row_elems(mc.head_dim)))
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:

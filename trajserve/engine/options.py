@@ -64,7 +64,8 @@ OPTIONS: tuple[Option, ...] = (
            "what the KV pool stores: auto (bfloat16 where the C kernels run prefill attention on AMX tiles, "
            "else as --dtype), float32, bfloat16 (half the bytes; K/V, queries and probabilities rounded to "
            "bf16 in attention), q8_0 or q4_0 (34 / 18 bytes per 32 values, as llama.cpp's --cache-type-k/v: "
-           "1.9x / 3.6x the tokens of bf16; rows dequantized in attention)", choices=KV_CACHE_DTYPES),
+           "1.9x / 3.6x the tokens of bf16; each group of 32 rotated before it is quantized, rows dequantized "
+           "in attention)", choices=KV_CACHE_DTYPES),
     Option("kv_cache_memory", "cache.kv_cache_memory", "--kv-cache-memory",
            "KV pool budget, e.g. 2GiB (default: --memory-fraction of free memory)", size=True),
     Option("memory_fraction", "cache.memory_fraction", "--memory-fraction",

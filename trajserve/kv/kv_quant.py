@@ -25,6 +25,26 @@ scale computed once in float32, then rounded to float16 to be stored; the
 codes from the unrounded scale's reciprocal, as llama.cpp does), tested.
 A dequantized value, code x float16 scale, is exact in float32, so every
 kernel that reads a row sees the same K and V.
+
+Rotated groups. A quantized row holds the codes of H x, not of x: each
+group of 32 values goes through the (unnormalized) Walsh-Hadamard transform
+H before it is quantized (QuaRot's and SpinQuant's observation: K carries
+a few channels far larger than the rest, and one such channel sets a
+group's scale and the other 31 values get a coarse grid; rotated, the
+group's energy is spread over all 32 and its largest value is close to its
+root mean square). H is symmetric with H H = 32 I, so attention never
+rotates a key or a value back: q . k = (H q) . (H k) / 32 per group, and
+sum_i p_i v_i = H (sum_i p_i H v_i) / 32. The kernels rotate the query once
+and the output once (kv_rows.h), the torch path rotates the rows it
+gathers back (load_rows). H's butterfly is additions and subtractions only,
+the same float32 operations in C and torch, and / 32 is exact, so the bytes
+and the values stay identical between the two. Measured on the embedded
+model (bench kv-agreement, docs/benchmarks.md): q8_0's mean KL against a
+float32 pool fell 2.4x (0.00036 to 0.00015) and its continuations
+identical for 64 greedy tokens rose from 10 to 12 of 16; q4_0's KL fell
+2.2x. Groups of 32 rather than the whole head: the rotation then matches
+the quantization group (any head_dim the format takes), and a 64-wide one
+measured no better (torch path: mean KL 0.000166 vs 0.000154).
 """
 from __future__ import annotations
 
@@ -34,6 +54,7 @@ from typing import Callable
 import torch
 
 GROUP = 32
+MAX_HEAD_DIM = 256  # the C kernels rotate a row in a buffer of this many values
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,13 +68,20 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.storage == torch.uint8
 
+    @property
+    def disk_name(self) -> str:
+        """The name a disk block's header gives its rows (kv/block_format.py):
+        quantized rows say they hold rotated groups, so a block written before
+        rows were rotated is refused as another layout, never read as one."""
+        return f"{self.name}+h{GROUP}" if self.quantized else self.name
+
     def row_elems(self, head_dim: int) -> int:
         """The pool's last dimension: values, or bytes of a quantized row."""
         if not self.quantized:
             return head_dim
-        if head_dim % GROUP:
-            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {self.name} needs head_dim a multiple of {GROUP}, "
-                             f"this model's is {head_dim}")
+        if head_dim % GROUP or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {self.name} needs head_dim a multiple of {GROUP} "
+                             f"up to {MAX_HEAD_DIM}, this model's is {head_dim}")
         return (head_dim if self.name == "q8_0" else head_dim // 2) + head_dim // GROUP * 2
 
     def bytes_per_token(self, model) -> int:
@@ -89,6 +117,21 @@ def pool_format(cache: torch.Tensor, head_dim: int) -> KVFormat:
             return f
     raise ValueError(f"a uint8 KV pool with rows of {cache.shape[-1]} bytes is neither q8_0 nor q4_0 "
                      f"for head_dim {head_dim}")
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """H x for each group of 32 values along the last dimension (unnormalized
+    Walsh-Hadamard: H H = 32 I), as cpu_kernels.c's rotate32 computes it:
+    five butterfly stages, pairs (j, j + h) in runs of 2 h becoming
+    (a + b, a - b)."""
+    y = x.float().reshape(-1, GROUP)
+    h = 1
+    while h < GROUP:
+        y = y.view(-1, GROUP // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), 2)
+        h *= 2
+    return y.reshape(x.shape)
 
 
 def _scales_bytes(d: torch.Tensor) -> torch.Tensor:
@@ -144,10 +187,12 @@ _DEQUANTIZE = {"q8_0": dequantize_q8_0, "q4_0": dequantize_q4_0}
 
 
 def store_rows(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
-    """Values as the pool stores them."""
-    return _QUANTIZE[fmt.name](x) if fmt.quantized else x.to(fmt.storage)
+    """Values as the pool stores them (a quantized row: the codes of H x)."""
+    return _QUANTIZE[fmt.name](rotate(x)) if fmt.quantized else x.to(fmt.storage)
 
 
 def load_rows(rows: torch.Tensor, fmt: KVFormat, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """Pool rows as values of `dtype`."""
-    return _DEQUANTIZE[fmt.name](rows, head_dim).to(dtype) if fmt.quantized else rows.to(dtype)
+    """Pool rows as values of `dtype` (a quantized row rotated back: H y / 32)."""
+    if not fmt.quantized:
+        return rows.to(dtype)
+    return (rotate(_DEQUANTIZE[fmt.name](rows, head_dim)) * (1.0 / GROUP)).to(dtype)

@@ -37,6 +37,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "kv_rows.h"
 #include "simd_math.h"
 
 #define MAX_GROUP 16
@@ -354,22 +355,81 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static int amx_task(
     return 0;
 }
 
+/* A quantized pool row as bf16: its exact values (kv_rows.h) rounded to
+ * nearest even, as a bf16 pool's store rounds. On AMX a q8_0 / q4_0 pool is
+ * read this way, so its attention is the bf16 pool's arithmetic over those
+ * values (with the query and output rotated, kv_rows.h). d % 32 == 0. */
+__attribute__((target("avx512bf16"))) static inline __attribute__((always_inline)) void row_bf16(
+    const uint8_t *row, const int fmt, int64_t d, uint16_t *out) {
+    const uint16_t *scales = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    for (int64_t g = 0; g < d / 32; g++) {  // dequantize_kv_row's exact values, 16 lanes at a time
+        uint16_t h;
+        memcpy(&h, scales + g, 2);
+        const __m512 sc = _mm512_set1_ps(_cvtsh_ss(h));
+        __m512 lo, hi;  // values 0 .. 15 and 16 .. 31 of the group
+        if (fmt == KV_Q8_0) {
+            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * g))));
+            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * g + 16))));
+        } else {
+            const __m128i c = _mm_loadu_si128((const __m128i *)(row + 16 * g)), nib = _mm_set1_epi8(0x0F);
+            const __m512 eight = _mm512_set1_ps(8.0f);
+            lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(c, nib))), eight);
+            hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(c, 4), nib))),
+                               eight);
+        }
+        _mm512_storeu_si512(out + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, sc), _mm512_mul_ps(lo, sc)));
+    }
+}
+
 /* Requires ts_amx_init() == 1, d % 32 == 0, d <= 256, bs % 16 == 0, n <= ctx.
+ * kv_fmt KV_BF16, or KV_Q8_0 / KV_Q4_0: the context's K rows are first
+ * read into a bf16 buffer laid out as one pool block per kv head, V into
+ * V^T as for bf16 (each row_bf16), and the queries rotated (kv_rows.h).
  * Returns the number of tasks that found no memory (outputs not written). */
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention_amx(
-    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
-    const uint16_t *v_cache, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out, int64_t ldo,
-    int nthreads) {
-    const int64_t ctxp = (ctx + KB - 1) / KB * KB, nqb = (n + AQ - 1) / AQ;
+    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_pool,
+    const void *v_pool, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out, int64_t ldo,
+    int kv_fmt, int nthreads) {
+    const int64_t ctxp = (ctx + KB - 1) / KB * KB, nqb = (n + AQ - 1) / AQ, rb = kv_row_bytes(kv_fmt, d);
+    const int quant = kv_fmt != KV_BF16;
+    static const int64_t block0 = 0;
+    const uint16_t *k_cache = k_pool, *v_cache = v_pool;
+    const int64_t *ktable = table, kbs = quant ? ctxp : bs;
     uint16_t *vt = aligned_alloc(64, sizeof(uint16_t) * hkv * d * ctxp);
-    if (vt == NULL) return (int)(nqb * hkv);
+    uint16_t *kq = quant ? aligned_alloc(64, sizeof(uint16_t) * hkv * d * ctxp) : NULL;
+    float *qr = quant ? aligned_alloc(64, sizeof(float) * ((n * hq * d + 15) / 16 * 16)) : NULL;
+    if (vt == NULL || (quant && (kq == NULL || qr == NULL))) {
+        free(vt), free(kq), free(qr);
+        return (int)(nqb * hkv);
+    }
+    if (quant) {  // the rotated queries, the / 32 with the scale (exact)
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(qr + i * hq * d, q + i * ldq, sizeof(float) * hq * d);
+            for (int64_t j = 0; j < hq; j++) rotate32(qr + (i * hq + j) * d, d);
+        }
+        q = qr, ldq = hq * d, scale *= 0.03125f, k_cache = kq, ktable = &block0;
+    }
     // V^T per kv head, zero past the context: the A operand of the PV tiles.
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
     for (int64_t h = 0; h < hkv; h++)
         for (int64_t k0 = 0; k0 < ctxp; k0 += KB) {
             const uint16_t *v[KB];
-            for (int64_t i = 0; i < KB; i++)
-                v[i] = k0 + i < ctx ? v_cache + ((table[(k0 + i) / bs] * hkv + h) * bs + (k0 + i) % bs) * d : NULL;
+            uint16_t vb[KB * 256];  // a quantized block's V rows as bf16
+            for (int64_t i = 0; i < KB; i++) {
+                const int64_t r = k0 + i < ctx ? (table[(k0 + i) / bs] * hkv + h) * bs + (k0 + i) % bs : 0;
+                if (k0 + i >= ctx) {
+                    v[i] = NULL;
+                } else if (quant) {
+                    uint16_t *kr = kq + (h * ctxp + k0 + i) * d;
+                    row_bf16((const uint8_t *)k_pool + r * rb, kv_fmt, d, kr);
+                    row_bf16((const uint8_t *)v_pool + r * rb, kv_fmt, d, vb + i * d);
+                    v[i] = vb + i * d;
+                } else {
+                    v[i] = v_cache + r * d;
+                }
+                if (quant && k0 + i >= ctx) memset(kq + (h * ctxp + k0 + i) * d, 0, sizeof(uint16_t) * d);
+            }
             for (int64_t c = 0; c < d; c++) {  // rows of V^T written in order, the block's V rows stay in L1
                 uint16_t *row = vt + (h * d + c) * ctxp + k0;
                 for (int64_t i = 0; i < KB; i++) row[i] = v[i] ? v[i][c] : 0;
@@ -383,11 +443,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = nqb - 1; b >= 0; b--)
             for (int64_t h = 0; h < hkv; h++)
-                failed += amx_task(q, ldq, n, hq, hkv, d, k_cache, vt, ctxp, bs, table, ctx, scale, out, ldo, b, h);
+                failed += amx_task(q, ldq, n, hq, hkv, d, k_cache, vt, ctxp, kbs, ktable, ctx, scale, out, ldo, b, h);
         _tile_release();
         _mm_setcsr(csr);
     }
-    free(vt);
+    if (quant && !failed)  // outputs back from the rotated space
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < hq; j++) unrotate32(out + i * ldo + j * d, d);
+    free(vt), free(kq), free(qr);
     return failed;
 }
 /* AMX decode: one task per (sequence, kv head), the group's query heads as
@@ -397,11 +461,21 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
  * element is the same chain as in the prefill tiles and the vector decode
  * kernel, so the bits are theirs; only the work per key drops (the vector
  * kernel transposed every 8 x 8 K tile and ran 3 heads' FMAs per dim).
+ * A q8_0 / q4_0 pool's key block is first read into bf16 buffers in L1
+ * (row_bf16: K and V rows, 64 keys), the query rotated and the output
+ * rotated back (kv_rows.h): the prefill's arithmetic over the same values,
+ * so the bits are ts_prefill_attention_amx's for that pool (tested, and
+ * checked at load: model/amx_check.py).
  * Requires hq / hkv <= 16 and the AMX prefill's shapes. */
-__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_task(
-    const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs,
-    const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
-    const int64_t group = hq / hkv;
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribute__((always_inline)) void amx_decode_task(
+    const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_pool, const void *v_pool, const int fmt,
+    int64_t bs, const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
+    const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
+    const int quant = fmt != KV_BF16;
+    const uint16_t *k_cache = k_pool, *v_cache = v_pool;
+    static const int64_t block0 = 0;  /* the one-block table of a dequantized key block */
+    uint16_t kq[KB * 256] __attribute__((aligned(64)));  /* a quantized key block's K and V rows as bf16 */
+    uint16_t vq[KB * 256] __attribute__((aligned(64)));
     uint32_t qt[128 * AQ] __attribute__((aligned(64)));        /* Q^T pairs [d/2][16 heads] */
     float s[KB * AQ] __attribute__((aligned(64)));             /* S^T [keys][heads] */
     uint32_t pp[KB / 2 * AQ] __attribute__((aligned(64)));     /* p' pairs [key pairs][heads] */
@@ -412,10 +486,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_t
     memset(qt, 0, sizeof(uint32_t) * d / 2 * AQ);
     for (int64_t j = 0; j < group; j++) {
         const float *qr = q + (h * group + j) * d;
+        float qrot[256];  // a quantized pool's query rotated (kv_rows.h), the / 32 with the scale (exact)
+        if (quant) {
+            memcpy(qrot, qr, d * sizeof(float));
+            rotate32(qrot, d);
+            qr = qrot;
+        }
+        const float sc = quant ? scale * 0.03125f : scale;
         uint32_t row[128];
         for (int64_t e = 0; e < d; e += 16)
             _mm256_storeu_si256((__m256i *)(row + e / 2),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + e), _mm512_set1_ps(scale))));
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(qr + e), _mm512_set1_ps(sc))));
         for (int64_t e = 0; e < d / 2; e++) qt[e * AQ + j] = row[e];
     }
     memset(pa, 0, sizeof pa);
@@ -425,7 +506,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_t
     _mm512_storeu_ps(ml + AQ, _mm512_setzero_ps());
     for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
         const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, ng = (nk + 15) / 16, nc = (nk + CHUNK - 1) / CHUNK;
-        scores_tiles(k_cache, table, bs, hkv, h, d, kb0, ng, qt, s);
+        if (quant) {  // the block's rows as bf16 (their exact values rounded), then read as a one-block bf16 pool
+            for (int64_t i = 0; i < ng * 16; i++) {
+                const int64_t key = kb0 + (i < nk ? i : nk - 1);  // past the context: the last key (scores dropped)
+                const int64_t r = (table[key / bs] * hkv + h) * bs + key % bs;
+                row_bf16((const uint8_t *)k_pool + r * rb, fmt, d, kq + i * d);
+                if (i < nk) row_bf16((const uint8_t *)v_pool + r * rb, fmt, d, vq + i * d);
+            }
+            scores_tiles(kq, &block0, KB, 1, 0, d, 0, ng, qt, s);
+        } else {
+            scores_tiles(k_cache, table, bs, hkv, h, d, kb0, ng, qt, s);
+        }
         for (int64_t i = nk; i < ng * 16; i++) _mm512_storeu_ps(s + i * AQ, ninf);  // past the context
         const __m512 a = tile_softmax(s, ng, nc, nk < ng * 16, ml, ml + AQ, pp);
         float av[AQ];
@@ -442,8 +533,14 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_t
                                                39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
         for (int64_t r = 0; r < nc * CHUNK / 2; r++) {
             const int64_t k0 = kb0 + 2 * r, k1 = k0 + 1;
-            const uint16_t *v0 = v_cache + ((table[k0 / bs] * hkv + h) * bs + k0 % bs) * d;
-            const uint16_t *v1 = k1 < ctx ? v_cache + ((table[k1 / bs] * hkv + h) * bs + k1 % bs) * d : NULL;
+            const uint16_t *v0, *v1;
+            if (quant) {
+                v0 = vq + 2 * r * d;
+                v1 = k1 < ctx ? vq + (2 * r + 1) * d : NULL;
+            } else {
+                v0 = v_cache + ((table[k0 / bs] * hkv + h) * bs + k0 % bs) * d;
+                v1 = k1 < ctx ? v_cache + ((table[k1 / bs] * hkv + h) * bs + k1 % bs) * d : NULL;
+            }
             for (int64_t c0 = 0; c0 < d; c0 += 16) {  // keys past the context: zero (their p' is 0 too)
                 const __m512i a0 = k0 < ctx ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + c0)))
                                             : _mm512_setzero_si512();
@@ -470,36 +567,74 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_t
         float *orow = out + (h * group + j) * d;
         const float inv = 1.0f / ml[AQ + j];
         for (int64_t c = 0; c < d; c++) orow[c] = o[j * d + c] * inv;
+        if (quant) unrotate32(orow, d);
+    }
+}
+
+/* amx_decode_task with a constant format in each copy (the row reads fold). */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_any(
+    const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_pool, const void *v_pool, int fmt, int64_t bs,
+    const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
+    switch (fmt) {
+        case KV_Q8_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, KV_Q8_0, bs, table, ctx, h, scale, out); break;
+        case KV_Q4_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, KV_Q4_0, bs, table, ctx, h, scale, out); break;
+        default: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, KV_BF16, bs, table, ctx, h, scale, out);
     }
 }
 
 /* As ts_decode_attention_bf16, on tiles. Requires ts_amx_init() == 1,
- * d % 32 == 0, d <= 256, bs % 16 == 0, hq / hkv <= 16. */
+ * d % 32 == 0, d <= 256, bs % 16 == 0, hq / hkv <= 16. kv_fmt: KV_BF16, or
+ * KV_Q8_0 / KV_Q4_0 (each key block's rows read as bf16, amx_decode_task). */
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention_amx(
-    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
-    const uint16_t *v_cache, int64_t bs, const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
-    const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
+    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
+    const void *v_cache, int64_t bs, const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
+    const int64_t *rows, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = amx_thread_begin();
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t si = 0; si < n; si++)
             for (int64_t h = 0; h < hkv; h++)
-                amx_decode_task(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si],
+                amx_decode_any(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, tables + table_start[si],
                                 ctx[si], h, scale, out + rows[si] * ldo);
+        _tile_release();
+        _mm_setcsr(csr);
+    }
+}
+
+/* A quantized pool's short chunk (fewer than cpu_kernels.py's
+ * AMX_MIN_QUERIES queries, which do not pay for the prefill's copy of the
+ * whole context) as decodes on tiles, query i over the ctx - n + i + 1 keys
+ * it sees: the same bits as ts_prefill_attention_amx gives them. */
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_prefill_attention_amx_decodes(
+    const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
+    const void *v_cache, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out, int64_t ldo,
+    int kv_fmt, int nthreads) {
+#pragma omp parallel num_threads(nthreads)
+    {
+        const unsigned csr = amx_thread_begin();
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t i = n - 1; i >= 0; i--)
+            for (int64_t h = 0; h < hkv; h++)
+                amx_decode_any(q + i * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, table, ctx - n + i + 1, h,
+                                scale, out + i * ldo);
         _tile_release();
         _mm_setcsr(csr);
     }
 }
 #else
 int ts_amx_init(void) { return 0; }
+/* Not in this build; never called (cpu_kernels.py checks ts_amx_init first). */
 void ts_decode_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
-                             const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *tables,
+                             const void *k_cache, const void *v_cache, int64_t bs, const int64_t *tables,
                              const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
-                             float *out, int64_t ldo, int nthreads) {}  // not in this build; never called
+                             float *out, int64_t ldo, int kv_fmt, int nthreads) {}
+void ts_prefill_attention_amx_decodes(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                                      const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
+                                      int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {}
 int ts_prefill_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
-                             const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *table,
-                             int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
-    return -1;  // not in this build
+                             const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
+                             int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
+    return -1;
 }
 #endif

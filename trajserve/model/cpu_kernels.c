@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_rows.h"
 #include "simd_math.h"
 
 /* dot(a, b) over k floats, four accumulators (RMSNorm, attention scores). */
@@ -455,35 +456,39 @@ void ts_rms_norm(const float *x, int64_t m, int64_t d, int64_t ldx, const float 
 
 /* ---------------------------------------------------------- quantized K/V rows
  *
- * A q8_0 / q4_0 pool row (kv/kv_quant.py has the layout and the torch
- * twins of these): the codes of the d / 32 groups, then their float16
- * scales. Quantizing does kv_quant.py's float32 operations in its order
- * (no FMA contraction: -ffp-contract=off), so both write the same bytes;
- * a dequantized value, code x float16 scale, is exact in float32. */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_Q8_0 = 2, KV_Q4_0 = 3 };
-
-static inline int64_t kv_row_bytes(int fmt, int64_t d) {
-    return fmt == KV_Q8_0 ? d + d / 16 : fmt == KV_Q4_0 ? d / 2 + d / 16 : fmt == KV_BF16 ? 2 * d : 4 * d;
-}
-
+ * The row layout, the rotation and reading a row back: kv_rows.h.
+ * Quantizing does kv_quant.py's float32 operations in its order (no FMA
+ * contraction: -ffp-contract=off), so both write the same bytes. */
 static void quantize_kv_row(const float *x, int64_t d, int fmt, uint8_t *row) {
     uint16_t *scales = (uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
     for (int64_t g = 0; g < d / 32; g++) {
         const float *xg = x + 32 * g;
         float amax = 0.0f, peak = 0.0f;
-        for (int j = 0; j < 32; j++) {
-            const float a = fabsf(xg[j]);
-            if (a > amax) amax = a, peak = xg[j];  // the first value of largest magnitude
+        if (fmt == KV_Q8_0) {  // the largest magnitude (a max: any order gives it)
+            const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+            __m256 m = _mm256_setzero_ps();
+            for (int j = 0; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xg + j), abs));
+            float lanes[8];
+            _mm256_storeu_ps(lanes, m);
+            for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+        } else {
+            for (int j = 0; j < 32; j++) {
+                const float a = fabsf(xg[j]);
+                if (a > amax) amax = a, peak = xg[j];  // the first value of largest magnitude
+            }
         }
         const float dq = fmt == KV_Q8_0 ? amax / 127.0f : peak / -8.0f;
         const float inv = dq != 0.0f ? 1.0f / dq : 0.0f;
         const uint16_t h = _cvtss_sh(dq, _MM_FROUND_TO_NEAREST_INT);
         memcpy(scales + g, &h, 2);
         if (fmt == KV_Q8_0) {
-            for (int j = 0; j < 32; j++) {
-                float q = nearbyintf(xg[j] * inv);  // half to even, as torch.round
-                q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-                row[32 * g + j] = (uint8_t)(int8_t)q;
+            for (int j = 0; j < 32; j += 8) {  // half to even, as torch.round; clamped to +-127
+                __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + j), _mm256_set1_ps(inv)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                q = _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+                const __m256i w = _mm256_cvtps_epi32(q);  // exact: q is an integer
+                const __m128i h16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+                _mm_storel_epi64((__m128i *)(row + 32 * g + j), _mm_packs_epi16(h16, h16));
             }
         } else {
             uint8_t *c = row + 16 * g;
@@ -492,32 +497,6 @@ static void quantize_kv_row(const float *x, int64_t d, int fmt, uint8_t *row) {
                 const int ql = lo >= 15.0f ? 15 : (int)lo, qh = hi >= 15.0f ? 15 : (int)hi;
                 c[j] = (uint8_t)((ql < 0 ? 0 : ql) | ((qh < 0 ? 0 : qh) << 4));
             }
-        }
-    }
-}
-
-/* One pool row's d values as float32 (exact). */
-static void dequantize_kv_row(const uint8_t *row, int64_t d, int fmt, float *out) {
-    const uint16_t *scales = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
-    for (int64_t g = 0; g < d / 32; g++) {
-        uint16_t h;
-        memcpy(&h, scales + g, 2);
-        const __m256 sc = _mm256_set1_ps(_cvtsh_ss(h));
-        float *o = out + 32 * g;
-        if (fmt == KV_Q8_0) {
-            for (int j = 0; j < 32; j += 8)
-                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                          _mm_loadl_epi64((const __m128i *)(row + 32 * g + j)))), sc));
-        } else {
-            const __m128i c = _mm_loadu_si128((const __m128i *)(row + 16 * g)), nib = _mm_set1_epi8(0x0F);
-            // low nibbles: values 0 .. 15 of the group, high nibbles: 16 .. 31
-            const __m128i half[2] = {_mm_and_si128(c, nib), _mm_and_si128(_mm_srli_epi16(c, 4), nib)};
-            for (int hh = 0; hh < 2; hh++)
-                for (int j = 0; j < 16; j += 8) {
-                    const __m128i part = j ? _mm_srli_si128(half[hh], 8) : half[hh];
-                    const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(part)), _mm256_set1_ps(8.0f));
-                    _mm256_storeu_ps(o + 16 * hh + j, _mm256_mul_ps(q, sc));
-                }
         }
     }
 }
@@ -551,8 +530,13 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
             const float *k = row + (hq + h) * d, *v = row + (hq + hkv + h) * d;
             if (kv_fmt == KV_Q8_0 || kv_fmt == KV_Q4_0) {  // quantized rows: bytes, not values
                 const int64_t rb = kv_row_bytes(kv_fmt, d);
-                quantize_kv_row(k, d, kv_fmt, (uint8_t *)k_cache + (base + h * bs) * rb);
-                quantize_kv_row(v, d, kv_fmt, (uint8_t *)v_cache + (base + h * bs) * rb);
+                float rk[256], rv[256];  // rotated copies: qkv's k must stay as computed (d <= 256)
+                memcpy(rk, k, d * sizeof(float));
+                memcpy(rv, v, d * sizeof(float));
+                rotate32(rk, d);
+                rotate32(rv, d);
+                quantize_kv_row(rk, d, kv_fmt, (uint8_t *)k_cache + (base + h * bs) * rb);
+                quantize_kv_row(rv, d, kv_fmt, (uint8_t *)v_cache + (base + h * bs) * rb);
             } else if (kv_fmt == KV_BF16) {  // a bf16 pool (attention_bf16.c): K and V rounded once, here
                 for (int64_t e = 0; e < d; e += 8) {
                     bf16_store8((uint16_t *)k_cache + off + e, _mm256_loadu_ps(k + e));
@@ -662,9 +646,10 @@ static inline void row_scales(const uint8_t *row, const int fmt, int64_t d, floa
  * once, for all heads of the run); its V rows once per key block into an L1
  * buffer, which every head then reads (V dequantized in registers instead
  * is dequantized once per head: 2.91 vs 2.58 ms for a q8_0 layer of 16
- * sequences x 3,000 keys, docs/benchmarks.md). Every
- * operation after the load is the float32 kernel's, so a quantized pool's
- * result is the float32 kernel's over its dequantized values. */
+ * sequences x 3,000 keys, docs/benchmarks.md). The query is rotated first
+ * and the output rotated back (kv_rows.h); every operation between is the
+ * float32 kernel's, so a quantized pool's result is the float32 kernel's
+ * over its dequantized values for the rotated query, rotated back. */
 static inline __attribute__((always_inline)) void decode_heads(
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, const int fmt,
     int64_t bs, const int64_t *table, int64_t ctx, int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
@@ -675,7 +660,10 @@ static inline __attribute__((always_inline)) void decode_heads(
     float vq[KB * 256];  // its V rows of the key block, dequantized once (every head of the run reads them)
     for (int64_t j = 0; j < nh; j++) {
         const float *qr = q + (h * group + j0 + j) * d;
-        for (int64_t e = 0; e < d; e++) qs[j * d + e] = qr[e] * scale, o[j * d + e] = 0.0f;
+        for (int64_t e = 0; e < d; e++) qs[j * d + e] = qr[e], o[j * d + e] = 0.0f;
+        if (quant) rotate32(qs + j * d, d);  // q . k = (H q) . (H k) / 32: the / 32 goes with the scale (exact)
+        const float sc = quant ? scale * 0.03125f : scale;
+        for (int64_t e = 0; e < d; e++) qs[j * d + e] *= sc;
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
@@ -727,6 +715,7 @@ static inline __attribute__((always_inline)) void decode_heads(
         float *orow = out + (h * group + j0 + j) * d;
         const float inv = 1.0f / l[j];
         for (int64_t e = 0; e < d; e++) orow[e] = o[j * d + e] * inv;
+        if (quant) unrotate32(orow, d);
     }
 }
 
@@ -742,7 +731,8 @@ static void decode_heads_any(const float *q, int64_t hq, int64_t hkv, int64_t d,
 
 /* A float32 pool (kv_fmt KV_F32) or a quantized one (KV_Q8_0, KV_Q4_0: rows
  * dequantized as they are read, the float32 pool's operations after that,
- * so the result is the float32 kernel's on the dequantized values). */
+ * on the rotated query, the output rotated back: decode_heads). A CPU with
+ * AMX runs quantized pools on attention_bf16.c's tiles instead. */
 void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
                            int64_t d, const void *k_cache, const void *v_cache, int64_t bs,
                            const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
@@ -881,7 +871,7 @@ static inline int64_t hidden_rows(int64_t key, int64_t first) {
 
 /* kv_fmt as in ts_decode_attention_q: a quantized pool's key block is
  * dequantized into the task's buffer once per block, then read as a
- * float32 pool's rows. */
+ * float32 pool's rows (queries rotated, outputs rotated back). */
 int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                            const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
                            int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
@@ -909,7 +899,14 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
             for (int64_t j = 0; j < group; j++) {
                 for (int64_t r = 0; r < QB; r++) {  // rows past the chunk: zero queries, outputs unused
                     const float *qr = q + (q0 + (r < rows ? r : 0)) * ldq + (h * group + j) * d;
-                    for (int64_t e = 0; e < d; e++) qt[(j * d + e) * QB + r] = r < rows ? qr[e] * scale : 0.0f;
+                    float qrot[256];  // a quantized pool's query rotated, as in decode_heads (d <= 256 there)
+                    if (quant) {
+                        memcpy(qrot, qr, d * sizeof(float));
+                        rotate32(qrot, d);
+                        qr = qrot;
+                    }
+                    const float sc = quant ? scale * 0.03125f : scale;
+                    for (int64_t e = 0; e < d; e++) qt[(j * d + e) * QB + r] = r < rows ? qr[e] * sc : 0.0f;
                     m[j * QB + r] = -INFINITY;
                     l[j * QB + r] = 0.0f;
                 }
@@ -983,6 +980,7 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
                 for (int64_t r = 0; r < rows; r++) {
                     float *orow = out + (q0 + r) * ldo + (h * group + j) * d, inv = 1.0f / l[j * QB + r];
                     for (int64_t e = 0; e < d; e++) orow[e] = o[(j * QB + r) * d + e] * inv;
+                    if (quant) unrotate32(orow, d);
                 }
             free(buf);
         }

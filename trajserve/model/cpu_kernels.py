@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trajserve.model.amx_check import amx_int8_usable, amx_kv_quant_usable, amx_usable
 from trajserve.model.lora_check import lora_dp_usable
 from trajserve.model.quant import PANEL, QuantizedWeight
 
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c", _DIR / "attention_bf16.c"]
-HEADERS = [_DIR / "simd_math.h"]
+HEADERS = [_DIR / "simd_math.h", _DIR / "kv_rows.h"]
 # -ffp-contract=off: an expression rounds the same way in both builds (the
 # compiler may not fuse a * b + c into an FMA in one and not the other).
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -75,8 +76,9 @@ _SIGNATURES = {
     "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
     "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
-    "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
-    "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
+    "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
+    "ts_prefill_attention_amx_decodes": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
+    "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _C],
     "ts_amx_init": [],
     "ts_quant_isa": [],
     "ts_quantize_rows_q8": [_P, _I, _I, _I, _P, _C],
@@ -169,60 +171,6 @@ def _known_answer(k: CpuKernels) -> str | None:
     return None
 
 
-def _bf16_pool(rng: np.random.Generator, blocks: int, hkv: int, bs: int, d: int) -> torch.Tensor:
-    return torch.from_numpy(rng.standard_normal((2, blocks, hkv, bs, d), dtype=np.float32)).to(torch.bfloat16)
-
-
-def _amx_usable(k: CpuKernels) -> bool:
-    """Whether the AMX attention (prefill and decode) runs here and gives the
-    vector decode kernel's bits:
-    an avx512 build, AMX-BF16 in /proc/cpuinfo, the tile state granted by
-    Linux, and a chunk computed on tiles, and its queries decoded on tiles,
-    bit for bit equal to the vector kernel's decodes."""
-    flags = cpu_flags()
-    if k.isa != "avx512" or not {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags or not k.lib.ts_amx_init():
-        return False
-    rng = np.random.default_rng(11)
-    kv = _bf16_pool(rng, 9, 2, 16, 64)
-    q = torch.from_numpy(rng.standard_normal((40, 6, 64), dtype=np.float32))
-    table = torch.tensor([4, 0, 7, 2, 8, 1, 3], dtype=torch.int64)
-    tiles, decodes, tile_decodes = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
-    n = q.shape[0]  # each query also decoded alone over the keys it sees, on tiles
-    per_query = (table.repeat(n), torch.arange(n, dtype=torch.int64) * table.shape[0],
-                 torch.arange(100 - n + 1, 101, dtype=torch.int64), torch.arange(n, dtype=torch.int64))
-    k.amx = True
-    k.prefill_attention(q, kv[0], kv[1], table, 100, 0.125, tiles)
-    k.decode_attention(q, kv[0], kv[1], *per_query, 0.125, tile_decodes)
-    k.amx = False
-    k.prefill_attention(q, kv[0], kv[1], table, 100, 0.125, decodes)
-    if not (torch.equal(tiles, decodes) and torch.equal(tile_decodes, decodes)):
-        log.warning("CPU kernels: the AMX attention differs from the vector decode kernel's bits; a bf16 KV "
-                    "pool runs on the vector kernel (prefill as decodes: slower)")
-        return False
-    return True
-
-
-def _amx_int8_usable(k: CpuKernels) -> bool:
-    """Whether quantized products run on AMX-INT8 tiles here, giving the
-    vector kernel's bits: an avx512 build, AMX-INT8 in /proc/cpuinfo, the tile
-    state granted, and products of every format computed both ways equal."""
-    if k.isa != "avx512" or not {"amx_tile", "amx_int8"} <= cpu_flags() or not k.lib.ts_quant_amx_init():
-        return False
-    rng = np.random.default_rng(13)
-    x = torch.from_numpy(rng.standard_normal((37, 96), dtype=np.float32))
-    w = torch.from_numpy(rng.standard_normal((40, 96), dtype=np.float32))
-    for fmt in _FMT_CODES:
-        q = QuantizedWeight.quantize(w, fmt).pack()
-        k.amx_int8 = True
-        tiles = k.qlinear(x, q)
-        k.amx_int8 = False
-        if not torch.equal(tiles, k.qlinear(x, q)):
-            log.warning("CPU kernels: the AMX-INT8 %s product differs from the vector kernel's bits; "
-                        "quantized products stay on the vector kernel", fmt.upper())
-            return False
-    return True
-
-
 @functools.cache
 def load(isa: str | None = None) -> CpuKernels | None:
     """The kernels for `isa` (None: TRAJSERVE_CPU_ISA or the best this CPU
@@ -246,8 +194,10 @@ def load(isa: str | None = None) -> CpuKernels | None:
             continue
         failed = _known_answer(kernels)
         if failed is None:
-            kernels.amx = _amx_usable(kernels)
-            kernels.amx_int8 = _amx_int8_usable(kernels)
+            flags = cpu_flags()
+            kernels.amx = amx_usable(kernels, flags)
+            kernels.amx_kv_quant = kernels.amx and amx_kv_quant_usable(kernels)
+            kernels.amx_int8 = amx_int8_usable(kernels, flags, _FMT_CODES)
             kernels.lora_dp = lora_dp_usable(kernels, cpu_flags())
             return kernels
         log.warning("CPU kernels (%s) off: the %s failed its known-answer check", candidate, failed)
@@ -326,6 +276,7 @@ class CpuKernels:
         # AMX tiles (set by load() after their checks): the attention over a
         # bf16 pool (AMX-BF16), quantized products of >= 16 rows (AMX-INT8).
         self.amx = False
+        self.amx_kv_quant = False  # q8_0 / q4_0 pools' attention on the same tiles (rows read as bf16)
         self.amx_int8 = False
         self.lora_dp = False  # bf16 adapters' products on AVX512-BF16 (set by load() after its check)
         # The integer dot product the build compiled (1 AVX2, 2 AVX512-VNNI).
@@ -334,6 +285,12 @@ class CpuKernels:
     def amx_attention(self, head_dim: int, block_size: int) -> bool:
         """Whether a bf16 pool's prefill runs on AMX tiles for this shape."""
         return self.amx and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0
+
+    def amx_quantized(self, head_dim: int, block_size: int, group: int) -> bool:
+        """Whether a q8_0 / q4_0 pool's attention, decode and prefill alike,
+        runs on AMX tiles (rows read as bf16; attention_bf16.c): one choice for
+        both, so a token scores the same decoded or in a chunk."""
+        return self.amx_kv_quant and self.amx_attention(head_dim, block_size) and group <= 16
 
     @staticmethod
     def threads() -> int:
@@ -394,9 +351,13 @@ class CpuKernels:
         args = (q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
                 v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
                 rows.data_ptr(), scale, out.data_ptr(), out.stride(0))
-        if fmt == 1:
-            amx = self.amx_attention(d, k_cache.shape[2]) and num_heads // k_cache.shape[1] <= 16
-            (self.lib.ts_decode_attention_amx if amx else self.lib.ts_decode_attention_bf16)(*args, self.threads())
+        group = num_heads // k_cache.shape[1]
+        if fmt == 1 and self.amx_attention(d, k_cache.shape[2]) and group <= 16:
+            self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
+        elif fmt == 1:
+            self.lib.ts_decode_attention_bf16(*args, self.threads())
+        elif fmt != 0 and self.amx_quantized(d, k_cache.shape[2], group):  # q8_0 / q4_0 rows read as bf16
+            self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
         else:  # float32, or q8_0 / q4_0 rows dequantized as read
             self.lib.ts_decode_attention_q(*args, fmt, self.threads())
 
@@ -415,10 +376,16 @@ class CpuKernels:
         fmt = _pool_format(k_cache, v_cache, d)
         args = (q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
                 bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0))
-        if fmt == 1:
-            amx = self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES
-            failed = (self.lib.ts_prefill_attention_amx if amx else self.lib.ts_prefill_attention_bf16)(
-                *args, self.threads())
+        failed = 0
+        if fmt == 1 and self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES:
+            failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
+        elif fmt == 1:
+            self.lib.ts_prefill_attention_bf16(*args, self.threads())
+        elif fmt != 0 and self.amx_quantized(d, bs, num_heads // k_cache.shape[1]):  # rows read as bf16
+            if n >= AMX_MIN_QUERIES:
+                failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
+            else:
+                self.lib.ts_prefill_attention_amx_decodes(*args, fmt, self.threads())
         else:  # float32, or q8_0 / q4_0 key blocks dequantized as read
             failed = self.lib.ts_prefill_attention_q(*args, fmt, self.threads())
         if failed:

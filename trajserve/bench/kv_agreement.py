@@ -11,8 +11,9 @@ distribution. Reports per prompt the tokens identical up to the first
 divergence, the mean KL(p_float32 || p_format) over the 64 positions, and
 where they part, float32's own log-probability gap between its token and
 the format's (how near a tie the flipped choice was); then the share of
-continuations identical for all 64 and the mean KL over all positions. Weights and compute are the same on both sides (default
-`--quantization none`: float32 weights, so only the pool differs).
+continuations identical for all 64 and the mean KL over all positions.
+Weights and compute are the same on both sides (default `--quantization
+none`: float32 weights, so only the pool differs).
 """
 from __future__ import annotations
 

@@ -105,11 +105,10 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
     (~6x the float32 kernel's time), so auto keeps float32 there; asked for
     explicitly it runs. q8_0 and q4_0 run under any compute dtype (the C
     kernels and torch's attention dequantize the rows they read; with AMX,
-    `group` query heads per kv head up to 16, the C kernels read them as bf16
-    on the bf16 pool's tiles) for a head_dim that is a multiple of 32; auto
-    never picks them: they trade
-    quality for capacity, the user's call (as llama.cpp's --cache-type-k/v
-    and vLLM's --kv-cache-dtype fp8)."""
+    and `group` query heads per kv head up to 16, the C kernels read them as
+    bf16 on the bf16 pool's tiles) for a head_dim that is a multiple of 32;
+    auto never picks them: they trade quality for capacity, the user's call
+    (as llama.cpp's --cache-type-k/v and vLLM's --kv-cache-dtype fp8)."""
     from trajserve.kv.kv_quant import FORMATS
 
     if name == "auto":

@@ -42,8 +42,9 @@ and the values stay identical between the two. Measured on the embedded
 model (bench kv-agreement, docs/benchmarks.md): q8_0's mean KL against a
 float32 pool fell 2.2x (0.00033 to 0.00015) and its largest 4.7x; q4_0's
 mean KL 2.3x. (Its count of whole 64-token greedy continuations did not
-follow: 13 of 16 before, 12 after, every divergence at a near tie.) Groups of 32 rather than the whole head: the rotation then matches
-the quantization group (any head_dim the format takes), and a 64-wide one
+follow: 13 of 16 before, 12 after, every divergence at a near tie.)
+Groups of 32 rather than the whole head: the rotation then matches the
+quantization group (any head_dim the format takes), and a 64-wide one
 measured no better (torch path: mean KL 0.000166 vs 0.000154).
 """
 from __future__ import annotations
@@ -121,7 +122,7 @@ def pool_format(cache: torch.Tensor, head_dim: int) -> KVFormat:
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """H x for each group of 32 values along the last dimension (unnormalized
-    Walsh-Hadamard: H H = 32 I), as cpu_kernels.c's rotate32 computes it:
+    Walsh-Hadamard: H H = 32 I), as kv_rows.h's rotate32 computes it:
     five butterfly stages, pairs (j, j + h) in runs of 2 h becoming
     (a + b, a - b)."""
     y = x.float().reshape(-1, GROUP)

@@ -26,6 +26,18 @@ def K(request):
     return cpu_kernels.load(request.param) if ISAS else None
 
 
+@pytest.fixture(params=["tiles", "vector"])
+def KP(K, request):
+    """K with quantized pools' attention on AMX tiles, or on the vector
+    kernels (what CPUs without AMX run)."""
+    if request.param == "tiles" and not K.amx_kv_quant:
+        pytest.skip("this CPU or build runs no AMX tiles for quantized pools")
+    was = K.amx_kv_quant
+    K.amx_kv_quant = request.param == "tiles"
+    yield K
+    K.amx_kv_quant = was
+
+
 def _g(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -124,7 +136,7 @@ def _as_read(K, kf, vf, hq):
     """The float pool whose kernel a quantized pool's kernel equals: float32
     values (the vector kernels), or the values as bf16 where its attention
     runs on AMX tiles (the bf16 kernels)."""
-    if K.amx_quantized(kf.shape[-1], kf.shape[2], hq // kf.shape[1]):
+    if K.amx_quantized(kf.shape[-1], hq // kf.shape[1]):
         return kf.bfloat16(), vf.bfloat16()
     return kf, vf
 
@@ -148,7 +160,8 @@ def test_rotation_is_its_own_inverse_times_32_and_spreads_an_outlier():
 @needs_kernels
 @pytest.mark.parametrize("fmt", QFORMATS)
 @pytest.mark.parametrize("ctxs,bs,gqa,d", [((1, 17, 70, 200), 16, (9, 3), 64), ((5, 64), 8, (4, 2), 128)])
-def test_c_decode_over_quantized_rows_is_the_float_kernel_on_their_values(K, fmt, ctxs, bs, gqa, d):
+def test_c_decode_over_quantized_rows_is_the_float_kernel_on_their_values(KP, fmt, ctxs, bs, gqa, d):
+    K = KP
     g = _g(len(ctxs) + d)
     hq, hkv = gqa
     nblocks = sum((c + bs - 1) // bs for c in ctxs) + 3
@@ -172,7 +185,8 @@ def test_c_decode_over_quantized_rows_is_the_float_kernel_on_their_values(K, fmt
 @needs_kernels
 @pytest.mark.parametrize("fmt", QFORMATS)
 @pytest.mark.parametrize("prefix,n,bs,d", [(0, 40, 16, 64), (150, 70, 16, 64), (60, 2, 16, 64), (33, 9, 8, 128)])
-def test_c_prefill_over_quantized_rows_is_the_float_kernel_on_their_values(K, fmt, prefix, n, bs, d):
+def test_c_prefill_over_quantized_rows_is_the_float_kernel_on_their_values(KP, fmt, prefix, n, bs, d):
+    K = KP
     g = _g(prefix + n)
     hq, hkv, ctx = 6, 2, prefix + n
     nb = (ctx + bs - 1) // bs

@@ -122,7 +122,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
         fmt.row_elems(head_dim)  # a ValueError naming the field for a head_dim it cannot group
         if kernels is None or dtype != torch.float32:
             return fmt, "requested: rows dequantized as read in torch's attention"
-        if kernels.amx_quantized(head_dim, block_size, group):
+        if kernels.amx_quantized(head_dim, group):
             return fmt, "requested: rows read as bf16 by the C kernels' attention on AMX tiles"
         return fmt, "requested: rows dequantized as read in the C kernels' attention"
     if fmt.storage == dtype:

@@ -381,8 +381,9 @@ __attribute__((target("avx512bf16"))) static inline __attribute__((always_inline
     }
 }
 
-/* Requires ts_amx_init() == 1, d % 32 == 0, d <= 256, bs % 16 == 0, n <= ctx.
- * kv_fmt KV_BF16, or KV_Q8_0 / KV_Q4_0: the context's K rows are first
+/* Requires ts_amx_init() == 1, d % 32 == 0, d <= 256, n <= ctx, and for
+ * KV_BF16 bs % 16 == 0 (tiles load 16 keys straight from a block).
+ * kv_fmt KV_BF16, or KV_Q8_0 / KV_Q4_0 (any bs): the context's K rows are first
  * read into a bf16 buffer laid out as one pool block per kv head, V into
  * V^T as for bf16 (each row_bf16), and the queries rotated (kv_rows.h).
  * Returns the number of tasks that found no memory (outputs not written). */
@@ -583,8 +584,9 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_a
 }
 
 /* As ts_decode_attention_bf16, on tiles. Requires ts_amx_init() == 1,
- * d % 32 == 0, d <= 256, bs % 16 == 0, hq / hkv <= 16. kv_fmt: KV_BF16, or
- * KV_Q8_0 / KV_Q4_0 (each key block's rows read as bf16, amx_decode_task). */
+ * d % 32 == 0, d <= 256, hq / hkv <= 16, and for KV_BF16 bs % 16 == 0.
+ * kv_fmt: KV_BF16, or KV_Q8_0 / KV_Q4_0 (any bs: each key block's rows read
+ * as bf16 one by one, amx_decode_task). */
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention_amx(
     const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
     const void *v_cache, int64_t bs, const int64_t *tables, const int64_t *table_start, const int64_t *ctx,

@@ -286,11 +286,13 @@ class CpuKernels:
         """Whether a bf16 pool's prefill runs on AMX tiles for this shape."""
         return self.amx and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0
 
-    def amx_quantized(self, head_dim: int, block_size: int, group: int) -> bool:
+    def amx_quantized(self, head_dim: int, group: int) -> bool:
         """Whether a q8_0 / q4_0 pool's attention, decode and prefill alike,
         runs on AMX tiles (rows read as bf16; attention_bf16.c): one choice for
-        both, so a token scores the same decoded or in a chunk."""
-        return self.amx_kv_quant and self.amx_attention(head_dim, block_size) and group <= 16
+        both, so a token scores the same decoded or in a chunk. Not the block
+        size's to decide (the rows are read one by one into buffers), so a
+        block size never changes a quantized pool's tokens."""
+        return self.amx_kv_quant and head_dim % 32 == 0 and head_dim <= 256 and group <= 16
 
     @staticmethod
     def threads() -> int:
@@ -356,7 +358,7 @@ class CpuKernels:
             self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
         elif fmt == 1:
             self.lib.ts_decode_attention_bf16(*args, self.threads())
-        elif fmt != 0 and self.amx_quantized(d, k_cache.shape[2], group):  # q8_0 / q4_0 rows read as bf16
+        elif fmt != 0 and self.amx_quantized(d, group):  # q8_0 / q4_0 rows read as bf16
             self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
         else:  # float32, or q8_0 / q4_0 rows dequantized as read
             self.lib.ts_decode_attention_q(*args, fmt, self.threads())
@@ -381,7 +383,7 @@ class CpuKernels:
             failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
         elif fmt == 1:
             self.lib.ts_prefill_attention_bf16(*args, self.threads())
-        elif fmt != 0 and self.amx_quantized(d, bs, num_heads // k_cache.shape[1]):  # rows read as bf16
+        elif fmt != 0 and self.amx_quantized(d, num_heads // k_cache.shape[1]):  # rows read as bf16
             if n >= AMX_MIN_QUERIES:
                 failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
             else:

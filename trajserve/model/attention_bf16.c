@@ -355,10 +355,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static int amx_task(
     return 0;
 }
 
+/* The block table of a buffer of rows read out of a quantized pool: the
+ * buffer is block 0 (the AMX kernels' K operand reads through a table). */
+static const int64_t ONE_BLOCK[1] = {0};
+
 /* A quantized pool row as bf16: its exact values (kv_rows.h) rounded to
  * nearest even, as a bf16 pool's store rounds. On AMX a q8_0 / q4_0 pool is
  * read this way, so its attention is the bf16 pool's arithmetic over those
- * values (with the query and output rotated, kv_rows.h). d % 32 == 0. */
+ * values (with the query and output rotated, kv_rows.h). d % 32 == 0.
+ * dequantize_kv_row's values, 16 lanes at a time rather than calling it:
+ * through its float buffer the decode layer of docs/benchmarks.md took 3.44
+ * ms against 2.54 this way. */
 __attribute__((target("avx512bf16"))) static inline __attribute__((always_inline)) void row_bf16(
     const uint8_t *row, const int fmt, int64_t d, uint16_t *out) {
     const uint16_t *scales = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
@@ -393,7 +400,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
     int kv_fmt, int nthreads) {
     const int64_t ctxp = (ctx + KB - 1) / KB * KB, nqb = (n + AQ - 1) / AQ, rb = kv_row_bytes(kv_fmt, d);
     const int quant = kv_fmt != KV_BF16;
-    static const int64_t block0 = 0;
     const uint16_t *k_cache = k_pool, *v_cache = v_pool;
     const int64_t *ktable = table, kbs = quant ? ctxp : bs;
     uint16_t *vt = aligned_alloc(64, sizeof(uint16_t) * hkv * d * ctxp);
@@ -409,7 +415,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
             memcpy(qr + i * hq * d, q + i * ldq, sizeof(float) * hq * d);
             for (int64_t j = 0; j < hq; j++) rotate32(qr + (i * hq + j) * d, d);
         }
-        q = qr, ldq = hq * d, scale *= 0.03125f, k_cache = kq, ktable = &block0;
+        q = qr, ldq = hq * d, scale *= 0.03125f, k_cache = kq, ktable = ONE_BLOCK;
     }
     // V^T per kv head, zero past the context: the A operand of the PV tiles.
 #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads)
@@ -418,18 +424,20 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
             const uint16_t *v[KB];
             uint16_t vb[KB * 256];  // a quantized block's V rows as bf16
             for (int64_t i = 0; i < KB; i++) {
-                const int64_t r = k0 + i < ctx ? (table[(k0 + i) / bs] * hkv + h) * bs + (k0 + i) % bs : 0;
-                if (k0 + i >= ctx) {
+                uint16_t *kr = quant ? kq + (h * ctxp + k0 + i) * d : NULL;
+                if (k0 + i >= ctx) {  // past the context: no V row, a zero K row in the buffer
                     v[i] = NULL;
-                } else if (quant) {
-                    uint16_t *kr = kq + (h * ctxp + k0 + i) * d;
+                    if (quant) memset(kr, 0, sizeof(uint16_t) * d);
+                    continue;
+                }
+                const int64_t r = (table[(k0 + i) / bs] * hkv + h) * bs + (k0 + i) % bs;
+                if (quant) {
                     row_bf16((const uint8_t *)k_pool + r * rb, kv_fmt, d, kr);
                     row_bf16((const uint8_t *)v_pool + r * rb, kv_fmt, d, vb + i * d);
                     v[i] = vb + i * d;
                 } else {
                     v[i] = v_cache + r * d;
                 }
-                if (quant && k0 + i >= ctx) memset(kq + (h * ctxp + k0 + i) * d, 0, sizeof(uint16_t) * d);
             }
             for (int64_t c = 0; c < d; c++) {  // rows of V^T written in order, the block's V rows stay in L1
                 uint16_t *row = vt + (h * d + c) * ctxp + k0;
@@ -474,7 +482,6 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribut
     const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
     const int quant = fmt != KV_BF16;
     const uint16_t *k_cache = k_pool, *v_cache = v_pool;
-    static const int64_t block0 = 0;  /* the one-block table of a dequantized key block */
     uint16_t kq[KB * 256] __attribute__((aligned(64)));  /* a quantized key block's K and V rows as bf16 */
     uint16_t vq[KB * 256] __attribute__((aligned(64)));
     uint32_t qt[128 * AQ] __attribute__((aligned(64)));        /* Q^T pairs [d/2][16 heads] */
@@ -514,7 +521,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribut
                 row_bf16((const uint8_t *)k_pool + r * rb, fmt, d, kq + i * d);
                 if (i < nk) row_bf16((const uint8_t *)v_pool + r * rb, fmt, d, vq + i * d);
             }
-            scores_tiles(kq, &block0, KB, 1, 0, d, 0, ng, qt, s);
+            scores_tiles(kq, ONE_BLOCK, KB, 1, 0, d, 0, ng, qt, s);
         } else {
             scores_tiles(k_cache, table, bs, hkv, h, d, kb0, ng, qt, s);
         }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from trajserve.bench.kv_emulation import EMULATIONS
 from trajserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from trajserve.engine.options import add_engine_args
 
@@ -96,6 +97,9 @@ def add_bench_parser(sub) -> None:
                      help="the weights of both sides (default none: float32, so only the pool differs)")
     kva.add_argument("--prompts", type=int, default=16, help="the first N of the 16 prompts (shortest first)")
     kva.add_argument("--num-blocks", type=int, default=None)
+    kva.add_argument("--emulate", default=None, choices=EMULATIONS,
+                     help="instead of --kv-cache-dtype: a float32 pool whose stored rows take this loss, float32 "
+                     "compute (where the disagreement comes from; bench/kv_emulation.py)")
     kva.add_argument("--json", action="store_true", help="print only JSON")
     kva.set_defaults(func=_kv_agreement)
 

@@ -43,7 +43,7 @@ def test_each_emulation_changes_exactly_the_rows_it_names(emulation):
     k_cache, v_cache = torch.zeros(4, kvh, 16, d), torch.zeros(4, kvh, 16, d)
     blocks, offsets, positions = torch.tensor([1, 1, 1, 2, 2, 3]), torch.tensor([0, 5, 15, 0, 9, 3]), torch.arange(T)
     store = EmulatedStore(_Kernels(rows), emulation)
-    store.full_from = 4  # q8_0-recent64: positions 4 and 5 stay float32
+    store.full_from = 4  # the -recent64 ones: positions 4 and 5 stay float32
     assert store.other == "real"  # every other kernel is the real one's
     store.rope_store(None, 0, kvh, d, None, None, positions, k_cache, v_cache, blocks, offsets)
     k, v = k_cache[blocks, :, offsets], v_cache[blocks, :, offsets]

@@ -515,12 +515,13 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribut
     for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
         const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, ng = (nk + 15) / 16, nc = (nk + CHUNK - 1) / CHUNK;
         if (quant) {  // the block's rows as bf16 (their exact values rounded), then read as a one-block bf16 pool
-            for (int64_t i = 0; i < ng * 16; i++) {
-                const int64_t key = kb0 + (i < nk ? i : nk - 1);  // past the context: the last key (scores dropped)
-                const int64_t r = (table[key / bs] * hkv + h) * bs + key % bs;
+            for (int64_t i = 0; i < nk; i++) {
+                const int64_t key = kb0 + i, r = (table[key / bs] * hkv + h) * bs + key % bs;
                 row_bf16((const uint8_t *)k_pool + r * rb, fmt, d, kq + i * d);
-                if (i < nk) row_bf16((const uint8_t *)v_pool + r * rb, fmt, d, vq + i * d);
+                row_bf16((const uint8_t *)v_pool + r * rb, fmt, d, vq + i * d);
             }
+            // the tile's rows past the context: zero keys (their scores are set to -inf below)
+            memset(kq + nk * d, 0, sizeof(uint16_t) * (ng * 16 - nk) * d);
             scores_tiles(kq, ONE_BLOCK, KB, 1, 0, d, 0, ng, qt, s);
         } else {
             scores_tiles(k_cache, table, bs, hkv, h, d, kb0, ng, qt, s);

@@ -198,7 +198,7 @@ def load(isa: str | None = None) -> CpuKernels | None:
             kernels.amx = amx_usable(kernels, flags)
             kernels.amx_kv_quant = kernels.amx and amx_kv_quant_usable(kernels)
             kernels.amx_int8 = amx_int8_usable(kernels, flags, _FMT_CODES)
-            kernels.lora_dp = lora_dp_usable(kernels, cpu_flags())
+            kernels.lora_dp = lora_dp_usable(kernels, flags)
             return kernels
         log.warning("CPU kernels (%s) off: the %s failed its known-answer check", candidate, failed)
     return None

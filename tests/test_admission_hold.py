@@ -10,6 +10,7 @@ from trajserve.config import SchedulerConfig
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.scope import CacheScope
 
 
 def run(sched, until=None):
@@ -65,7 +66,7 @@ def test_a_resumed_state_is_held_until_its_turn_is_admitted(standin):
     while eng.has_unfinished_requests():
         eng.step()
     assert len(eng.kv.holds) == 1
-    assert eng.kv.cached_prefix(a.history[:64], a.cache_salt).num_tokens >= 60
+    assert eng.kv.cached_prefix(a.history[:64], a.scope).num_tokens >= 60
     out = a.generate(greedy(4))
     assert out.num_cached_tokens >= 60
     assert not eng.kv.holds  # admitted: the request holds the path itself now
@@ -88,7 +89,7 @@ def test_under_the_ceiling_other_turns_holds_yield_but_the_heads():
         sched.add(Request(f"r{k}", p, greedy(1), 10**6))
     run(sched)
     owners = [object(), object()]
-    nodes = [kv.pin(p[:32], None) for p in paths]
+    nodes = [kv.pin(p[:32], CacheScope()) for p in paths]
     for o, n in zip(owners, nodes):
         kv.holds.hold(o, n)
     assert kv.num_active_blocks == 16

@@ -14,6 +14,7 @@ from trajserve.cluster.directory import KVEvent, PrefixDirectory, prompt_hashes
 from trajserve.cluster.router import (CharPrefix, KVRouter, LeastLoaded, ReplicaLoad, RoundRobin, RouteRequest,
                                       make_router)
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.scope import CacheScope
 
 B = 16
 
@@ -26,9 +27,10 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
 def test_prompt_hashes_are_the_radix_caches_own():
     kv = KVCacheManager(64, B, 0.0, enable_prefix_caching=True, model_id="m")
     toks = _tokens(5 * B + 3)
-    for salt in (None, "tenant-a", (None, "lora", "d" * 64)):
-        assert prompt_hashes(kv.namespace(salt), toks, B) == kv.prefix_hashes(toks, salt, 5)
-    assert prompt_hashes(kv.namespace("a"), toks, B)[0] != prompt_hashes(kv.namespace("b"), toks, B)[0]
+    for scope in (CacheScope(), CacheScope("tenant-a"), CacheScope(None, "d" * 64)):
+        assert prompt_hashes(kv.namespace(scope), toks, B) == kv.prefix_hashes(toks, scope, 5)
+    assert prompt_hashes(kv.namespace(CacheScope("a")), toks, B)[0] != \
+        prompt_hashes(kv.namespace(CacheScope("b")), toks, B)[0]
 
 
 def test_a_replicas_match_is_its_leading_run_of_held_blocks_by_tier():
@@ -153,7 +155,7 @@ def test_a_directory_fed_by_the_radix_caches_events_agrees_with_it():
     for i in range(300):
         op = rng.random()
         if op < 0.8:
-            salt = rng.choice([None, "t"])
+            salt = CacheScope(rng.choice([None, "t"]))
             toks = rng.choice(stems) + _tokens(rng.randrange(1, 30), 100 + i)
             rid = f"r{i}"
             hit = kv.match(rid, toks, salt)
@@ -161,7 +163,7 @@ def test_a_directory_fed_by_the_radix_caches_events_agrees_with_it():
                 kv.release(rid, toks, len(toks), salt)  # computed, then finished: its blocks go to the tree
             prompts.append((salt, toks))
         elif op < 0.9:
-            salt, toks = rng.choice(prompts) if prompts else (None, stems[0])
+            salt, toks = rng.choice(prompts) if prompts else (CacheScope(), stems[0])
             kv.invalidate(toks[:rng.randrange(1, len(toks))], salt)
         elif op < 0.95:
             kv.radix.evict(rng.randrange(1, 10))

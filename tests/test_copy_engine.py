@@ -127,7 +127,7 @@ def test_reload_streams_under_the_resumed_prefill_with_identical_tokens(mgr, mon
     cached = []
 
     def pause_host_resume(s):
-        cached.append(mgr.engine.kv.cached_prefix(s.history, None).num_tokens)
+        cached.append(mgr.engine.kv.cached_prefix(s.history, s.scope).num_tokens)
         s.pause(decision="host")
         mgr.flush()
         assert s.table.counts()["host"] == s.saved_blocks > 0 and s.pin is None

@@ -23,6 +23,7 @@ from trajserve.kv import block_format as fmt
 from trajserve.kv.block_format import BlockIdentity, BlockLayout, BlockRejected
 from trajserve.kv.dir_lock import LOCK_NAME, DirInUse, DirLock, ScratchDir, sweep_orphans
 from trajserve.kv.lower_tiers import LowerTiers
+from trajserve.kv.scope import CacheScope
 from trajserve.kv.tiers import DiskKVStore
 
 B = 4
@@ -105,7 +106,7 @@ def test_file_names_are_digests_never_the_key(tmp_path):
 # -------------------------------------------------------- lower tiers
 
 def _hashes(kv, tokens, salt=None):
-    return kv.prefix_hashes(tokens, salt, len(tokens) // B)
+    return kv.prefix_hashes(tokens, CacheScope(salt), len(tokens) // B)
 
 
 def test_rotated_files_are_rejected_counted_and_recomputed(tmp_path):

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from server_util import ServerProcess
 from test_server import wait_idle
-from trajserve.engine.session import check_session_id
+from trajserve.engine.session_ids import check_session_id
 from trajserve.server import anthropic, protocol, responses
 
 MODEL = "smol"

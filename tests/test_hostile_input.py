@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from trajserve.engine.session import SESSION_ID_MAX, SessionManager, check_session_id
+from trajserve.engine.session import SessionManager
+from trajserve.engine.session_ids import SESSION_ID_MAX, check_session_id
 from trajserve.sampling import SamplingParams
 
 SURROGATE = "h\ud800i"
@@ -169,7 +170,7 @@ def test_a_fork_of_a_host_paused_session_hits_its_saved_blocks(mgr, engine_f32):
     s.generate(greedy)
     s.pause(decision="host")
     mgr.flush()
-    assert s.saved_blocks > 0 and engine_f32.kv.cached_prefix(s.history, None).num_tokens == 0
+    assert s.saved_blocks > 0 and engine_f32.kv.cached_prefix(s.history, s.scope).num_tokens == 0
     (child,) = s.fork(1)
     out = child.generate(greedy)
     assert out.num_cached_tokens >= (len(s.history) - 1) // 16 * 16 - 16

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.scope import CacheScope
 
 
 def write(kv: KVCacheManager, content: dict, rid: str, tokens: list[int], start: int) -> None:
@@ -37,7 +38,7 @@ def test_fork_shares_every_block_and_copies_only_the_written_tail():
     parent = list(range(100, 114))  # 3 full blocks + 2 tokens in the tail
     assert kv.allocate_slots("p", len(parent), write_from=0)
     write(kv, content, "p", parent, 0)
-    kv.cache_computed("p", parent, len(parent), None)
+    kv.cache_computed("p", parent, len(parent), CacheScope())
     used = kv.pool.num_used
     kv.fork("p", "c1")
     kv.fork("p", "c2")
@@ -65,7 +66,7 @@ def test_fork_shares_every_block_and_copies_only_the_written_tail():
     for rid, toks in (("p", p2), ("c1", c1), ("c2", c2)):
         assert read(kv, content, rid, len(toks)) == toks, rid
     for rid, toks in (("p", p2), ("c1", c1), ("c2", c2)):
-        kv.release(rid, toks, len(toks), None)
+        kv.release(rid, toks, len(toks), CacheScope())
     kv.clear_cache()
     assert kv.pool.num_free == kv.num_blocks
     kv.pool.check()
@@ -79,7 +80,7 @@ def test_spec_fork_example_uses_131_blocks_not_416():
     kv = KVCacheManager(200, B, 0.0, enable_prefix_caching=True)  # 416 would not fit
     prefix = list(range(prefix_blocks * B))
     assert kv.allocate_slots("p", len(prefix), write_from=0)
-    kv.cache_computed("p", prefix, len(prefix), None)
+    kv.cache_computed("p", prefix, len(prefix), CacheScope())
     kids = [f"b{i}" for i in range(branches)]
     for k in kids:
         kv.fork("p", k)
@@ -87,7 +88,7 @@ def test_spec_fork_example_uses_131_blocks_not_416():
     for i, k in enumerate(kids):
         toks = prefix + [10_000 * (i + 1) + j for j in range(private * B)]
         assert kv.allocate_slots(k, len(toks), write_from=len(prefix))
-        kv.cache_computed(k, toks, len(toks), None)
+        kv.cache_computed(k, toks, len(toks), CacheScope())
     assert kv.pool.num_used == prefix_blocks + branches * private == 131
     assert kv.num_cow_copies == 0  # the prefix ends on a block boundary: nothing to copy
     assert all(kv.pool.ref_counts[b] == branches + 1 for b in kv.table("b0").block_ids[:prefix_blocks])
@@ -101,7 +102,7 @@ def test_spec_fork_example_uses_131_blocks_not_416():
 
 B = 2
 PREFIXES = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6, 6, 6], [9, 9, 9], []]
-SALTS = [None, "tenant"]
+SALTS = [CacheScope(), CacheScope("tenant")]
 
 
 class KVMachine(RuleBasedStateMachine):

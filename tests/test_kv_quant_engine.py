@@ -11,6 +11,7 @@ import torch
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.dtype import resolve_kv_dtype
 from trajserve.engine.engine import LLMEngine
+from trajserve.kv.scope import CacheScope
 from trajserve.sampling import SamplingParams
 
 QFORMATS = ["q8_0", "q4_0"]
@@ -91,7 +92,7 @@ def test_a_conversation_resumes_from_a_lower_tier_with_the_formats_tokens(fmt, r
     history = turn1 + list(run(eng, turn1).outputs[0].token_ids)
     for k in range(3):  # other traffic pushes turn 1 out of the 24-block pool
         run(eng, tok.encode(f"Unrelated request number {k}: " + "summarize the weather report. " * 30))
-    assert eng.kv.cached_prefix(history, None).num_tokens < 64
+    assert eng.kv.cached_prefix(history, CacheScope()).num_tokens < 64
     turn2 = history + tok.encode(" Now open main.py.")
     out = run(eng, turn2)
     assert out.outputs[0].token_ids == run(reference, turn2).outputs[0].token_ids

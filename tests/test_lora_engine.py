@@ -17,6 +17,7 @@ from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.request import Request
 from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.scope import CacheScope
 from trajserve.llm import LLM
 from trajserve.lora.adapter import AdapterError, load_adapter
 from trajserve.lora.rows import LoRARows
@@ -205,8 +206,8 @@ def test_adapters_share_no_block_and_no_tier_entry(tiny):
     assert run(None).num_cached_tokens == 0
     again = run("a")
     assert again.num_cached_tokens >= len(p) - 4 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    a_scope = (None, "lora", eng.lora.get("a").digest)
-    assert _hit(eng, p, a_scope) > 0 and _hit(eng, p, (None, "lora", eng.lora.get("c").digest)) == 0
+    a_scope = CacheScope(None, eng.lora.get("a").digest)
+    assert _hit(eng, p, a_scope) > 0 and _hit(eng, p, CacheScope(None, eng.lora.get("c").digest)) == 0
     # Every path (a's, b's, the base's) goes down to the host tier.
     eng.kv.radix.evict(eng.kv.radix.num_cached_blocks)
     assert eng.kv.radix.num_cached_blocks == 0 and eng.lower.num_host_blocks > 0
@@ -239,7 +240,7 @@ def test_unloading_an_adapter_in_use_finishes_its_requests_with_it(tiny):
     eng = llm.engine
     p = _prompts(1, seed=17)[0]
     want = llm.generate([p], GREEDY, use_tqdm=False, lora="a")[0].outputs[0].token_ids
-    scope = (None, "lora", eng.lora.get("a").digest)
+    scope = CacheScope(None, eng.lora.get("a").digest)
     assert _hit(eng, p, scope) > 0
     rid = eng.add_request(p + [5], GREEDY, lora="a")
     eng.step()

@@ -6,6 +6,7 @@ unload, /metrics counts per adapter, a session stays with its adapter."""
 from __future__ import annotations
 
 import re
+import time
 import shutil
 
 import httpx
@@ -105,3 +106,27 @@ def test_metrics_per_adapter_and_sessions_keep_their_adapter(setup):
     assert got["a"] >= 3
     assert re.search(r'^trajserve_lora_generation_tokens_total\{adapter="a"\} (\d+)', text, re.M)
     assert re.search(r'^trajserve_lora_adapters\{state="loaded"\} 1\.0$', text, re.M)
+
+
+def test_a_paused_lora_session_leaves_the_adapters_cache_exact(setup):
+    """The hostile probe's sequence: the base model holds the prompt cached
+    when a LoRA session on it pauses to the host tier and resumes; the
+    adapter's later requests still get the adapter's text."""
+    _, server, ref = setup
+    url = server.url
+    m = [(13 * i + 2) % 290 for i in range(48)]
+    first = _complete(url, "a", m, cache_salt="ref").json()["choices"][0]["text"]
+    assert first == _want(ref, "a", m)
+    assert _complete(url, "base", m, max_tokens=1).status_code == 200
+    r = _complete(url, "a", m, session_id="s-probe", tool_wait_s=5)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == first
+    deadline = time.monotonic() + 10
+    while (got := httpx.get(url + "/v1/sessions/s-probe").json())["residency"] != "offloaded":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.05)
+    assert got["decision"]["decision"] == "host" and got["saved_blocks"] == (48 + 8 - 1) // 4
+    r = _complete(url, "a", m + [4, 5], session_id="s-probe")
+    assert r.json()["choices"][0]["text"] == _want(ref, "a", m + [4, 5])
+    r = _complete(url, "a", m).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 44 and r["choices"][0]["text"] == first
+    assert _complete(url, "base", m).json()["choices"][0]["text"] == _want(ref, None, m)

@@ -24,6 +24,7 @@ from trajserve.engine.engine import LLMEngine
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.block_format import BlockLayout, namespace_digest
 from trajserve.kv.lower_tiers import LowerTiers
+from trajserve.kv.scope import CacheScope
 from trajserve.kv.tiers import DISK_HEADER_BYTES
 
 B = 4
@@ -55,9 +56,10 @@ def manager(num_blocks: int, host_blocks: int, disk_blocks: int = 0, tmp_path=No
 
 
 def run_request(kv: KVCacheManager, pool: TokenPool, rid: str, tokens: list[int], salt=None) -> int:
+    scope = CacheScope(salt)
     """Admit, 'compute' (write the tokens into their blocks), cache and
     release; returns the tokens matched. Checks the matched blocks first."""
-    hit = kv.match(rid, tokens, salt)
+    hit = kv.match(rid, tokens, scope)
     matched = hit.num_tokens if hit else 0
     if hit:
         got = pool.data[hit.block_ids].flatten().tolist()
@@ -68,7 +70,7 @@ def run_request(kv: KVCacheManager, pool: TokenPool, rid: str, tokens: list[int]
         chunk = tokens[i * B:(i + 1) * B]
         if len(chunk) == B and i * B >= matched:
             pool.data[b] = torch.tensor(chunk)
-    kv.release(rid, tokens, len(tokens), salt)
+    kv.release(rid, tokens, len(tokens), scope)
     return matched
 
 
@@ -109,7 +111,7 @@ def test_corrupt_disk_block_stops_the_match_there(tmp_path):
     assert lower.num_disk_blocks > 0
     lower.flush()  # disk writes run on the tier's writer thread
     # Flip one byte of a's third block on disk (hash chain: block 2 of a).
-    h = kv.radix.path_hash(kv.radix.match_blocks(kv.namespace(None), []).last_node)
+    h = kv.radix.path_hash(kv.radix.match_blocks(kv.namespace(CacheScope()), []).last_node)
     from trajserve.kv.radix_cache import chain_hash
     keys = kv.radix.block_keys(a)
     hashes = []
@@ -163,8 +165,8 @@ def test_invalidate_and_tenants_never_reach_the_lower_tiers():
     assert lower.num_host_blocks > 0
     # Another tenant with the same tokens: nothing from t1's tiers.
     assert run_request(kv, pool, "a-t2", a + [1], salt="t2") == 0
-    kv.invalidate(cache_salt="t1")
-    t1 = namespace_digest(kv.namespace("t1"))
+    kv.invalidate(None, CacheScope("t1"))
+    t1 = namespace_digest(kv.namespace(CacheScope("t1")))
     assert lower.num_host_blocks == 0 or all(lower._ns[k] != t1 for k in lower._ns)
     assert run_request(kv, pool, "a-again", a + [1], salt="t1") == 0
 
@@ -212,7 +214,7 @@ def test_engine_resumes_a_conversation_from_a_lower_tier_with_identical_output(r
     # Other traffic fills the 24-block pool: turn 1's blocks leave the device.
     for k in range(3):
         run(eng, tok.encode(f"Unrelated request number {k}: " + "summarize the weather report. " * 30))
-    assert eng.kv.cached_prefix(history, None).num_tokens < 64
+    assert eng.kv.cached_prefix(history, CacheScope()).num_tokens < 64
     turn2 = history + tok.encode(" Now open main.py.")
     out = run(eng, turn2)
     ref = run(reference, turn2)

@@ -7,6 +7,7 @@ from trajserve.engine.session import SessionManager
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy
 from trajserve.kv.pause_machine import PauseCounts, PauseMachine, Residency
+from trajserve.kv.scope import CacheScope
 from trajserve.sim import pauses as sim_pauses
 
 B = 4
@@ -16,7 +17,7 @@ class Record:
     """A PausedRecord (the fields the machine reads and writes)."""
 
     def __init__(self, history):
-        self.history, self.keys, self.cache_salt = history, None, None
+        self.history, self.keys, self.scope = history, None, CacheScope()
         self.paused_at = self.decision = self.tier = self.residency = self.pin = None
         self.lease_deadline = self.prefetch_at = None
         self.expected_wait_s, self.forced, self.prefetched = 0.0, False, False
@@ -38,8 +39,8 @@ class Books:
         self.room[tier] -= n
         return True
 
-    def save(self, p, tier, block_ids, sync):
-        self.saving[id(p)] = (p, tier, len(block_ids))
+    def save(self, p, tier, hit, sync):
+        self.saving[id(p)] = (p, tier, len(hit.block_ids))
         if sync:
             self.land(p)
 
@@ -47,14 +48,14 @@ class Books:
         p, tier, n = self.saving.pop(id(p))
         self.saved[id(p)] = (tier, n)
         p.residency = Residency.OFFLOADED
-        self.kv.evict_prefix(p.history, p.cache_salt)
+        self.kv.evict_prefix(p.history, p.scope)
 
     def load(self, p, now, landed):
         tier, n = self.saved.pop(id(p))
         self.room[tier] += n
-        got = self.kv.begin_import(p.history, p.cache_salt, n)
+        got = self.kv.begin_import(p.history, p.scope, n)
         hit, new = got
-        self.kv.finish_import(p.history, p.cache_salt, hit, new, len(new))
+        self.kv.finish_import(p.history, p.scope, hit, new, len(new))
         if landed is not None:
             self.landed_cb[id(p)] = (p, landed)  # lands when the test says so
         return True
@@ -88,8 +89,8 @@ def machine(host_blocks=100, disk_blocks=100, ceiling=0.9, host_rate=1e9):
 def cached(kv, tokens):
     """tokens' full blocks computed and cached, held by nobody (as after a turn)."""
     kv.allocate_slots("r", len(tokens))
-    kv.cache_computed("r", tokens, len(tokens), None)
-    kv.release("r", tokens, len(tokens))
+    kv.cache_computed("r", tokens, len(tokens), CacheScope())
+    kv.release("r", tokens, len(tokens), CacheScope())
 
 
 def test_a_lease_runs_out_then_the_state_saves_offloads_prefetches_and_resumes():
@@ -107,7 +108,7 @@ def test_a_lease_runs_out_then_the_state_saves_offloads_prefetches_and_resumes()
     assert m.stats.lease_demotions == 1 and p.tier in (Decision.HOST, Decision.DISK)
     assert p.residency is Residency.SAVING and p.pin is None
     books.land(p)
-    assert p.residency is Residency.OFFLOADED and kv.cached_prefix(hist, None).num_tokens == 0
+    assert p.residency is Residency.OFFLOADED and kv.cached_prefix(hist, CacheScope()).num_tokens == 0
     # prefetch_fraction 0.8 x 10 s less the 1 s reload: due at 7 s
     assert p.prefetch_at == 7.0 and m.next_timer() == 7.0
     clock[0] = 7.0
@@ -129,7 +130,7 @@ def test_a_full_tier_falls_through_to_the_next_and_then_to_drop():
     p = Record(hist)
     m.pause("a", p, 5.0, True, "host", now=0.0)
     assert p.tier is Decision.DROP and p.residency is Residency.DROPPED
-    assert kv.cached_prefix(hist, None).num_tokens == 0  # a drop frees the path
+    assert kv.cached_prefix(hist, CacheScope()).num_tokens == 0  # a drop frees the path
     assert m.stats.decisions == {"host": 1} and m.stats.placed == {"drop": 1}
     m2, kv2, books2, _ = machine(host_blocks=5, disk_blocks=50)
     cached(kv2, hist)

@@ -131,12 +131,12 @@ def test_offloaded_state_is_prefetched_before_a_known_return(standin):
     a.pause(expected_wait_s=0.2, tool="lint", decision="host")
     assert a.prefetch_at is not None and a.tier is Decision.HOST
     mgr.flush()  # the save lands on the copy engine
-    assert eng.kv.cached_prefix(a.history, None).num_tokens == 0
+    assert eng.kv.cached_prefix(a.history, a.scope).num_tokens == 0
     time.sleep(0.2)
     mgr.tick()  # starts the prefetch in the background
     assert a.copy is not None and not a.prefetched
     mgr.flush()
-    assert a.prefetched and eng.kv.cached_prefix(a.history, None).num_tokens == 60
+    assert a.prefetched and eng.kv.cached_prefix(a.history, a.scope).num_tokens == 60
     history = list(a.history)
     a.resume([7, 8])
     assert mgr.stats.prefetch_hits == 1 and mgr.stats.resume_stalls == 0

@@ -28,7 +28,7 @@ def test_a_preamble_two_sessions_share_is_stored_once(mgr):
     a, b = mgr.open(messages("Run the linter.")), mgr.open(messages("Run the tests."))
     a.generate(GREEDY)
     b.generate(GREEDY)
-    shared = kv.cached_prefix(a.history, None)
+    shared = kv.cached_prefix(a.history, a.scope)
     common = 0
     while common < min(len(a.history), len(b.history)) and a.history[common] == b.history[common]:
         common += 1
@@ -58,7 +58,7 @@ def test_a_resume_without_room_leaves_the_state_for_the_turns_match_to_promote(m
     s.pause(decision="host")
     mgr.flush()
     saved = s.saved_blocks
-    assert saved > 2 and kv.cached_prefix(s.history, None).num_tokens == 0
+    assert saved > 2 and kv.cached_prefix(s.history, s.scope).num_tokens == 0
     monkeypatch.setattr(kv, "begin_import", lambda *a, **k: None)  # the device has no room at the resume
     s.resume(OBS)
     monkeypatch.undo()

@@ -41,10 +41,10 @@ def two_turns(mgr, task: str, pause=None):
     first = s.generate(GREEDY)
     info = None
     if pause is not None:
-        before = mgr.engine.kv.cached_prefix(s.history, None).num_tokens
+        before = mgr.engine.kv.cached_prefix(s.history, s.scope).num_tokens
         d = s.pause(expected_wait_s=1.0, tool="run_tests", decision=pause)
         mgr.flush()  # saves land on the copy engine: now the device frames are free
-        after = mgr.engine.kv.cached_prefix(s.history, None).num_tokens
+        after = mgr.engine.kv.cached_prefix(s.history, s.scope).num_tokens
         info = (d, before, after)
     if s.state is SessionState.PAUSED:
         s.resume(OBS)

@@ -150,7 +150,7 @@ def run_policy(engine, workload, policy: str, args) -> dict:
         now = time.monotonic()
         dt, last = now - last, now
         # A kept session's device bytes: its pinned path (what cached_prefix finds).
-        held_gbs += dt * sum(len(engine.kv.cached_prefix(s.history, None).block_ids) * m_block
+        held_gbs += dt * sum(len(engine.kv.cached_prefix(s.history, s.scope).block_ids) * m_block
                              for s in mgr.sessions.values()
                              if s.state is SessionState.PAUSED and s.tier is Decision.KEEP) / 1e9
         for t in trajs:

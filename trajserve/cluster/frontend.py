@@ -58,7 +58,7 @@ from trajserve.cluster.replica import Report, ReplicaInfo
 from trajserve.cluster.replicas import ReplicaDown, ReplicaSet, ReplicaState
 from trajserve.cluster.route_key import RouteKey, route_key
 from trajserve.cluster.router import KVRouter, ReplicaLoad, RouteRequest, Router
-from trajserve.engine.request import scope_of
+from trajserve.kv.scope import CacheScope, namespace_of
 from trajserve.server import anthropic
 from trajserve.server.errors import error_response
 from trajserve.server.tap import sse_event
@@ -108,7 +108,7 @@ class Frontend:
         digest = info.adapters.get(key.model) if key.model is not None else None
         # Without the last token: a replica computes at least that one (its
         # logits give the first output), so a block ending on it is never a hit.
-        return prompt_hashes((info.model_id, scope_of(key.cache_salt, digest)), key.token_ids[:-1],
+        return prompt_hashes(namespace_of(info.model_id, CacheScope(key.cache_salt, digest)), key.token_ids[:-1],
                              info.block_size)
 
     def _choose(self, key: RouteKey, exclude: set[int]) -> tuple[int, int, RouteRequest | None]:

@@ -48,7 +48,7 @@ class ReplicaInfo:
     block_size: int
     names: tuple[str, ...]
     max_model_len: int
-    adapters: dict[str, bytes] = field(default_factory=dict)  # LoRA name -> digest (the cache scope's part)
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA name -> digest (the cache scope's part)
 
 
 class Replica:

@@ -25,6 +25,7 @@ import torch
 from trajserve.config import EngineConfig
 from trajserve.engine.core import EngineCore, StepStats
 from trajserve.engine.dtype import resolve_dtype, resolve_kv_dtype, resolve_quantization
+from trajserve.engine.invalidation import scopes_of_salt, stale_prefix
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_executor import ModelExecutor
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
@@ -434,33 +435,14 @@ class LLMEngine:
     # ----------------------------------------------------------------- metrics
     def invalidate(self, prefix_tokens: str | list[int] | None = None, cache_salt: str | None = None) -> int:
         """Drop cached state under a token prefix (or, with no prefix, a whole
-        salt's namespace): when a file an agent read changes, KV derived from
-        its old text must not be served. The prefix ends with the first stale
-        token: the cached paths through it lose the block holding that token
-        and everything after it; what comes before stays. Returns the blocks
-        dropped.
-
-        A text prefix is encoded on its own, and its last token may differ
-        from the same text's inside a longer prompt (BPE merges across the
-        boundary: "cat " alone ends in " ", inside "cat food" it does not).
-        So a text prefix drops what follows all but its last token: a little
-        more than asked, never less (serving stale KV is the fault to avoid).
-        Token ids are matched exactly."""
-        if prefix_tokens is not None:
-            if isinstance(prefix_tokens, str):
-                prefix_tokens = self.tokenizer.encode(prefix_tokens)[:-1]  # as add_request encodes text
-                if not prefix_tokens:
-                    raise ValueError("invalidate: a text prefix needs at least 2 tokens (its last one is "
-                                     "uncertain at the boundary); pass token ids, or cache_salt alone for "
-                                     "a whole namespace")
-            elif not isinstance(prefix_tokens, list) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in prefix_tokens):
-                raise ValueError(f"invalidate: prefix_tokens must be text or a list of token ids, "
-                                 f"got {type(prefix_tokens).__name__}")
-            elif not prefix_tokens:
-                raise ValueError("invalidate: the prefix is empty; to drop a whole namespace pass "
-                                 "cache_salt alone (prefix_tokens=None)")
-        return self.kv.invalidate(prefix_tokens, cache_salt)
+        salt's namespace), on the base model and every adapter: when a file an
+        agent read changes, KV derived from its old text must not be served.
+        The prefix ends with the first stale token: the cached paths through
+        it lose the block holding that token and everything after it; what
+        comes before stays (engine/invalidation.py: a text prefix drops a
+        little more). Returns the blocks dropped."""
+        ids = stale_prefix(self.tokenizer, prefix_tokens)
+        return sum(self.kv.invalidate(ids, scope) for scope in scopes_of_salt(cache_salt, self.lora))
 
     def metrics(self) -> dict:
         radix = self.kv.radix

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trajserve.kv.scope import CacheScope
 from trajserve.sampling import SamplingParams
 
 
@@ -34,20 +34,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort")
-
-
-def cache_scope(cache_salt: str | None, lora) -> Hashable:
-    """Everything besides the tokens a sequence's KV depends on, as the
-    cache's namespace takes it: the tenant's salt, and the LoRA adapter by the
-    digest of its weights (never a hit across adapters, or across two
-    versions of one adapter's name). The base model's scope is the salt alone."""
-    return scope_of(cache_salt, None if lora is None else lora.digest)
-
-
-def scope_of(cache_salt: str | None, adapter_digest: bytes | None) -> Hashable:
-    """cache_scope from the adapter's digest alone (the cluster's front end
-    hashes prompts under the replicas' namespaces without loading adapters)."""
-    return cache_salt if adapter_digest is None else (cache_salt, "lora", adapter_digest)
 
 
 @dataclass(slots=True)
@@ -86,14 +72,13 @@ class Request:
     num_accepted_draft_tokens: int = 0
     # LoRA: the adapter its rows run (lora/adapter.py LoRAAdapter), None for the base model.
     lora: Any = None
+    # The namespace its blocks live in: its salt and adapter (kv/scope.py); both are fixed at construction.
+    cache_scope: CacheScope = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
-
-    @property
-    def cache_scope(self) -> Hashable:
-        return cache_scope(self.cache_salt, self.lora)
+        self.cache_scope = CacheScope.of(self.cache_salt, self.lora)
 
     @property
     def num_prompt_tokens(self) -> int:

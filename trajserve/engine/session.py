@@ -33,45 +33,25 @@ import enum
 import itertools
 import logging
 import math
-import re
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from trajserve.engine.engine import LLMEngine
-from trajserve.engine.request import cache_scope
+from trajserve.engine.session_ids import check_session_id
 from trajserve.engine.session_offload import SessionOffload
 from trajserve.kv.copy_engine import CopyJob
 from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision
 from trajserve.kv.pause_machine import PauseCounts, PauseMachine, Residency
 from trajserve.kv.radix_cache import MatchResult, RadixNode
+from trajserve.kv.scope import CacheScope
 from trajserve.kv.tiered_table import TieredBlockTable
 from trajserve.kv.wait_estimator import WaitEstimator
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
 
 log = logging.getLogger("trajserve")
-# A session id a client chooses: bounded, and of characters that survive a
-# URL path unescaped, so GET / DELETE /v1/sessions/{id} reach every id a turn
-# accepted; it starts with neither a dot nor a dash ("..", "-rf"). Ids never
-# name files: saved blocks are keyed by the manager's own counter.
-SESSION_ID_MAX = 128
-_SESSION_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@-]*")
-
-
-def check_session_id(sid: object) -> str:
-    """The id, or a ValueError that names the field and the limit."""
-    if not isinstance(sid, str) or not sid:
-        raise ValueError(f"session_id must be a non-empty string, got {type(sid).__name__}")
-    if len(sid) > SESSION_ID_MAX:
-        raise ValueError(f"session_id is {len(sid):,} characters; at most {SESSION_ID_MAX} are allowed")
-    if not _SESSION_ID.fullmatch(sid):
-        raise ValueError("session_id may hold only letters, digits and _ . : @ - (starting with a letter, digit "
-                         f"or _), at most {SESSION_ID_MAX} characters")
-    return sid
-
-
 class SessionBusy(RuntimeError):
     """A second turn of a session arrived while one is still running."""
 
@@ -114,12 +94,15 @@ class Session:
     io: Future | None = None  # background disk write of this session's blocks
     copy: CopyJob | None = None  # a save or load in flight on the copy engine
     hold: RadixNode | None = None  # pins the device frames a copy reads or writes
-    saving: tuple[Decision, int] | None = None  # a save's target tier and reserved bytes
+    saving: tuple | None = None  # a save's target tier, blocks, and the namespace digest and hashes it carries
     importing: tuple[MatchResult, list[int], object] | None = None  # a prefetch's blocks, adopted when it lands
     last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
     expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
     lora: object = None  # the LoRA adapter every turn runs (lora/adapter.py), None for the base model
-    cache_scope = property(lambda self: cache_scope(self.cache_salt, self.lora))
+
+    @property
+    def scope(self) -> CacheScope:  # where every turn's blocks live: salt and adapter (kv/scope.py)
+        return CacheScope.of(self.cache_salt, self.lora)
 
     @property
     def saved_blocks(self) -> int:
@@ -328,7 +311,7 @@ class SessionManager:
             s = self._add(Session(check_session_id(session_id), cache_salt, [], self, lora=adapter))
         elif s.cache_salt != cache_salt:
             raise ValueError(f"session {session_id!r} belongs to another cache_salt")
-        elif cache_scope(None, s.lora) != cache_scope(None, adapter):  # another adapter, or other weights
+        elif s.scope != CacheScope.of(cache_salt, adapter):  # another adapter, or other weights
             raise ValueError(f"session {session_id!r} belongs to another model ({s.lora.name if s.lora else 'base'})")
         elif s.in_flight:
             raise SessionBusy(f"session {session_id!r} already has a turn in flight; send turns one at a time")
@@ -364,7 +347,7 @@ class SessionManager:
 
     def describe(self, s: Session) -> dict:
         kv = self.engine.kv
-        hit = kv.cached_prefix(s.history, s.cache_scope) if s.history else None
+        hit = kv.cached_prefix(s.history, s.scope) if s.history else None
         return {"id": s.session_id, "state": s.state.value,
                 "tier": s.tier.value if s.tier is not None else "device",
                 "residency": s.residency.value if s.residency is not None else None,
@@ -489,6 +472,7 @@ class SessionManager:
                 "held_blocks": tiers.num_held(), "held_bytes": tiers.held_bytes(),
                 "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
                 "swap_out_s": st.swap_out_s, "swap_in_s": st.swap_in_s, "corrupt_blocks": st.corrupt_blocks,
+                "mislabelled_blocks": tiers.stats.mislabelled_blocks,
                 "write_errors": tiers.stats.write_errors, "lease_demotions": st.lease_demotions,
                 "recomputed_tokens": st.recomputed_tokens,
                 "host_blocks": len(self.host), "disk_blocks": tiers.num_disk_blocks,

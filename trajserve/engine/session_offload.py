@@ -87,13 +87,16 @@ class SessionOffload:
         return 0.0 if d is None else (d.t_reload_host_s if tier is Decision.HOST else d.t_reload_disk_s)
 
     # ----------------------------------------------------------------- save
-    def save(self, s, tier: Decision, block_ids: list[int], sync: bool) -> None:
+    def save(self, s, tier: Decision, hit, sync: bool) -> None:
         assert s.copy is None, "one copy per session at a time (pause lands a reload first)"
         kv = self.engine.kv
-        s.hold = kv.pin(s.history, s.cache_scope)
-        s.table = TieredBlockTable(Tier.DEVICE, block_ids)
-        s.saving = (tier, len(block_ids), kv.prefix_hashes(s.history, s.cache_scope, len(block_ids)))
-        s.copy = self.engine.runner.copy.save(block_ids)
+        s.hold = kv.pin(s.history, s.scope)
+        s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids)
+        # Labelled by the tree that holds the blocks: a copy never claims a
+        # namespace its bytes were not computed under.
+        namespace, hashes = kv.path_identity(hit)
+        s.saving = (tier, len(hit.block_ids), namespace_digest(namespace), hashes)
+        s.copy = self.engine.runner.copy.save(hit.block_ids)
         self.copying[s.session_id] = s
         if sync:
             self._land_save(s)
@@ -102,11 +105,10 @@ class SessionOffload:
         """The host copy is there (waits for it if not): store it, remap the
         table to the tier, free the device frames. A disk save goes on to
         the disk writer thread from here."""
-        job, (tier, nblocks, hashes) = s.copy, s.saving
+        job, (tier, nblocks, ns, hashes) = s.copy, s.saving
         self.engine.runner.copy.finish(job)
         s.copy, s.saving = None, None
         data, job.data = job.data, None
-        ns = namespace_digest(self.engine.kv.namespace(s.cache_scope))
         held = self.tiers.hold(ns, hashes, data, TIER_NAME[tier], self._nbytes(tier, nblocks))
         # The table names the blocks by their chained hashes (the disk writer thread may still be writing them).
         s.table = TieredBlockTable(Tier.HOST if tier is Decision.HOST else Tier.DISK, hashes[:held])
@@ -117,7 +119,7 @@ class SessionOffload:
         self.stats.swap_out_s += job.seconds
         self.engine.kv.unpin(s.hold)
         s.hold = None
-        self.engine.kv.evict_prefix(s.history, s.cache_scope)
+        self.engine.kv.evict_prefix(s.history, s.scope)
 
     def land_saves(self, need: int | None = None) -> int:
         """Land saves in flight (all, or until `need` blocks are free); returns blocks freed."""
@@ -134,7 +136,7 @@ class SessionOffload:
     def _abandon_save(self, s) -> None:
         """Resumed or closed before the save landed: the blocks never left
         the device, so the copy is thrown away."""
-        tier, nblocks, _ = s.saving
+        tier, nblocks, _, _ = s.saving
         self.engine.runner.copy.finish(s.copy)
         s.copy.data = None
         s.copy, s.saving, s.table = None, None, None
@@ -158,10 +160,10 @@ class SessionOffload:
         kv = self.engine.kv
         if s.table is None:  # nothing saved
             return False
-        got = kv.begin_import(s.history, s.cache_scope, len(s.table))
+        got = kv.begin_import(s.history, s.scope, len(s.table))
         if got is None and self.land_saves():
             # Other sessions' saves in flight still held their frames: landed, try again.
-            got = kv.begin_import(s.history, s.cache_scope, len(s.table))
+            got = kv.begin_import(s.history, s.scope, len(s.table))
         if got is None:
             self.stats.reload_no_room += 1
             if landed is None:  # a resume: the blocks stay on their tier, unheld, for the turn's match to promote
@@ -177,12 +179,12 @@ class SessionOffload:
             return True
         data = self._fetch(s, have, have + len(new_ids))
         filled = len(data)
-        kv.finish_import(s.history, s.cache_scope, hit, new_ids, filled)
+        kv.finish_import(s.history, s.scope, hit, new_ids, filled)
         self.release_saved(s)
         if filled:
             # Device-resident now (the KV still streaming in): the table says so until it lands.
             s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids + new_ids[:filled])
-            s.hold = kv.pin(s.history, s.cache_scope)  # nobody evicts blocks still being written
+            s.hold = kv.pin(s.history, s.scope)  # nobody evicts blocks still being written
             s.copy = copy.load(new_ids[:filled], data)
             self.copying[s.session_id] = s
         return True
@@ -191,7 +193,7 @@ class SessionOffload:
         """Saved blocks [start, end) from their tiers, up to the first one
         missing or failing its checks (may run on the copy thread). Host
         blocks are not copied here: the copy engine gathers them per layer."""
-        ns = namespace_digest(self.engine.kv.namespace(s.cache_scope))
+        ns = namespace_digest(self.engine.kv.namespace(s.scope))
         return self.tiers.fetch(ns, s.table.frames[start:min(end, len(s.table))])
 
     def _land_load(self, s) -> None:
@@ -211,7 +213,7 @@ class SessionOffload:
         if s.importing is not None:
             hit, new_ids, landed = s.importing
             s.importing = None
-            kv.finish_import(s.history, s.cache_scope, hit, new_ids, job.filled)
+            kv.finish_import(s.history, s.scope, hit, new_ids, job.filled)
             self.release_saved(s)
             landed(s, job.filled > 0)
         else:
@@ -282,7 +284,7 @@ class SessionOffload:
         if s.table is None or s.tier not in (Decision.HOST, Decision.DISK):
             return  # on the device already (kept, prefetched) or dropped
         kv = self.engine.kv
-        got = kv.begin_import(s.history, s.cache_scope, len(s.table))
+        got = kv.begin_import(s.history, s.scope, len(s.table))
         if got is None:
             return  # no room: the children recompute
         hit, new_ids = got
@@ -290,7 +292,7 @@ class SessionOffload:
         data = self._fetch(s, have, have + len(new_ids))
         if data:
             self.engine.runner.write_blocks(new_ids[:len(data)], torch.stack(data))
-        kv.finish_import(s.history, s.cache_scope, hit, new_ids, len(data))
+        kv.finish_import(s.history, s.scope, hit, new_ids, len(data))
         self.stats.corrupt_blocks = self.tiers.stats.corrupt_blocks
 
     def flush(self, sessions) -> None:

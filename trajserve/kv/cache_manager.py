@@ -29,6 +29,7 @@ from trajserve.kv.admission_hold import AdmissionHolds
 from trajserve.kv.radix_cache import RadixCache
 from trajserve.kv.radix_paths import PathOps
 from trajserve.kv.radix_node import BlockKey, LowerTierCache, MatchResult, RadixNode, chain_hash, namespace_hash
+from trajserve.kv.scope import CacheScope, namespace_of
 
 
 @dataclass(slots=True)
@@ -113,13 +114,13 @@ class KVCacheManager(PathOps):
         return self.tables[request_id]
 
     # ---------------------------------------------------------------- prefix
-    def namespace(self, cache_salt: Hashable) -> Hashable:
-        # Everything besides the tokens that determines the KV state. The
-        # `cache_salt` of these methods is a request's cache scope
-        # (engine/request.py): its salt, with its LoRA adapter's digest if any.
-        return (self.model_id, cache_salt)
+    def namespace(self, scope: CacheScope) -> Hashable:
+        """Everything besides the tokens that determines the KV state: the
+        model and the request's scope (kv/scope.py). Every method that names
+        blocks by tokens comes through here, so a bare salt is refused."""
+        return namespace_of(self.model_id, scope)
 
-    def match(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> MatchResult | None:
+    def match(self, request_id: str, token_ids: list[int], scope: CacheScope) -> MatchResult | None:
         """Cached block-aligned prefix for a request that holds no blocks yet.
         At least one token is left out: its logits give the next token."""
         if self.radix is None or request_id in self.tables or len(token_ids) <= self.block_size:
@@ -134,7 +135,7 @@ class KVCacheManager(PathOps):
         else:
             keys = self.radix.block_keys(token_ids[:n])
             self._match_keys[request_id] = (token_ids, n, keys)
-        ns = self.namespace(cache_salt)
+        ns = self.namespace(scope)
         hit = self.radix.match_blocks(ns, keys)
         if self.lower is not None and len(hit.block_ids) < len(keys):
             hit = self._promote(ns, keys, hit, len(token_ids))
@@ -181,7 +182,7 @@ class KVCacheManager(PathOps):
         return self.radix.match_blocks(ns, keys)
 
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
-                       cache_salt: str | None) -> None:
+                       scope: CacheScope) -> None:
         """Store the request's newly filled blocks in the tree, so a request
         with the same prefix hits while this one is still running."""
         if self.radix is None:
@@ -191,7 +192,7 @@ class KVCacheManager(PathOps):
             return
         st = self._prefix.get(request_id)
         if st is None:
-            st = self._prefix[request_id] = _PrefixState(self.namespace(cache_salt))
+            st = self._prefix[request_id] = _PrefixState(self.namespace(scope))
         full = num_computed // self.block_size
         if full > len(table.block_ids):
             full = len(table.block_ids)
@@ -357,14 +358,14 @@ class KVCacheManager(PathOps):
             self._prefix[child_id] = _PrefixState(st.namespace, list(st.keys), st.node)
 
     def release(self, request_id: str, token_ids: list[int] | None = None, num_computed: int = 0,
-                cache_salt: str | None = None, swap_out: bool = False) -> int:
+                scope: CacheScope | None = None, swap_out: bool = False) -> int:
         """Free a finished or preempted request's blocks; with token_ids, its
         computed full blocks go to the prefix cache first. swap_out (a
         preemption that swaps): the blocks of its path no one else uses move
         to the lower tiers now, so they free at once and come back on a hit.
         Returns the blocks swapped out."""
         if token_ids is not None:
-            self.cache_computed(request_id, token_ids, num_computed, cache_salt)
+            self.cache_computed(request_id, token_ids, num_computed, scope)
         self._match_keys.pop(request_id, None)
         st = self._prefix.get(request_id)
         node = st.node if st is not None else None
@@ -407,10 +408,22 @@ class KVCacheManager(PathOps):
         for node in sorted(self.radix.iter_nodes(), key=lambda n: n.last_access):
             yield node.namespace, self.radix.block_hashes(node), list(node.block_ids)
 
-    def prefix_hashes(self, token_ids: list[int], cache_salt: str | None, num_blocks: int) -> list[bytes]:
-        """The chained hashes of the first num_blocks full blocks of token_ids:
-        the identities a session's saved blocks carry on the disk tier."""
-        h = namespace_hash(self.namespace(cache_salt))
+    def path_identity(self, hit: MatchResult) -> tuple[Hashable, list[bytes]]:
+        """The namespace a matched path's blocks were computed under and each
+        block's chained hash, read from the tree that holds them (not from
+        what a caller says they are): the labels a copy of those blocks
+        carries on a lower tier, which a load under another scope refuses."""
+        nodes, node = [], hit.last_node
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        hashes = [h for n in reversed(nodes) for h in self.radix.block_hashes(n)]
+        return hit.last_node.namespace, hashes[:len(hit.block_ids)]
+
+    def prefix_hashes(self, token_ids: list[int], scope: CacheScope, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the first num_blocks full blocks of token_ids
+        under scope: what the cluster's prefix directory knows them by."""
+        h = namespace_hash(self.namespace(scope))
         out = []
         for k in self.radix.block_keys(token_ids[:num_blocks * self.block_size]):
             h = chain_hash(h, k)
@@ -423,10 +436,10 @@ class KVCacheManager(PathOps):
             self.lower.clear()
         return self.radix.clear() if self.radix is not None else 0
 
-    def invalidate(self, prefix_tokens: list[int] | None = None, cache_salt: str | None = None) -> int:
+    def invalidate(self, prefix_tokens: list[int] | None, scope: CacheScope) -> int:
+        ns = self.namespace(scope)
         if self.radix is None:
             return 0
-        ns = self.namespace(cache_salt)
         if self.lower is not None:
             # A lower tier cannot tell which of its blocks follow the stale
             # tokens (a hash names a prefix, it cannot be walked): all of the

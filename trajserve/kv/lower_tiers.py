@@ -76,7 +76,9 @@ class LowerTierStats:
     loaded_host_blocks: int = 0
     loaded_disk_blocks: int = 0
     corrupt_blocks: int = 0     # failed the disk checks on the way back (damaged or mislabelled)
-    mislabelled_blocks: int = 0  # of those: sound files that held another block or layout
+    # Sound blocks refused for their identity: files that held another block or
+    # layout, and blocks asked for under a namespace (scope) they were not stored in.
+    mislabelled_blocks: int = 0
     discarded_blocks: int = 0   # invalidated or cleared
     write_errors: int = 0       # disk writes that failed (the block is dropped, recomputed on demand)
     restored_blocks: int = 0    # found on disk at start-up, of this model and layout
@@ -242,7 +244,10 @@ class LowerTiers(SessionHolds):
         (None, None): not here; (None, "disk"): missing or rejected on disk.
         Touches no index, so a session's prefetch may call it off the engine thread."""
         key = h.hex()
-        if self._ns.get(key) != ns:
+        have = self._ns.get(key)
+        if have != ns:
+            if have is not None:  # held for another namespace (salt, adapter): never served under this one
+                self.stats.mislabelled_blocks += 1
             return None, None
         b = self.host.get(key)
         if b is not None:

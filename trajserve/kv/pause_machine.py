@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
-from trajserve.kv.radix_cache import RadixNode
+from trajserve.kv.radix_cache import MatchResult, RadixNode
+from trajserve.kv.scope import CacheScope
 
 OFFLOAD_TIERS = (Decision.HOST, Decision.DISK)
 
@@ -57,7 +58,7 @@ class Residency(enum.Enum):
 class PausedRecord(Protocol):
     history: list[int]
     keys: list | None            # the history's block keys if the caller chunked them once, else None
-    cache_salt: str | None
+    scope: CacheScope            # the namespace its blocks live in: salt and adapter (kv/scope.py)
     paused_at: float | None
     expected_wait_s: float       # inf when unknown
     decision: PauseDecision | None
@@ -78,8 +79,10 @@ class Transfers(Protocol):
     def reserve(self, tier: Decision, nblocks: int) -> bool:
         """Room for nblocks on the tier, reserved now; False when it does not fit."""
 
-    def save(self, p: PausedRecord, tier: Decision, block_ids: list[int], sync: bool) -> None:
-        """Copy the path's device blocks down (room reserved); the path leaves the device when the copy lands."""
+    def save(self, p: PausedRecord, tier: Decision, hit: MatchResult, sync: bool) -> None:
+        """Copy the matched path's device blocks down (room reserved), labelled
+        with the namespace and hashes the tree holds them under; the path
+        leaves the device when the copy lands."""
 
     def load(self, p: PausedRecord, now: float, landed: Callable[[PausedRecord, bool], None] | None) -> bool:
         """Bring saved blocks back into the tree: for a resume (landed None) at
@@ -154,7 +157,7 @@ class PauseMachine:
         expected wait, known False for a prior) and put it there."""
         kv = self.kv
         kv.holds.cancel(owner)  # the turn ran: its resume's hold is over
-        hit = kv.cached_prefix(p.history, p.cache_salt, p.keys)
+        hit = kv.cached_prefix(p.history, p.scope, p.keys)
         nblocks = len(hit.block_ids)
         d = self.policy.decide(PauseState(
             num_tokens=nblocks * kv.block_size, kv_bytes=nblocks * self.block_bytes, expected_wait_s=wait_s,
@@ -192,7 +195,7 @@ class PauseMachine:
         elif p.tier in OFFLOAD_TIERS:
             self.transfers.load(p, now, None)
             self.stats.resume_stalls += 1
-        hit = kv.cached_prefix(p.history, p.cache_salt, p.keys)
+        hit = kv.cached_prefix(p.history, p.scope, p.keys)
         self.stats.recomputed_tokens += max(0, len(p.history) - 1 - hit.num_tokens)
         _unpaused(p)
         return p
@@ -267,7 +270,7 @@ class PauseMachine:
         v = min(victims, key=lambda p: p.paused_at)
         self.kv.unpin(v.pin)
         v.pin = None
-        self.kv.evict_prefix(v.history, v.cache_salt, v.keys)
+        self.kv.evict_prefix(v.history, v.scope, v.keys)
         v.tier, v.residency, v.prefetched = Decision.DROP, Residency.DROPPED, False
         self.stats.stall_drops += 1
         return True
@@ -276,7 +279,7 @@ class PauseMachine:
         """A prefetch's blocks joined the tree (ok) or nothing came back."""
         if ok:
             # Held on the device until the resume (the reclaimer may still move it).
-            p.pin = self.kv.pin(p.history, p.cache_salt, p.keys)
+            p.pin = self.kv.pin(p.history, p.scope, p.keys)
             p.tier, p.residency, p.prefetched, p.lease_deadline = Decision.KEEP, Residency.KEPT, True, None
             self.stats.prefetches += 1
         else:
@@ -291,7 +294,7 @@ class PauseMachine:
     def _place(self, p: PausedRecord, d: Decision, lease_s: float | None, sync: bool = False) -> None:
         kv, now = self.kv, self.clock()
         if d is Decision.KEEP:
-            p.pin = kv.pin(p.history, p.cache_salt, p.keys)
+            p.pin = kv.pin(p.history, p.scope, p.keys)
             p.residency = Residency.KEPT
             p.lease_deadline = None
             if lease_s is not None:
@@ -299,7 +302,7 @@ class PauseMachine:
         elif d in OFFLOAD_TIERS:
             d = self._save(p, d, sync)
         if d is Decision.DROP:
-            kv.evict_prefix(p.history, p.cache_salt, p.keys)
+            kv.evict_prefix(p.history, p.scope, p.keys)
             p.residency = Residency.DROPPED
         p.tier = d
         if d in OFFLOAD_TIERS and math.isfinite(p.expected_wait_s) and self.prefetch_fraction > 0:
@@ -311,7 +314,7 @@ class PauseMachine:
     def _save(self, p: PausedRecord, d: Decision, sync: bool) -> Decision:
         """Copy the path's device blocks to the tier; a tier without room falls
         to the next (host -> disk -> drop)."""
-        hit = self.kv.cached_prefix(p.history, p.cache_salt, p.keys)
+        hit = self.kv.cached_prefix(p.history, p.scope, p.keys)
         n = len(hit.block_ids)
         if not n:
             return Decision.DROP
@@ -320,7 +323,7 @@ class PauseMachine:
         if d is Decision.DISK and not self.transfers.reserve(Decision.DISK, n):
             return Decision.DROP
         p.residency = Residency.SAVING
-        self.transfers.save(p, d, hit.block_ids, sync)
+        self.transfers.save(p, d, hit, sync)
         return d
 
     def _demote(self, p: PausedRecord, sync: bool = False) -> None:

@@ -15,21 +15,22 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from trajserve.kv.radix_node import BlockKey, MatchResult, RadixNode
+from trajserve.kv.scope import CacheScope
 
 
 class PathOps:
-    def cached_prefix(self, token_ids: list[int], cache_salt: str | None,
+    def cached_prefix(self, token_ids: list[int], scope: CacheScope,
                       keys: list[BlockKey] | None = None) -> MatchResult | None:
         """The device-resident full blocks of token_ids (all of them: no token
         is left out for logits here)."""
+        ns = self.namespace(scope)
         if self.radix is None:
             return None
-        return self.radix.match_blocks(self.namespace(cache_salt),
-                                       keys if keys is not None else self.radix.block_keys(token_ids))
+        return self.radix.match_blocks(ns, keys if keys is not None else self.radix.block_keys(token_ids))
 
-    def pin(self, token_ids: list[int], cache_salt: str | None, keys: list[BlockKey] | None = None
+    def pin(self, token_ids: list[int], scope: CacheScope, keys: list[BlockKey] | None = None
             ) -> RadixNode | None:
-        hit = self.cached_prefix(token_ids, cache_salt, keys)
+        hit = self.cached_prefix(token_ids, scope, keys)
         if hit is None or not hit.block_ids:
             return None
         self.radix.lock(hit.last_node)
@@ -38,18 +39,18 @@ class PathOps:
     def unpin(self, node: RadixNode) -> None:
         self.radix.unlock(node)
 
-    def evict_prefix(self, token_ids: list[int], cache_salt: str | None, keys: list[BlockKey] | None = None
+    def evict_prefix(self, token_ids: list[int], scope: CacheScope, keys: list[BlockKey] | None = None
                      ) -> int:
         """Free the device blocks of this path no one else uses or branches from."""
-        hit = self.cached_prefix(token_ids, cache_salt, keys)
+        hit = self.cached_prefix(token_ids, scope, keys)
         return self.radix.evict_path(hit.last_node) if hit and hit.block_ids else 0
 
-    def begin_import(self, token_ids: list[int], cache_salt: str | None, num_blocks: int,
+    def begin_import(self, token_ids: list[int], scope: CacheScope, num_blocks: int,
                      keys: list[BlockKey] | None = None) -> tuple[MatchResult, list[int]] | None:
         """Fresh blocks for full blocks [hit, num_blocks) of token_ids, to be
         filled from a lower tier; the device-resident hit is pinned meanwhile.
         None when the pool has no room even after eviction."""
-        hit = self.cached_prefix(token_ids, cache_salt, keys)
+        hit = self.cached_prefix(token_ids, scope, keys)
         need = num_blocks - len(hit.block_ids)
         if need <= 0:
             return hit, []
@@ -62,7 +63,7 @@ class PathOps:
             return None
         return hit, self.pool.allocate(need)
 
-    def finish_import(self, token_ids: list[int], cache_salt: str | None, hit: MatchResult,
+    def finish_import(self, token_ids: list[int], scope: CacheScope, hit: MatchResult,
                       new_ids: list[int], filled: int, keys: list[BlockKey] | None = None) -> None:
         """The first `filled` imported blocks hold their KV now: the tree takes
         them over; the rest (a block failed its checks) go back to the pool."""
@@ -71,7 +72,7 @@ class PathOps:
         start, B = len(hit.block_ids), self.block_size
         new_keys = (keys[start:start + filled] if keys is not None
                     else self.radix.block_keys(token_ids[start * B:(start + filled) * B]))
-        self._adopt(self.namespace(cache_salt), hit, new_keys, new_ids, filled)
+        self._adopt(self.namespace(scope), hit, new_keys, new_ids, filled)
 
     def _adopt(self, ns: Hashable, hit: MatchResult, new_keys: list[BlockKey], new_ids: list[int],
                filled: int) -> None:

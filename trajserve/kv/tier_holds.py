@@ -59,6 +59,7 @@ class SessionHolds:
                     self._unindex(key)
                     break
             elif self._ns[key] != namespace_digest:
+                self.stats.mislabelled_blocks += 1
                 break  # a hash of another namespace cannot be this prefix: never share it
             if key not in self._holds:
                 where, size = self._held_size(key)

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
 from trajserve.config import LORA_NAME, ModelConfig
+from trajserve.kv.scope import CacheScope
 from trajserve.lora.adapter import AdapterError, LoRAAdapter, load_adapter
 from trajserve.lora.slots import LoRASlots
 
@@ -60,7 +60,7 @@ class LoRAManager:
         self.reserved: set[str] = set()  # the base model's served names (the server's): no adapter takes them
         # Every cache scope an adapter's requests used (engine/request.py
         # cache_scope): what unload drops from the prefix cache and tiers.
-        self.scopes: dict[str, set[Hashable]] = {}
+        self.scopes: dict[str, set[CacheScope]] = {}
         self.in_flight: dict[str, LoRAAdapter] = {}  # request id -> its adapter, until it finishes
 
     @classmethod
@@ -111,7 +111,7 @@ class LoRAManager:
         self.counts.setdefault(adapter.name, AdapterCounts())
         return adapter
 
-    def unload(self, name: str) -> tuple[LoRAAdapter, set[Hashable]]:
+    def unload(self, name: str) -> tuple[LoRAAdapter, set[CacheScope]]:
         """Forget `name`; returns it and the cache scopes its requests used."""
         adapter = self.get(name)
         del self.adapters[name]
@@ -138,7 +138,7 @@ class LoRAManager:
             raise AdapterError(f"lora: adapter {lora.name!r} is not loaded")
         return lora
 
-    def used(self, request_id: str, adapter: LoRAAdapter, scope: Hashable, prompt_tokens: int) -> None:
+    def used(self, request_id: str, adapter: LoRAAdapter, scope: CacheScope, prompt_tokens: int) -> None:
         """A request (or a fork: prompt_tokens 0) of `adapter` was queued under `scope`."""
         self.in_flight[request_id] = adapter
         self.scopes.setdefault(adapter.digest, set()).add(scope)

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from trajserve.engine.session import SessionBusy, SessionManager, check_session_id
+from trajserve.engine.session import SessionBusy, SessionManager
+from trajserve.engine.session_ids import check_session_id
 from trajserve.lora.adapter import AdapterError
 from trajserve.outputs import RequestOutput
 from trajserve.server import responses, streams

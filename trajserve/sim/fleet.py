@@ -33,6 +33,7 @@ from trajserve.cluster.directory import KVEvent, prompt_hashes
 from trajserve.cluster.router import KVRouter, ReplicaLoad, RouteRequest, Router
 from trajserve.engine.core import EngineCore
 from trajserve.engine.request import Request
+from trajserve.kv.scope import CacheScope
 from trajserve.sim.executor import CostModelExecutor
 from trajserve.sim.simulator import greedy_params, refused
 from trajserve.sim.tokens import TokenSource
@@ -129,8 +130,7 @@ class Fleet:
                 if refused(self.sims[0].kv, prompt):
                     rejected += len(s.calls) - s.next
                     continue
-                scope = call.cache_salt
-                ns = self.sims[0].kv.namespace(scope)
+                ns = self.sims[0].kv.namespace(CacheScope(call.cache_salt))
                 # A session id only where the session has more calls to make (a
                 # client sends none with a one-off request).
                 req_view = RouteRequest(prompt_hashes(ns, prompt, self.block_size)
@@ -139,7 +139,7 @@ class Fleet:
                 j = self.router.route(req_view, [self._load(i) for i in range(n)])
                 rid = f"{s.name}#{s.next}"
                 req = Request(rid, prompt, greedy_params(max(1, call.output_len)), self.cap,
-                              arrival_time=clock, cache_salt=scope)
+                              arrival_time=clock, cache_salt=call.cache_salt)
                 if call.output_ids is not None:
                     self.cores[j][1].forced[rid] = call.output_ids
                 live[rid] = (s, req_view, j)

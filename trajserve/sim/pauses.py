@@ -44,7 +44,8 @@ from collections import Counter
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy, PauseDecision
 from trajserve.kv.pause_machine import PauseCounts, PauseMachine, Residency
-from trajserve.kv.radix_cache import RadixNode
+from trajserve.kv.radix_cache import MatchResult, RadixNode
+from trajserve.kv.scope import CacheScope
 from trajserve.kv.wait_estimator import WaitEstimator
 from trajserve.sim.cost_model import CostModel
 from trajserve.sim.workload import Session
@@ -58,7 +59,7 @@ class Paused:
     """One paused session (the machine's PausedRecord) and its tier bookkeeping."""
     history: list[int]
     keys: list                      # its block keys, chunked once (a history can be 10^5 tokens)
-    cache_salt: str | None
+    scope: CacheScope               # the namespace its blocks were computed under
     paused_at: float = 0.0
     expected_wait_s: float = 0.0
     decision: PauseDecision | None = None
@@ -136,8 +137,8 @@ class CostModelLink:
             st.disk_peak_bytes = max(st.disk_peak_bytes, self.disk_used)
         return True
 
-    def save(self, p: Paused, tier: Decision, block_ids: list[int], sync: bool) -> None:
-        n = len(block_ids)
+    def save(self, p: Paused, tier: Decision, hit: MatchResult, sync: bool) -> None:
+        n = len(hit.block_ids)
         # Device -> host first (the engine reads the blocks on its thread), for both tiers.
         self._copy(n, "host", self.now)
         if tier is Decision.DISK:
@@ -147,7 +148,7 @@ class CostModelLink:
         self.stats.blocks_out[tier.value] += n
         p.saved_blocks, p.saved_bytes = n, n * self.block_bytes
         p.residency = Residency.OFFLOADED  # the time is in copy_free_at; the frames go now
-        self.kv.evict_prefix(p.history, p.cache_salt, p.keys)
+        self.kv.evict_prefix(p.history, p.scope, p.keys)
 
     def load(self, p: Paused, now: float, landed) -> bool:
         ok = self._reload(p, now, keep_if_no_room=landed is not None)
@@ -163,7 +164,7 @@ class CostModelLink:
         pace). No room: a prefetch leaves the state on its tier (the resume
         tries again), a resume gives it up (the call recomputes it)."""
         kv = self.kv
-        got = kv.begin_import(p.history, p.cache_salt, p.saved_blocks, p.keys)
+        got = kv.begin_import(p.history, p.scope, p.saved_blocks, p.keys)
         if got is None:
             if not keep_if_no_room:
                 self._release(p)
@@ -179,7 +180,7 @@ class CostModelLink:
             else:
                 self._copy(k, "host", start)
             self.stats.blocks_in[p.tier.value] += k
-        kv.finish_import(p.history, p.cache_salt, hit, new_ids, k, p.keys)
+        kv.finish_import(p.history, p.scope, hit, new_ids, k, p.keys)
         self._release(p)
         return True
 
@@ -252,7 +253,7 @@ class PauseController:
     def disk_used(self) -> int:
         return self.link.disk_used
 
-    def pause(self, s: Session, history: list[int], cache_salt: str | None, wait_s: float, now: float) -> None:
+    def pause(self, s: Session, history: list[int], scope: CacheScope, wait_s: float, now: float) -> None:
         """s's call ended at `now`; its next call arrives wait_s later."""
         self.link.now = now
         if self.waits is None:
@@ -260,7 +261,7 @@ class PauseController:
         else:
             est = self.waits.estimate(None, None)
             expected, known = est.seconds, est.source != "prior"
-        p = Paused(history, self.kv.radix.block_keys(history), cache_salt)
+        p = Paused(history, self.kv.radix.block_keys(history), scope)
         self.stats.pauses += 1
         self.machine.pause(s, p, expected, known, None if self.mode == "policy" else self.mode, now)
 

@@ -266,7 +266,7 @@ class Simulator:
                 if s.next < len(s.calls):
                     t_next = s.next_arrival(clock)
                     if pauses is not None and t_next > clock:
-                        pauses.pause(s, s.history, s.calls[s.next].cache_salt, t_next - clock, clock)
+                        pauses.pause(s, s.history, req.cache_scope, t_next - clock, clock)
                     heapq.heappush(events, (t_next, seq, s))
                     seq += 1
                 else:

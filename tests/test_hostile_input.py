@@ -177,3 +177,48 @@ def test_a_fork_of_a_host_paused_session_hits_its_saved_blocks(mgr, engine_f32):
     assert s.state.value == "paused" and s.saved_blocks > 0
     s.resume(" ok")
     s.generate(greedy)
+
+
+# Every API's booleans are booleans: "yes", 1 or "true" is a 4xx naming the
+# field (422 on OpenAI's endpoints, 400 where Anthropic's and the Responses
+# API answer malformed bodies so), never a stream the client did not ask for.
+STRICT_BOOLS = [
+    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}, "stream", 422),
+    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}, "echo", 422),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "stream", 422),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "logprobs", 422),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, "stream",
+     400),
+    ("/v1/responses", {"model": "m", "input": "hi"}, "stream", 400),
+    ("/v1/responses", {"model": "m", "input": "hi"}, "store", 400),
+]
+
+
+@pytest.mark.parametrize("path,body,field,status", STRICT_BOOLS)
+@pytest.mark.parametrize("value", ["yes", 1, "true"])
+def test_a_boolean_field_takes_only_a_boolean(scripted, path, body, field, status, value):
+    scripted["reply"] = "ok"
+    r = scripted["http"].post(path, json={**body, field: value})
+    assert r.status_code == status, r.text
+    assert field in r.text and "bool" in r.text.lower()
+    assert scripted["http"].post(path, json={**body, field: False}).status_code == 200
+
+
+BAD_SCHEMA_TOOLS = [{"type": "function", "function": {"name": "fine", "parameters": {"type": "object"}}},
+                    {"type": "function", "function": {"name": "broken", "parameters": {"type": 12}}}]
+
+
+def test_a_tool_schema_that_cannot_hold_a_forced_call_names_the_tool(scripted):
+    r = scripted["http"].post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": BAD_SCHEMA_TOOLS,
+        "tool_choice": "required"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools.1.function.parameters" and "'broken'" in err["message"]
+    assert "tools.1" in err["message"]
+    # Anthropic's shape for the same tools says the same in its message.
+    r = scripted["http"].post("/v1/messages", json={
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "fine", "input_schema": {"type": "object"}},
+                  {"name": "broken", "input_schema": {"type": 12}}], "tool_choice": {"type": "any"}})
+    assert r.status_code == 400 and "tools.1" in r.text and "'broken'" in r.text

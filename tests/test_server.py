@@ -612,6 +612,43 @@ def test_api_key_guards_the_v1_routes_only(keyed_server):
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"]
 
 
+def test_api_key_guards_the_route_list(keyed_server):
+    """/openapi.json names every route: with keys set it wants one, as /v1 does."""
+    url = keyed_server.url
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(url + path).status_code == 401, path
+    r = httpx.get(url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
+
+
+def _raw(url: str, head: bytes) -> bytes:
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+        return out
+
+
+def test_header_limits(keyed_server):
+    """Too many header fields, or one too long, is a 431 naming the limit; a
+    head larger than the HTTP parser buffers is its 400; the server goes on."""
+    url = keyed_server.url
+    r = httpx.get(url + "/health", headers={f"x-h{i}": "v" for i in range(101)})
+    assert r.status_code == 431 and "at most 100 are allowed" in r.json()["error"]["message"]
+    r = httpx.get(url + "/health", headers={"x-big": "v" * 20_000})
+    assert r.status_code == 431 and "'x-big'" in r.json()["error"]["message"]
+    for head in (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"v" * 100_000 + b"\r\nConnection: close\r\n\r\n",
+                 b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: v\r\n" % i for i in range(10_000))
+                 + b"Connection: close\r\n\r\n"):
+        status = int(_raw(url, head).split(b" ", 2)[1])
+        assert status in (400, 431)
+    assert httpx.get(url + "/health", headers={f"x-h{i}": "v" for i in range(50)}).status_code == 200
+
+
 def test_chat_template_flag_renders_tools(keyed_server):
     """--chat-template replaces the model's template everywhere the server
     renders a chat: the tools a request sends reach the prompt."""

@@ -236,6 +236,29 @@ def test_calibrate_prefills_within_a_short_context(tmp_path):
         eng.close()
 
 
+def test_calibration_on_a_full_disk_tier_tries_no_round_trip(engine_f32, tmp_path):
+    """A disk tier at its cap (a restart on a directory full of kept
+    blocks): calibration measures the host copy and says the disk is full,
+    instead of failing a round trip it has no room for."""
+    import torch
+
+    from trajserve.kv.block_format import BlockIdentity, digest
+
+    engine_f32.kv.clear_cache()
+    layout = engine_f32.block_layout
+    m = SessionManager(engine_f32, disk_dir=str(tmp_path / "kv"), disk_bytes=3 * layout.file_bytes)
+    try:
+        block = torch.zeros(layout.shape, dtype=layout.torch_dtype)
+        ns = digest("earlier-run")
+        assert all(m.disk.put(f"k{i}", block, BlockIdentity(ns, digest(f"b{i}"))) for i in range(3))
+        assert m.disk.free_bytes < layout.file_bytes
+        r = m.calibrate(prefill_tokens=64)
+        assert any("disk tier is full" in n for n in r["notes"]) and not any("failed" in n for n in r["notes"])
+        assert r["host_bytes_per_s"] > 1e8 and m.disk.num_blocks == 3
+    finally:
+        m.shutdown()
+
+
 def test_a_host_tier_without_room_passes_the_state_to_disk(engine_f32, tmp_path):
     """Forced host on a manager with no host room: what was asked stays the
     decision, metrics()["placed"] says the state went to disk, and the next

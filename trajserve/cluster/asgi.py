@@ -84,7 +84,7 @@ async def call(app, req: HttpRequest, disconnected: asyncio.Event | None = None
         try:
             await task
         except Exception:  # noqa: BLE001 - the app answered it already (its error middleware sent a 500)
-            log.exception("%s %s raised after its response", req.method, req.path)
+            log.exception("a request raised after its response")  # no client text (its path) in the log
     finally:
         if not task.done():  # the caller stopped reading: the client is gone
             gone.set()

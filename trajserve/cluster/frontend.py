@@ -61,6 +61,7 @@ from trajserve.cluster.router import KVRouter, ReplicaLoad, RouteRequest, Router
 from trajserve.kv.scope import CacheScope, namespace_of
 from trajserve.server import anthropic
 from trajserve.server.errors import error_response
+from trajserve.server.metrics import LogCollector
 from trajserve.server.tap import sse_event
 
 log = logging.getLogger("trajserve.cluster")
@@ -89,6 +90,7 @@ class Frontend:
         self.m_prompt = Counter("trajserve_router_prompt_tokens", "prompt tokens routed", registry=r)
         self.m_matched = Counter("trajserve_router_matched_tokens",
                                  "prompt tokens the directory said the chosen replica held (kv router)", registry=r)
+        r.register(LogCollector())
 
     async def start(self) -> None:
         self.info = (await self.replicas.start())[0]
@@ -217,7 +219,8 @@ class Frontend:
                 self.replicas.mark_down(r)
                 exclude.add(j)
                 self.m_retried.inc()
-                log.warning("%s %s: replica %d died under it; sending it to another", request.method, path, j)
+                # The route kind, not the path: no client text in a log line.
+                log.warning("a %s request: replica %d died under it; sending it to another", key.kind, j)
             finally:
                 if not handed_over:
                     self._done(r, work, view)

@@ -160,13 +160,16 @@ def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -
             ref = memcpy_rate(n * block_bytes)
             found["memcpy_bytes_per_s"] = ref
             host_job = _host_job(engine, ids, reps)
-            if disk is None:  # no disk tier: the host copy alone
+            # Blocks the trip may write: a tier full of blocks kept from earlier runs has no room for one.
+            room = 0 if disk is None else disk.free_bytes // engine.block_layout.file_bytes
+            if room < 1:  # the host copy alone
                 host = _median_rates([host_job])[0]
                 found["host_measured_bytes_per_s"] = host
                 rates.host_bytes_per_s = _plausible("host copy", host, ref, lambda: _median_rate(*host_job), notes)
-                notes.append("no disk tier: default disk rate kept")
+                notes.append("no disk tier: default disk rate kept" if disk is None else
+                             "the disk tier is full (blocks kept from earlier runs): default disk rate kept")
             else:
-                _host_and_disk(engine, disk, ids, n, block_bytes, host_job, ref, rates, found, notes)
+                _host_and_disk(engine, disk, ids, min(n, room), block_bytes, host_job, ref, rates, found, notes)
         finally:
             kv.pool.free(ids)
     # Half the pool at most, so a small pool still runs it.

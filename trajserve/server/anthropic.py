@@ -32,10 +32,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.outputs import CompletionOutput, RequestOutput
-from trajserve.server.protocol import ChatCompletionRequest
+from trajserve.server.protocol import ChatCompletionRequest, PauseTier
 from trajserve.server.tap import Tap, sse_event
 
 # Anthropic's error types by HTTP status.
@@ -58,7 +58,7 @@ class Block(BaseModel):
     input: dict | None = None
     tool_use_id: str | None = None                # tool_result
     content: str | list[Block] | None = None
-    is_error: bool | None = None
+    is_error: StrictBool | None = None
 
 
 class Message(BaseModel):
@@ -79,7 +79,7 @@ class ToolChoice(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class OutputFormat(BaseModel):
@@ -105,6 +105,7 @@ class CountTokensRequest(BaseModel):
     session_id: str | None = None
     tool_wait_s: float | None = Field(default=None, ge=0)
     tool: str | None = None
+    tool_decision: PauseTier | None = None
 
     def to_chat(self, **sampling) -> ChatCompletionRequest:
         """The same request as the chat endpoint reads it (ValueError naming
@@ -116,7 +117,8 @@ class CountTokensRequest(BaseModel):
             _check_results_answer_uses(m, self.messages[i - 1] if i else None, f"messages.{i}.content")
             msgs.extend(_chat_messages(m, f"messages.{i}.content"))
         body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt,
-                "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool, **sampling}
+                "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
+                "tool_decision": self.tool_decision, **sampling}
         if self.tools:
             for i, t in enumerate(self.tools):
                 if t.type not in (None, "custom"):
@@ -150,7 +152,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    stream: bool = False
+    stream: StrictBool = False
     output_config: OutputConfig | None = None
     seed: int | None = None  # extension
 

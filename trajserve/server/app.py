@@ -31,6 +31,7 @@ from trajserve.server.async_engine import AsyncEngine
 from trajserve.server.auth import ApiKeyAuth
 from trajserve.server.body_cap import BodyCap
 from trajserve.server.errors import error_response, install_handlers
+from trajserve.server.header_limits import HeaderLimits
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.routes import admin, chat, completions, lora, messages, responses, sessions
 from trajserve.server.state import ServerState, calls_format_for
@@ -49,8 +50,9 @@ def _calibrate(sessions: SessionManager) -> None:
 
 def add_outer_middleware(app: FastAPI, max_body_bytes: int, api_keys: list[str] | None,
                          allowed_origins) -> None:
-    """The body cap, API keys and CORS, outermost last: the server's and the
-    cluster front end's (cluster/frontend.py), which reads a body whole."""
+    """The body cap, API keys, CORS and the header limits, outermost last:
+    the server's and the cluster front end's (cluster/frontend.py), which
+    reads a body whole."""
     app.add_middleware(BodyCap, max_bytes=max_body_bytes,
                        respond=lambda status, message, path: error_response(status, message, path=path))
     if api_keys:
@@ -58,6 +60,8 @@ def add_outer_middleware(app: FastAPI, max_body_bytes: int, api_keys: list[str] 
             status, message, code="invalid_api_key", path=path))
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                        allow_headers=["*"])
+    app.add_middleware(HeaderLimits, respond=lambda status, message, path: error_response(status, message,
+                                                                                          path=path))
 
 
 def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body_bytes: int = 8 * 2**20,

@@ -3,6 +3,8 @@ the keys, sent as OpenAI clients send it (`Authorization: Bearer KEY`) or as
 Anthropic's do (`x-api-key: KEY`). /health, /metrics, /tokenize,
 /detokenize and /version stay open, as in vLLM (probes and scrapers carry no
 key), and so do CORS preflights (browsers send them without credentials).
+The route list (/openapi.json, and /docs, /redoc where an app serves them)
+wants a key too: it tells a caller which routes exist.
 
 An ASGI middleware rather than a FastAPI dependency, so an unknown /v1 path
 is refused before it can tell a caller which routes exist."""
@@ -12,6 +14,14 @@ import hmac
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+
+# Besides /v1: what describes the API.
+GUARDED = ("/openapi.json", "/docs", "/redoc")
+
+
+def guarded(path: str) -> bool:
+    return path.startswith("/v1") or path.startswith(GUARDED)
 
 
 class ApiKeyAuth:
@@ -33,7 +43,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not path.startswith("/v1") \
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS" or not guarded(path) \
                 or self._allowed(scope):
             await self.app(scope, receive, send)
             return

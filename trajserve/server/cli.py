@@ -3,11 +3,16 @@ no torch or web framework until the command runs."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 from trajserve.engine.options import add_engine_args
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from trajserve.server import log_guard
+
+    # Before anything logs: a slow or full stderr must never stall serving.
+    log_guard.install(logging.getLogger().level)
     if args.replicas is not None or args.ray_address is not None:
         from trajserve.cluster.launch import serve_cluster
 

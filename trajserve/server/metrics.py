@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from trajserve.outputs import RequestOutput
+from trajserve.server import log_guard
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -73,7 +74,8 @@ class _SnapshotCollector(Collector):
                     ("corrupt_blocks", "trajserve_prefix_cache_corrupt_blocks",
                      "prefix-cache disk blocks rejected on the way back, damaged or mislabelled (recomputed)"),
                     ("mislabelled_blocks", "trajserve_prefix_cache_mislabelled_blocks",
-                     "of those: sound files that held another block, model or layout"),
+                     "sound blocks refused for their identity: files of another block, model or layout, and blocks "
+                     "asked for under a scope (salt, adapter) they were not stored in"),
                     ("write_errors", "trajserve_prefix_cache_write_errors",
                      "prefix-cache disk writes that failed (the block is recomputed when needed)")):
                 c = CounterMetricFamily(name, doc)
@@ -136,6 +138,9 @@ class _SnapshotCollector(Collector):
                                ("swap_in_bytes", "trajserve_kv_swap_in_bytes", "bytes reloaded to the device"),
                                ("corrupt_blocks", "trajserve_kv_corrupt_blocks",
                                 "saved disk blocks rejected: damaged, or not the block saved"),
+                               ("mislabelled_blocks", "trajserve_kv_mislabelled_blocks",
+                                "saved blocks refused because they belong to another scope (salt, adapter), "
+                                "block, model or layout"),
                                ("write_errors", "trajserve_kv_write_errors",
                                 "session disk writes that failed (the state is recomputed on resume)"),
                                ("lease_demotions", "trajserve_keep_lease_demotions", "kept states moved down"),
@@ -173,6 +178,24 @@ class _SnapshotCollector(Collector):
             yield g
 
 
+class LogCollector(Collector):
+    """The log guard's counts (server/log_guard.py): lines written, repeats
+    held back by the rate limit, lines lost to a slow or failing log."""
+
+    def collect(self) -> Iterator:
+        c = log_guard.counts()
+        if c is None:
+            return
+        for name, doc, value in (
+                ("trajserve_log_lines", "log lines written to stderr", c.lines),
+                ("trajserve_log_lines_suppressed", "repeated log lines held back by the rate limit", c.suppressed),
+                ("trajserve_log_lines_dropped", "log lines lost because stderr was too slow (its pipe full) or "
+                                                "failed (a full disk); serving went on", c.dropped)):
+            fam = CounterMetricFamily(name, doc)
+            fam.add_metric([], float(value))
+            yield fam
+
+
 class ServerMetrics:
     def __init__(self, snapshot: Callable[[], dict], bytes_per_block: int) -> None:
         self.registry = CollectorRegistry()
@@ -190,6 +213,7 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("trajserve_generation_tokens", "generated tokens", registry=r)
         r.register(_SnapshotCollector(snapshot, bytes_per_block))
+        r.register(LogCollector())
 
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics

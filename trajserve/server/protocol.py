@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.sampling import SamplingParams
 from trajserve.server.tool_calls import hermes_text
@@ -18,7 +18,7 @@ from trajserve.structured import StructuredOutput
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -26,7 +26,7 @@ class JsonSchemaFormat(BaseModel):
     name: str | None = None
     description: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -39,10 +39,14 @@ class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` body field: one constraint."""
     model_config = ConfigDict(extra="ignore")
     json_: dict | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+
+
+# A pause's placement a client may force (kv/keep_policy.py Decision).
+PauseTier = Literal["keep", "host", "disk", "drop"]
 
 
 class _Common(BaseModel):
@@ -55,13 +59,13 @@ class _Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension (vLLM)
-    ignore_eos: bool = False  # extension (vLLM)
+    ignore_eos: StrictBool = False  # extension (vLLM)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # extension (vLLM)
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias
     prompt_logprobs: int | None = None  # extension (vLLM): score each prompt token, top-k alternatives
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Agent / tenant extensions.
@@ -70,6 +74,8 @@ class _Common(BaseModel):
     tool_wait_s: float | None = Field(default=None, ge=0, description="a tool pause follows this turn: "
                                       "the session's state waits where the keep policy puts it")
     tool: str | None = Field(default=None, description="the tool about to run (its wait history informs the policy)")
+    tool_decision: PauseTier | None = Field(default=None, description="where the session's state waits through "
+                                            "the pause (default: the keep policy decides)")
     # Structured output: OpenAI's response_format, or vLLM's structured_outputs
     # / guided_* fields (trajserve/structured.py).
     response_format: ResponseFormat | None = None
@@ -148,7 +154,7 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -267,15 +273,15 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # False: at most one call per reply
-    add_generation_prompt: bool = True
+    parallel_tool_calls: StrictBool | None = None  # False: at most one call per reply
+    add_generation_prompt: StrictBool = True
     # extension (vLLM): the reply continues the last message (an assistant
     # prefill) instead of opening a new turn
-    continue_final_message: bool = False
+    continue_final_message: StrictBool = False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -305,10 +311,10 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = True  # prompt form only: the template writes a chat's own
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = True  # prompt form only: the template writes a chat's own
+    return_token_strs: StrictBool = False
 
     def chat(self) -> ChatCompletionRequest:
         return ChatCompletionRequest(model=self.model, messages=self.messages, tools=self.tools,

@@ -41,10 +41,10 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.outputs import RequestOutput
-from trajserve.server.protocol import ChatCompletionRequest
+from trajserve.server.protocol import ChatCompletionRequest, PauseTier
 from trajserve.server.tap import Tap, sse_event
 
 STORE_LIMIT = 4096  # stored responses (oldest dropped first): previous_response_id reaches these
@@ -56,7 +56,7 @@ class FunctionTool(BaseModel):
     name: str | None = None
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class NamedFunction(BaseModel):
@@ -77,7 +77,7 @@ class TextFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class TextConfig(BaseModel):
@@ -92,14 +92,14 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    stream: StrictBool = False
     text: TextConfig | None = None
     previous_response_id: str | None = None
-    store: bool = True
+    store: StrictBool = True
     metadata: dict | None = None
     # extensions, as on the chat endpoint
     top_k: int | None = None
@@ -108,6 +108,7 @@ class ResponsesRequest(BaseModel):
     session_id: str | None = None
     tool_wait_s: float | None = Field(default=None, ge=0)
     tool: str | None = None
+    tool_decision: PauseTier | None = None
 
     @property
     def custom_tools(self) -> frozenset[str]:
@@ -160,7 +161,8 @@ class ResponsesRequest(BaseModel):
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
                 "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
-                "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool}
+                "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
+                "tool_decision": self.tool_decision}
         if self.tools:
             for i, t in enumerate(self.tools):
                 if t.type not in ("function", "custom"):

@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trajserve.server.header_limits import MAX_HEADER_BYTES
+
 log = logging.getLogger("trajserve.server")
 
 
@@ -87,7 +89,12 @@ def run_uvicorn(app, sock: socket.socket, name: str, on_stop, detail: str = "") 
 
     host, port = sock.getsockname()[:2]
     print(f"trajserve serving {name} on http://{host}:{port}{detail}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    # log_config None: uvicorn's loggers go to the root logger, which the log
+    # guard (server/log_guard.py) owns -- never a stream handler of their own.
+    # h11 buffers at most a request head's worth of bytes before it answers
+    # 400 (server/header_limits.py answers 431 for what fits but is too much).
+    config = uvicorn.Config(app, log_level="warning", log_config=None, timeout_graceful_shutdown=5,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES + 16 * 1024)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal
     # again under the handler found before it started. With the default one the
     # process would die right there, before the engine below is shut down: the

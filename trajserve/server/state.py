@@ -17,6 +17,7 @@ from trajserve.engine.session import SessionBusy, SessionManager
 from trajserve.engine.session_ids import check_session_id
 from trajserve.lora.adapter import AdapterError
 from trajserve.outputs import RequestOutput
+from trajserve.sampling import SamplingParams
 from trajserve.server import responses, streams
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
@@ -88,6 +89,19 @@ class ServerState:
             except ValueError as e:
                 raise APIError(400, str(e)) from None
 
+    async def _tool_schema_error(self, tools, e: APIError) -> APIError:
+        """A forced tool call's schema did not compile: name the tool whose
+        parameters do not (each compiled alone; the error path only)."""
+        for i, t in enumerate(tools):
+            one = SamplingParams(structured=StructuredOutput(json_schema=t.function.parameters or {"type": "object"}))
+            try:
+                await asyncio.to_thread(self.engine.prepare_structured, one)
+            except ValueError as bad:
+                return APIError(400, f"tools.{i} ({t.function.name!r}): its parameters are not a JSON schema "
+                                     f"replies can be held to: {bad}", param=f"tools.{i}.function.parameters")
+        return APIError(400, f"tools: the tools' schemas together cannot hold a forced call: {e.message}",
+                        param="tools")
+
     def check_room(self, n_prompt: int, sp, explicit: bool) -> None:
         """A max_tokens the client gave that the context cannot hold after the
         prompt is a 400 (as OpenAI and vLLM answer; agent frameworks compact
@@ -126,9 +140,9 @@ class ServerState:
     async def begin_session(self, req, request: Request, n_prompts: int = 1, lora: str | None = None):
         sid = req.session_id or request.headers.get("x-session-id")
         if sid is None:
-            if req.tool_wait_s is not None:
-                raise APIError(400, "tool_wait_s needs a session_id (field or X-Session-Id header)",
-                               param="tool_wait_s")
+            for field in ("tool_wait_s", "tool_decision"):
+                if getattr(req, field) is not None:
+                    raise APIError(400, f"{field} needs a session_id (field or X-Session-Id header)", param=field)
             return None
         if self.sessions is None:
             raise APIError(400, "sessions keep their state in the prefix cache, which this server runs without",
@@ -151,7 +165,7 @@ class ServerState:
     def end_session(self, sess, final: RequestOutput | None, req) -> None:
         if sess is not None:
             self.aengine.submit(lambda _: self.sessions.after_turn(
-                sess, final.prompt_token_ids if final else [], final, req.tool_wait_s, req.tool))
+                sess, final.prompt_token_ids if final else [], final, req.tool_wait_s, req.tool, req.tool_decision))
 
     async def session_stream(self, outs, sess, req):
         final = None
@@ -204,7 +218,12 @@ class ServerState:
         sp = self.sampling(req, req.requested_max_tokens, default_max,
                            (req.top_logprobs or 0) if req.logprobs else None, forced)
         self.check_room(len(ids), sp, room_checked and req.requested_max_tokens is not None)
-        await self.compile_constraint(sp)
+        try:
+            await self.compile_constraint(sp)
+        except APIError as e:
+            if forced is None:
+                raise
+            raise await self._tool_schema_error(req.tools, e) from None
         sess = await self.begin_session(req, request, lora=lora)
         try:
             outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora)

@@ -61,5 +61,5 @@ def replay(requests: Sequence[tuple[list[int], list[int]]], num_blocks: int, blo
         cached.append(req.num_cached_tokens)
     if lower is not None:
         lower.close()
-    return ReplayResult(num_blocks, sched.prefix_hit_rate, cached, kv.radix.num_evicted_blocks,
+    return ReplayResult(num_blocks, sched.prefix_hit_rate, cached, kv.prefix_stats().evicted_blocks,
                         sched.num_preemptions)

@@ -94,7 +94,7 @@ def prefill_run(engine, tokens: int, repeats: int, rng: random.Random, cached_pr
         out = finish()
         times.append(time.perf_counter() - t)
         hit = out[0].num_cached_tokens
-        if prefix and engine.kv.radix is not None and hit < cached_prefix - engine.kv.block_size:
+        if prefix and engine.kv.prefix_caching and hit < cached_prefix - engine.kv.block_size:
             raise RuntimeError(f"the {cached_prefix}-token prefix was not served from the cache ({hit} tokens were)")
     s = spread(times[1:])
     return {"tokens": tokens, "cached_prefix": cached_prefix, "chunk": engine.scheduler.config.max_prefill_chunk,

@@ -64,12 +64,12 @@ class Replica:
         self._lock = threading.Lock()  # events come from the engine thread (and the disk writer's caller)
         self._events: list[tuple[str, bool, list[bytes]]] = []
         self._seq = 0
-        kv = self.server.engine.kv
-        if kv.radix is not None:
-            kv.radix.on_event = lambda stored, hashes: self._push("device", stored, hashes)
-        if kv.lower is not None:
-            kv.lower.on_event = lambda tier, stored, h: self._push(tier, stored, (h,))
-            for tier, hashes in kv.lower.contents().items():  # a --kv-disk-dir's blocks adopted at start-up
+        engine = self.server.engine
+        if engine.kv.prefix_caching:
+            engine.kv.subscribe(lambda stored, hashes: self._push("device", stored, hashes))
+        if engine.lower is not None:
+            engine.lower.subscribe(lambda tier, stored, h: self._push(tier, stored, (h,)))
+            for tier, hashes in engine.lower.contents().items():  # a --kv-disk-dir's blocks adopted at start-up
                 if hashes:
                     self._push(tier, True, hashes)
 

@@ -150,11 +150,10 @@ def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -
     kv = engine.kv
     block_bytes = engine.block_layout.payload_bytes
     notes: list[str] = []
-    n = min(kv.pool.num_free, max(1, -(-CHUNK_BYTES // block_bytes)))
     found = {"block_bytes": block_bytes}
-    if n:
-        ids = kv.pool.allocate(n)
-        try:
+    with kv.borrowed(max(1, -(-CHUNK_BYTES // block_bytes))) as ids:
+        n = len(ids)
+        if n:
             reps = max(1, -(-COPY_BYTES // (n * block_bytes)))
             found["host_copy_bytes"] = n * block_bytes * reps
             ref = memcpy_rate(n * block_bytes)
@@ -170,8 +169,6 @@ def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -
                              "the disk tier is full (blocks kept from earlier runs): default disk rate kept")
             else:
                 _host_and_disk(engine, disk, ids, min(n, room), block_bytes, host_job, ref, rates, found, notes)
-        finally:
-            kv.pool.free(ids)
     # Half the pool at most, so a small pool still runs it.
     prefill_tokens = min(prefill_tokens, kv.token_capacity // 2, engine.max_model_len - 1)
     if prefill_tokens and not engine.has_unfinished_requests():  # stepping must not advance anyone else

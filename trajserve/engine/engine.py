@@ -445,27 +445,28 @@ class LLMEngine:
         return sum(self.kv.invalidate(ids, scope) for scope in scopes_of_salt(cache_salt, self.lora))
 
     def metrics(self) -> dict:
-        radix = self.kv.radix
+        kv = self.kv.stats()
+        prefix = self.kv.prefix_stats()
         return {
             "U_KV": self.kv.usage(),
             "U_KV_active": self.kv.active_usage(),
             "H_prefix": self.scheduler.prefix_hit_rate,
-            "cached_blocks": radix.num_cached_blocks if radix else 0,
-            "evicted_blocks": radix.num_evicted_blocks if radix else 0,
-            "num_blocks": self.kv.num_blocks,
-            "free_blocks": self.kv.pool.num_free,
+            "cached_blocks": prefix.cached_blocks if prefix else 0,
+            "evicted_blocks": prefix.evicted_blocks if prefix else 0,
+            "num_blocks": kv.num_blocks,
+            "free_blocks": kv.free_blocks,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             "swap_preemptions": self.scheduler.num_swap_preemptions,
-            "cow_copies": self.kv.num_cow_copies,
+            "cow_copies": kv.cow_copies,
             "admission_ceiling": self.config.scheduler.admission_ceiling,
             "ceiling_waits": self.scheduler.num_ceiling_waits,
             "throttled_forks": self.scheduler.num_throttled_forks,
-            "reclaimed_blocks": self.kv.num_reclaimed_blocks,
+            "reclaimed_blocks": kv.reclaimed_blocks,
             # Hierarchical prefix cache: blocks LRU moved down, and loaded back on a hit.
-            "spilled_blocks": radix.num_spilled_blocks if radix else 0,
-            "promoted_blocks": self.kv.num_promoted_blocks,
+            "spilled_blocks": prefix.spilled_blocks if prefix else 0,
+            "promoted_blocks": kv.promoted_blocks,
             "lower_tiers": self.lower.metrics() if self.lower is not None else None,
             "speculative": self.proposer.metrics() if self.proposer is not None else None,
             "lora": self.lora.metrics() if self.lora is not None else None,

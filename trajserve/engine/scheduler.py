@@ -140,7 +140,7 @@ class Scheduler:
         decodes = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
         running = RequestStatus.RUNNING
-        tables = self.kv.tables
+        block_ids = self.kv.block_ids
         allocate = self.kv.allocate_slots
         proposer = self.proposer
         if proposer is not None and decodes:
@@ -163,14 +163,13 @@ class Scheduler:
                 # never preempts anyone.
                 if draft and allocate(req.request_id, c + 1 + len(draft), None, c):
                     scheduled.add(req.request_id)
-                    out.chunks.append(ScheduledChunk(req, c, 1 + len(draft), tables[req.request_id].block_ids,
-                                                     draft))
+                    out.chunks.append(ScheduledChunk(req, c, 1 + len(draft), block_ids(req.request_id), draft))
                     budget -= 1 + len(draft)
                     continue
             if allocate(req.request_id, c + n, None, c) or self._preempt_until_fits(req, n, scheduled, out):
                 # _add_chunk, inline: once per running request per step.
                 scheduled.add(req.request_id)
-                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, tables[req.request_id].block_ids))
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, block_ids(req.request_id)))
                 budget -= n
 
         # Nothing was preempted this step: a request preempted now must not be
@@ -206,8 +205,7 @@ class Scheduler:
             self.running.append(req)
             self._add_chunk(out, req, n, scheduled)
             budget -= n
-        if self.kv.holds:  # a resumed session's pin goes once its turn locks the same path
-            self.kv.holds.release_admitted()
+        self.kv.release_admitted_holds()  # a resumed session's pin goes once its turn locks the same path
         out.copies = self.kv.take_copies()
         return out
 
@@ -232,13 +230,12 @@ class Scheduler:
         waiting turns' holds yield (kv/admission_hold.py)."""
         kv = self.kv
         need = max(0, kv.blocks_needed(req.request_id, num_tokens) - (len(hit.block_ids) if hit else 0))
-        if hit is not None:
-            need += kv.radix.num_cold_blocks(hit.last_node)
+        need += kv.cold_blocks(hit)
         over = kv.num_active_blocks + need - self.ceiling_blocks
         if over > 0:
             kv.reclaim(over, keep=hit)
-            if kv.holds and kv.num_active_blocks + need > self.ceiling_blocks:
-                kv.holds.yield_except(hit.last_node if hit is not None else None)
+            if kv.num_active_blocks + need > self.ceiling_blocks:
+                kv.yield_holds(hit)
         return kv.num_active_blocks + need <= self.ceiling_blocks
 
     def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
@@ -282,7 +279,7 @@ class Scheduler:
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, scheduled: set[str]) -> None:
         scheduled.add(req.request_id)
         out.chunks.append(
-            ScheduledChunk(req, req.num_computed_tokens, n, self.kv.tables[req.request_id].block_ids)
+            ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
         )
 
     def fork(self, parent: Request, children: list[Request], throttle: bool = True) -> None:
@@ -296,7 +293,7 @@ class Scheduler:
         for child in children:
             child.all_token_ids = list(parent.all_token_ids)
             child.num_cached_tokens = parent.num_cached_tokens
-            if parent.status is RequestStatus.RUNNING and parent.request_id in self.kv.tables and not throttle:
+            if parent.status is RequestStatus.RUNNING and self.kv.has_table(parent.request_id) and not throttle:
                 self.kv.fork(parent.request_id, child.request_id)
                 child.num_computed_tokens = parent.num_computed_tokens
                 child.status = RequestStatus.RUNNING

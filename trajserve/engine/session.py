@@ -157,9 +157,9 @@ class SessionManager:
         host_bytes / disk_dir / disk_bytes: the tiers saved state goes to when
         the engine has none of its own (--kv-host-cache, --kv-disk-cache);
         with the engine's, those are the one store for both."""
-        if engine.kv.radix is None:
+        if not engine.kv.prefix_caching:
             raise ValueError("sessions keep their state in the prefix cache: enable prefix caching")
-        if engine.kv.reclaimer is not None:
+        if engine.kv.has_reclaimer:
             raise ValueError("this engine already has a session manager: shut that one down first")
         if idle_ttl_s is not None and not 0 < idle_ttl_s < math.inf:
             raise ValueError(f"idle_ttl_s must be a finite number of seconds > 0 (or None: never), "
@@ -328,7 +328,7 @@ class SessionManager:
         decision, pause the session (the hint may be None: the wait is then
         estimated from the tool's history)."""
         s.in_flight = False
-        self.engine.kv.holds.cancel(s)  # the turn ended (admitted, or not at all)
+        self.engine.kv.cancel_hold(s)  # the turn ended (admitted, or not at all)
         if out is None or not out.finished or s.state is SessionState.CLOSED:
             return
         s.history = list(prompt_ids) + list(out.outputs[0].token_ids)
@@ -390,7 +390,7 @@ class SessionManager:
                                        f"(pool of {eng.kv.num_blocks} blocks)")
         finally:
             s.in_flight = False
-            eng.kv.holds.cancel(s)
+            eng.kv.cancel_hold(s)
         s.history.extend(out.outputs[0].token_ids)
         self._turn_done(s, out)
         return out
@@ -406,7 +406,7 @@ class SessionManager:
         if decision is not None:
             decision = Decision(decision)
         self._touch(s)  # before tick(), whose expiry must not take s
-        self.engine.kv.holds.cancel(s)  # the turn ran: its resume's hold is over
+        self.engine.kv.cancel_hold(s)  # the turn ran: its resume's hold is over
         self.tick()
         self.offload.land(s)  # paused again before its reload landed: that copy ends first
         est = self.waits.estimate(tool, expected_wait_s)

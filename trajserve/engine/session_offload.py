@@ -123,14 +123,14 @@ class SessionOffload:
 
     def land_saves(self, need: int | None = None) -> int:
         """Land saves in flight (all, or until `need` blocks are free); returns blocks freed."""
-        pool, freed = self.engine.kv.pool, 0
+        kv, freed = self.engine.kv, 0
         for s in list(self.copying.values()):
             if need is not None and freed >= need:
                 break
             if s.copy is not None and s.copy.kind == "save":
-                before = pool.num_free
+                before = kv.num_free_blocks
                 self._land_save(s)
-                freed += pool.num_free - before
+                freed += kv.num_free_blocks - before
         return freed
 
     def _abandon_save(self, s) -> None:
@@ -305,8 +305,8 @@ class SessionOffload:
         """Measure the policy's rates on this machine (engine/calibration.py), over the disk tier."""
         if self.tiers.disk is None:
             return calibrate_rates(self.engine, self.rates, None, prefill_tokens)
-        with self.tiers._lock:
-            return calibrate_rates(self.engine, self.rates, self.tiers.disk, prefill_tokens)
+        with self.tiers.exclusive_disk() as disk:
+            return calibrate_rates(self.engine, self.rates, disk, prefill_tokens)
 
     def close(self) -> None:
         """Queued writes land; tiers of its own are emptied and detached (the

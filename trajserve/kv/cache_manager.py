@@ -17,6 +17,10 @@ only by a table that holds it alone; before a step writes into a shared block
 writer a fresh block and queues a (src, dst) copy that the executor runs
 before the step's forward. Full blocks are never written again, so they stay
 shared for the life of every branch.
+
+Its pool, tree, tables and holds are its own: the rest of the engine asks
+through its methods (kv/cache_views.py for counts and snapshots,
+kv/radix_paths.py for whole paths and holds), never through those fields.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.block_table import BlockTable, blocks_for
+from trajserve.kv.cache_views import CacheViews
 from trajserve.kv.admission_hold import AdmissionHolds
 from trajserve.kv.radix_cache import RadixCache
 from trajserve.kv.radix_paths import PathOps
@@ -40,7 +45,7 @@ class _PrefixState:
     node: RadixNode | None = None  # locked end of that path
 
 
-class KVCacheManager(PathOps):
+class KVCacheManager(PathOps, CacheViews):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, model_id: Hashable = "") -> None:
         self.block_size = block_size
@@ -90,6 +95,23 @@ class KVCacheManager(PathOps):
     @property
     def num_active_blocks(self) -> int:
         return self.pool.num_used - self.num_reclaimable
+
+    def attach_reclaimer(self, reclaimer: Callable[[int], int]) -> None:
+        """reclaimer(n): free n blocks of pinned paused state, return how many
+        it freed (the pause machine's); one at a time."""
+        if self.radix is None:
+            raise ValueError("paused state is kept in the prefix cache: enable prefix caching")
+        if self.reclaimer is not None:
+            raise ValueError("this KV manager already has a reclaimer (a session manager or pause controller)")
+        self.reclaimer = reclaimer
+
+    def detach_reclaimer(self, reclaimer: Callable[[int], int]) -> None:
+        if self.reclaimer == reclaimer:
+            self.reclaimer = None
+
+    @property
+    def has_reclaimer(self) -> bool:
+        return self.reclaimer is not None
 
     def reclaim(self, num_blocks: int, keep: MatchResult | None = None) -> int:
         """Ask the reclaimer to free num_blocks blocks of pinned state; the

@@ -53,6 +53,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -150,10 +151,7 @@ class LowerTiers(SessionHolds):
         self._held_bytes = {"host": 0, "disk": 0}
         self._reserved = {"host": 0, "disk": 0}
         self._lock = threading.Lock()
-        # on_event(tier, stored, chained hash) as a block enters or leaves the
-        # host or disk tier (the cluster's prefix directory follows them:
-        # cluster/replica.py). Called on the thread that changes the tier.
-        self.on_event: Callable[[str, bool, bytes], None] | None = None
+        self.on_event: Callable[[str, bool, bytes], None] | None = None  # subscribe()
         self._io = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-cache-io")
                     if isinstance(self.disk, DiskKVStore) else None)
         if self.persistent:
@@ -294,6 +292,17 @@ class LowerTiers(SessionHolds):
         self._disk_used = 0
         self._ns.clear()
         self._by_ns.clear()
+
+    def subscribe(self, sink: Callable[[str, bool, bytes], None]) -> None:
+        """sink(tier, stored, chained hash) as a block enters or leaves the host or disk
+        tier, on the thread that changes it (the cluster's directory follows them)."""
+        self.on_event = sink
+
+    @contextmanager
+    def exclusive_disk(self):
+        """The disk store, the writer thread kept out meanwhile (calibration times its own blocks there)."""
+        with self._lock:
+            yield self.disk
 
     def flush(self) -> None:
         """Wait until every queued disk write has landed (or been skipped)."""

@@ -131,10 +131,6 @@ class PauseMachine:
         caller's time (wall or virtual)."""
         if not 0 <= prefetch_fraction <= 1:
             raise ValueError(f"prefetch_fraction must be in [0, 1], got {prefetch_fraction}")
-        if kv.radix is None:
-            raise ValueError("paused state is kept in the prefix cache: enable prefix caching")
-        if kv.reclaimer is not None:
-            raise ValueError("this KV manager already has a reclaimer (a session manager or pause controller)")
         self.kv, self.policy, self.transfers, self.stats = kv, policy, transfers, stats
         self.block_bytes = block_bytes
         self.ceiling_blocks, self.clock = ceiling_blocks, clock
@@ -144,11 +140,10 @@ class PauseMachine:
         # moved on since (another deadline, another tier) is skipped.
         self._timers: list[tuple[float, int, str, PausedRecord]] = []
         self._seq = itertools.count()
-        kv.reclaimer = self.reclaim
+        kv.attach_reclaimer(self.reclaim)  # refuses a KV manager without prefix caching, or with a reclaimer
 
     def detach(self) -> None:
-        if self.kv.reclaimer == self.reclaim:
-            self.kv.reclaimer = None
+        self.kv.detach_reclaimer(self.reclaim)
 
     # ----------------------------------------------------------- transitions
     def pause(self, owner: Hashable, p: PausedRecord, wait_s: float, known: bool,
@@ -156,7 +151,7 @@ class PauseMachine:
         """p's turn ended at `now`: decide where its state waits (wait_s the
         expected wait, known False for a prior) and put it there."""
         kv = self.kv
-        kv.holds.cancel(owner)  # the turn ran: its resume's hold is over
+        kv.cancel_hold(owner)  # the turn ran: its resume's hold is over
         hit = kv.cached_prefix(p.history, p.scope, p.keys)
         nblocks = len(hit.block_ids)
         d = self.policy.decide(PauseState(
@@ -188,7 +183,7 @@ class PauseMachine:
         kv = self.kv
         self.transfers.before_resume(p)
         if p.pin is not None:  # held until the turn is admitted (kv/admission_hold.py)
-            kv.holds.hold(owner, p.pin)
+            kv.hold(owner, p.pin)
             p.pin = None
         if p.prefetched:
             self.stats.prefetch_hits += 1
@@ -208,7 +203,7 @@ class PauseMachine:
                 self.kv.unpin(p.pin)
                 p.pin = None
             _unpaused(p)
-        self.kv.holds.cancel(owner)
+        self.kv.cancel_hold(owner)
         return p
 
     def tick(self, now: float) -> None:
@@ -247,14 +242,14 @@ class PauseMachine:
         now = self.clock()
         cands = [p for p in self.paused.values() if p.pin is not None and (p.prefetched or not p.forced)]
         cands.sort(key=lambda p: p.paused_at + p.expected_wait_s - now, reverse=True)
-        pool = self.kv.pool
+        kv = self.kv
         for p in cands:
             if freed >= need:
                 break
-            before = pool.num_free
+            before = kv.num_free_blocks
             self._demote(p, sync=True)
             self.stats.pressure_demotions += 1
-            freed += pool.num_free - before
+            freed += kv.num_free_blocks - before
         return freed
 
     def relieve_stall(self) -> bool:
@@ -266,7 +261,7 @@ class PauseMachine:
             return True
         victims = [p for p in self.paused.values() if p.pin is not None]
         if not victims:
-            return self.kv.holds.release_all() > 0
+            return self.kv.release_all_holds() > 0
         v = min(victims, key=lambda p: p.paused_at)
         self.kv.unpin(v.pin)
         v.pin = None

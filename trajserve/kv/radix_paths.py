@@ -39,6 +39,26 @@ class PathOps:
     def unpin(self, node: RadixNode) -> None:
         self.radix.unlock(node)
 
+    # A resumed session's pin is held until its turn is admitted (kv/admission_hold.py).
+    def hold(self, owner: Hashable, node: RadixNode) -> None:
+        self.holds.hold(owner, node)
+
+    def cancel_hold(self, owner: Hashable) -> None:
+        if self.holds is not None:
+            self.holds.cancel(owner)
+
+    def release_admitted_holds(self) -> None:
+        """After admission: the holds whose turns locked their paths go."""
+        if self.holds:
+            self.holds.release_admitted()
+
+    def yield_holds(self, keep: MatchResult | None) -> int:
+        """Waiting turns' holds give way (all but the one on `keep`'s path); returns how many went."""
+        return self.holds.yield_except(keep.last_node if keep is not None else None) if self.holds else 0
+
+    def release_all_holds(self) -> int:
+        return self.holds.release_all() if self.holds else 0
+
     def evict_prefix(self, token_ids: list[int], scope: CacheScope, keys: list[BlockKey] | None = None
                      ) -> int:
         """Free the device blocks of this path no one else uses or branches from."""

@@ -87,7 +87,7 @@ def build_app(aengine: AsyncEngine, served_model_name: str | list[str], max_body
     aengine.on_finished = metrics.observe
     # Touched only on the engine thread (through aengine.call / submit).
     manager = SessionManager(engine, idle_ttl_s=session_ttl_s, max_sessions=max_sessions) \
-        if engine.kv.radix is not None else None
+        if engine.kv.prefix_caching else None
     state = ServerState(aengine, names, metrics, manager, calls_format)
     if manager is not None:
         aengine.extra_metrics = lambda: {"sessions": manager.metrics()}

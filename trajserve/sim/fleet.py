@@ -80,9 +80,9 @@ class Fleet:
         for j, sim in enumerate(self.sims):
             executor = CostModelExecutor(sim.runner, tokens, None, None, None)
             self.cores.append((EngineCore(sim.sched, executor), executor))
-            if isinstance(router, KVRouter) and sim.kv.radix is not None:
-                sim.kv.radix.on_event = (lambda stored, hashes, j=j:
-                                         router.directory.apply(KVEvent(j, tuple(hashes), "device", stored)))
+            if isinstance(router, KVRouter) and sim.kv.prefix_caching:
+                sim.kv.subscribe(lambda stored, hashes, j=j:
+                                 router.directory.apply(KVEvent(j, tuple(hashes), "device", stored)))
         kv = self.sims[0].kv
         self.block_size, self.cap = kv.block_size, kv.token_capacity
 

@@ -261,7 +261,7 @@ class PauseController:
         else:
             est = self.waits.estimate(None, None)
             expected, known = est.seconds, est.source != "prior"
-        p = Paused(history, self.kv.radix.block_keys(history), scope)
+        p = Paused(history, self.kv.block_keys(history), scope)
         self.stats.pauses += 1
         self.machine.pause(s, p, expected, known, None if self.mode == "policy" else self.mode, now)
 

@@ -26,7 +26,7 @@ class SimPrefixTiers:
     def transfers(self) -> list[tuple[int, str]]:
         """(blocks, link) moved since the last call, for the step about to run."""
         st = self.lower.stats
-        now = (self.kv.radix.num_spilled_blocks, st.loaded_host_blocks, st.loaded_disk_blocks)
+        now = (self.kv.prefix_stats().spilled_blocks, st.loaded_host_blocks, st.loaded_disk_blocks)
         spilled, from_host, from_disk = (a - b for a, b in zip(now, self._last))
         self._last = now
         out = []
@@ -37,7 +37,7 @@ class SimPrefixTiers:
         return out
 
     def summary(self) -> dict:
-        return {**self.lower.metrics(), "spilled_blocks": self.kv.radix.num_spilled_blocks,
+        return {**self.lower.metrics(), "spilled_blocks": self.kv.prefix_stats().spilled_blocks,
                 "promoted_blocks": self.kv.num_promoted_blocks}
 
     def close(self) -> None:

@@ -155,7 +155,6 @@ class Simulator:
     def _run(self, sessions: Sequence[Session]) -> SimResult:
         t_wall = time.perf_counter()
         sched, kv, runner = self.sched, self.kv, self.runner
-        pool = kv.pool
         B, nb = kv.block_size, kv.num_blocks
         feed_limit = sched.config.max_num_seqs
         gate = self.max_concurrency
@@ -218,7 +217,7 @@ class Simulator:
 
             if not tl.t:  # the pool before the first step, so a plot starts at the first arrival
                 tl.t.append(clock)
-                tl.u_kv.append(pool.num_used / nb)
+                tl.u_kv.append(kv.num_used_blocks / nb)
                 tl.cached.append(kv.num_reclaimable / nb)
                 tl.running.append(0)
                 tl.waiting.append(len(sched.waiting) + len(arrived))
@@ -274,16 +273,16 @@ class Simulator:
             if finished:
                 bar.update(len(finished))
             tl.t.append(clock)
-            tl.u_kv.append(pool.num_used / nb)
+            tl.u_kv.append(kv.num_used_blocks / nb)
             tl.cached.append(kv.num_reclaimable / nb)
             tl.running.append(len(sched.running))
             tl.waiting.append(len(sched.waiting) + len(arrived))
         bar.close()
-        radix = kv.radix
+        prefix = kv.prefix_stats()
         return SimResult(records=rec, timeline=tl, num_blocks=nb, block_size=B, end_time=clock,
                          steps=runner.stats.steps, hit_rate=sched.prefix_hit_rate,
                          preemptions=sched.num_preemptions, swap_preemptions=sched.num_swap_preemptions,
-                         evicted_blocks=radix.num_evicted_blocks if radix else 0,
+                         evicted_blocks=prefix.evicted_blocks if prefix else 0,
                          cow_copies=kv.num_cow_copies, rejected=rejected, runner=runner,
                          wall_s=time.perf_counter() - t_wall,
                          pauses=pauses.summary() if pauses is not None else None,

@@ -9,7 +9,7 @@ import torch
 
 from trajserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from trajserve.engine.engine import StepStats
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
@@ -17,7 +17,7 @@ from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.copy_engine import CopyEngine
 from trajserve.kv.keep_policy import CostRates
-from trajserve.kv.kv_quant import FORMATS
+from trajserve.model.kv_quant import FORMATS
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 VOCAB = 500

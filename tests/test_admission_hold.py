@@ -7,7 +7,7 @@ import time
 from standin_engine import reference_reply
 from test_pressure import B, greedy, standin, unique  # noqa: F401 - standin is a fixture
 from trajserve.config import SchedulerConfig
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.scope import CacheScope

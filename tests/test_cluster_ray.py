@@ -1,4 +1,4 @@
-"""`trajserve serve --replicas 2` on a real local Ray cluster (issue 28): two
+"""`trajserve serve --replicas 2` on a real local Ray cluster: two
 replicas of the embedded model, one thread each, behind the routing front
 end. The server process starts Ray (sized by ray.init to this machine's
 cores) and stops it when it is stopped; the tests kill replica processes

@@ -1,5 +1,5 @@
-"""The cluster's prefix directory and routing policies (issue 28, first
-step): the directory's hashes are the radix cache's own, a replica's match
+"""The cluster's prefix directory and routing policies: the
+directory's hashes are the radix cache's own, a replica's match
 is its leading run of held blocks by tier, the kv router's choice follows
 kv-cache-management figure 7's objective (its worked example: 32,000 of
 40,000 tokens held is an 80 % match), salts never share, sessions stick to

@@ -1,10 +1,9 @@
 """Disk blocks carry their identity, and a --kv-disk-dir survives restarts.
 
-From a hostile probe of main at 4c87251 (issue "Hardening from a hostile
-probe"): the disk header held magic + length + CRC-32, so valid files
-rotated between names were served as the blocks their names said (11 of 16
-greedy outputs wrong, no counter moved); files of earlier runs were never
-reused nor removed; a killed server's scratch directory stayed for ever.
+A block file names its block: a valid file moved to another name is
+refused (counted as mislabelled), as are files of another model or layout;
+files of earlier runs are adopted or removed, never left; a killed
+server's scratch directory is swept by the next one.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ scheduler's update, on the real scheduler and KV manager with an executor
 that only picks tokens."""
 from trajserve.config import SchedulerConfig
 from trajserve.engine.core import EngineCore, ExecutorOutput
-from trajserve.engine.request import Request, RequestStatus
+from trajserve.request import Request, RequestStatus
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.sampling import SamplingParams

@@ -7,8 +7,8 @@ connection (one keep-alive client carries them all); a normal request right
 after must succeed; when it is over the pool is idle and the server has
 logged no traceback.
 
-TRAJSERVE_FUZZ_EXAMPLES sets the cases per endpoint (default 25; the closing
-note of issue 23 records a run of 150)."""
+TRAJSERVE_FUZZ_EXAMPLES sets the cases per endpoint (default 25; CI's run; 150
+for a longer one)."""
 from __future__ import annotations
 
 import json

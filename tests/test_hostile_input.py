@@ -1,4 +1,4 @@
-"""Hostile input found by a probe of `trajserve serve` at 4c87251: each case
+"""Hostile input against `trajserve serve`: each case
 is a clear 4xx naming the field (never a 5xx), and the server keeps serving."""
 from __future__ import annotations
 

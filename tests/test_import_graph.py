@@ -1,8 +1,7 @@
-"""The package's import graph has no cycle. Every import counts, the ones
-inside functions too: a lazy import only hides a cycle from the
-interpreter, not from the reader (cli.py imported bench/*, server/serve.py
-and sim/validate.py, which imported cli.py back: eleven files in one loop).
-Read with ast from the source, nothing is imported."""
+"""The package's import graph has no cycle, and its layers hold. Every
+import counts, the ones inside functions too: a lazy import only hides a
+cycle (or a layer crossed) from the interpreter, not from the reader. Read
+with ast from the source, nothing is imported."""
 from __future__ import annotations
 
 import ast
@@ -109,3 +108,41 @@ def test_every_module_is_small_and_says_what_it_owns():
             silent.append(str(path.relative_to(PACKAGE)))
     assert not long, long
     assert not silent, silent
+
+
+# package -> the packages it must never import (anywhere in it, lazily or not).
+LAYERS = {
+    "model": {"kv", "engine", "server", "sim", "bench", "cluster", "commands", "speculative"},
+    "lora": {"engine", "server", "sim", "bench", "cluster", "commands", "speculative"},
+    "kv": {"engine", "server", "sim", "bench", "cluster", "commands", "speculative"},
+    "plan": {"engine", "kv", "server", "sim", "bench", "cluster", "commands", "speculative", "lora"},
+    "speculative": {"engine", "server", "sim", "bench", "cluster", "commands"},
+    "sim": {"server", "bench", "commands"},
+    "server": {"cluster", "bench", "sim", "commands"},
+}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def crossings(graph: dict[str, set[str]], layers=LAYERS) -> list[str]:
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if _package(d) in layers.get(_package(m), ()))
+
+
+def test_the_checker_finds_a_layer_crossed(tmp_path):
+    pkg = tmp_path / "trajserve"
+    for sub in ("model", "engine"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model" / "a.py").write_text("def f():\n    from trajserve.engine import b\n")
+    (pkg / "engine" / "b.py").write_text("from trajserve.model import a\n")
+    assert crossings(import_graph(pkg)) == ["trajserve.model.a -> trajserve.engine.b"]
+
+
+def test_the_layers_hold():
+    found = crossings(import_graph())
+    assert not found, "layers crossed:\n" + "\n".join(found)

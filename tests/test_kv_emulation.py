@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trajserve.bench.kv_emulation import EMULATIONS, EmulatedStore, round_mantissa
-from trajserve.kv.kv_quant import FORMATS, load_rows, store_rows
+from trajserve.model.kv_quant import FORMATS, load_rows, store_rows
 
 
 def test_seven_mantissa_bits_are_bfloat16s_rounding_ties_included():

@@ -1,4 +1,4 @@
-"""q8_0 / q4_0 KV pools (kv/kv_quant.py, cpu_kernels.c): the rows' bytes, the
+"""q8_0 / q4_0 KV pools (model/kv_quant.py, cpu_kernels.c): the rows' bytes, the
 C kernels against torch and against a float32 pool holding the dequantized
 (rotated) values, the rotation, the error bound of each format, and the
 pool's capacity."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from trajserve.kv.kv_quant import (FORMATS, dequantize_q4_0, dequantize_q8_0, load_rows, pool_format,
+from trajserve.model.kv_quant import (FORMATS, dequantize_q4_0, dequantize_q8_0, load_rows, pool_format,
                                    quantize_q4_0, quantize_q8_0, rotate, store_rows)
 from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, PrefillSeq, paged_attention, write_kv

@@ -127,7 +127,7 @@ def test_plan_and_the_engine_agree_on_block_bytes_and_capacity(kv, plan_kv):
     import argparse
 
     from trajserve.plan import plan
-    from trajserve.plan.cli import add_plan_parser, request_from
+    from trajserve.commands.plan import add_plan_parser, request_from
 
     p = argparse.ArgumentParser()
     add_plan_parser(p)

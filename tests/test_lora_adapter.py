@@ -1,5 +1,5 @@
-"""PEFT LoRA adapters read and checked against the base model (issue 29,
-item 1): the deltas are PEFT's own merge, the planner counts the same
+"""PEFT LoRA adapters read and checked against the base model: the
+deltas are PEFT's own merge, the planner counts the same
 parameters, and every adapter this engine cannot serve is refused naming
 the file, field or module and its shapes."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multi-LoRA serving (issue 29) on tiny random models with random PEFT
+"""Multi-LoRA serving on tiny random models with random PEFT
 adapters: a row's logits are the base model's with its adapter merged
 (against PEFT itself, with the C kernels and with the torch forward, rows of
 several adapters and of none in one forward); mixed batches give each
@@ -14,7 +14,7 @@ import torch
 
 from tiny_models import random_adapter, save_with_tokenizer, tiny_hf_model
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.scope import CacheScope

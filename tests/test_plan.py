@@ -478,7 +478,7 @@ def test_cpu_local_plans_in_the_dtype_the_engine_runs_here():
 
     from trajserve.engine.dtype import resolve_dtype
     from trajserve.llm import LLM
-    from trajserve.plan.cli import add_plan_parser, request_from
+    from trajserve.commands.plan import add_plan_parser, request_from
     from trajserve.plan.kv_format import m_token
 
     p = argparse.ArgumentParser()
@@ -503,7 +503,7 @@ def test_contexts_stay_within_the_models_own(embedded_gguf: Path, tmp_path: Path
     past it is refused; catalog entries, whose aliases span versions, keep all."""
     import argparse
 
-    from trajserve.plan.cli import add_plan_parser, request_from
+    from trajserve.commands.plan import add_plan_parser, request_from
 
     p = argparse.ArgumentParser()
     add_plan_parser(p)

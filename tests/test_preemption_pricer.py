@@ -10,7 +10,7 @@ import pytest
 from standin_engine import StandInEngine, reference_reply
 from test_pressure import B, greedy, unique
 from trajserve.config import SchedulerConfig
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.keep_policy import CostRates

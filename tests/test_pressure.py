@@ -9,7 +9,7 @@ import pytest
 
 from standin_engine import StandInEngine, reference_reply
 from trajserve.config import SchedulerConfig
-from trajserve.engine.request import Request, RequestStatus
+from trajserve.request import Request, RequestStatus
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.session import SessionManager
 from trajserve.kv.cache_manager import KVCacheManager

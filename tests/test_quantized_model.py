@@ -10,7 +10,7 @@ import torch
 from test_loader import write_gguf
 from tiny_models import tiny_hf_model
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.llm import LLM

@@ -45,7 +45,7 @@ def test_logits_and_greedy_text_match_transformers(engine_float_weights, hf_gguf
 def test_every_prefill_row_matches_transformers(engine_float_weights, hf_gguf_model):
     """All rows of a chunked prefill (not just the sampled one) against the reference."""
     from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-    from trajserve.engine.request import Request
+    from trajserve.request import Request
 
     eng = engine_float_weights
     ids = eng.tokenizer.encode("def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n")

@@ -9,7 +9,7 @@ import torch
 
 from tiny_models import tiny_hf_model
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.model.cpu_kernels import load as load_kernels

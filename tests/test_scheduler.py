@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings, strategies as st
 
 from trajserve.config import SchedulerConfig
-from trajserve.engine.request import Request, RequestStatus
+from trajserve.request import Request, RequestStatus
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager

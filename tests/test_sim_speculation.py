@@ -1,4 +1,4 @@
-"""Speculation in the simulator (issue 26 item 5, issue 30's last check): the
+"""Speculation in the simulator: the
 engine's proposer and scheduler on the cost model with a drawn acceptance,
 and `simulate` agreeing with `plan spec` on the time per output token."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Draft sources, the step-cost fit and the draft length rule (issue 26)."""
+"""Draft sources, the step-cost fit and the draft length rule."""
 from __future__ import annotations
 
 import random
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.plan.speculation import expected_output
 from trajserve.sampling import SamplingParams
 from trajserve.speculative.context_index import ContextIndex, continuation

@@ -1,4 +1,4 @@
-"""Speculative decoding never changes the output (issue 26): greedy tokens,
+"""Speculative decoding never changes the output: greedy tokens,
 text, logprobs and finish reasons with drafts equal those without, across
 chunk sizes, batch composition, preemption, fork, sessions paused to each
 tier, structured output and stop strings; a seeded sample is the same text

@@ -1,4 +1,5 @@
-"""`trajserve` command: generate, chat, bench."""
+"""`trajserve` command: generate, chat, serve (one engine, or replicas on Ray),
+bench, plan, simulate, calibrate."""
 from __future__ import annotations
 
 import argparse
@@ -81,6 +82,39 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from trajserve.server import log_guard
+
+    # Before anything logs: a slow or full stderr must never stall serving.
+    log_guard.install(logging.getLogger().level)
+    if args.replicas is not None or args.ray_address is not None:
+        from trajserve.cluster.launch import serve_cluster
+
+        return serve_cluster(args)
+    from trajserve.server.serve import serve
+
+    return serve(args)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from trajserve.sim.cli import check_args, run_simulation
+
+    check_args(args)
+    if not args.validate:
+        return run_simulation(args)
+    if args.replicas > 1:
+        raise ValueError("--validate predicts one engine: it does not take --replicas")
+    from trajserve.bench.validate import run  # measures bench agent on this engine
+
+    return run(args)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from trajserve.bench.calibrate import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trajserve", description="A serving engine for AI agents")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -99,14 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    add_serve_parser(sub)
+    add_serve_parser(sub).set_defaults(func=cmd_serve)
     add_bench_parser(sub)
 
-    from trajserve.plan.cli import add_plan_parser  # arithmetic only: imports no torch
+    from trajserve.commands.plan import add_plan_parser  # arithmetic only: imports no torch
     add_plan_parser(sub.add_parser("plan", help="closed-form capacity: how many trajectories fit a node"))
     from trajserve.sim.cli import add_calibrate_parser, add_simulate_parser  # imports no torch
-    add_simulate_parser(sub.add_parser("simulate", help="the real scheduler + KV cache on a cost model: latency, hit rate, U_KV"))
-    add_calibrate_parser(sub.add_parser("calibrate", help="measure this machine's engine; write a hardware profile for simulate"))
+    s = sub.add_parser("simulate", help="the real scheduler + KV cache on a cost model: latency, hit rate, U_KV")
+    add_simulate_parser(s)
+    s.set_defaults(func=cmd_simulate)
+    c = sub.add_parser("calibrate", help="measure this machine's engine; write a hardware profile for simulate")
+    add_calibrate_parser(c)
+    c.set_defaults(func=cmd_calibrate)
     _show_defaults(p)
     return p
 

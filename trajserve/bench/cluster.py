@@ -1,5 +1,5 @@
 """`trajserve bench cluster`: one agent load through one server and through
-`serve --replicas N` under each router (issue 28's live comparison).
+`serve --replicas N` under each router (the live comparison).
 
 Each configuration is a fresh `trajserve serve` process (port 0), loaded by
 `bench serve`'s agent dataset (bench/serve.py: trajectories of --turns chat

@@ -1,5 +1,5 @@
 """`trajserve bench kv-agreement`: a KV pool format against full-precision
-KV, everything else equal (issue 27; inference-optimization 8.4.2 / 8.4.4:
+KV, everything else equal (inference-optimization 8.4.2 / 8.4.4:
 what compressing K and V costs in quality).
 
 16 fixed prompts of 200 to 3,000 tokens, the length an agent's context
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         "largest_forced_flip_gap": max(gaps, default=None),
         "float32_self_flips": sum(r["float32_self_flips"] for r in rows),
         # Were positions independent, a continuation stays whole for 64 tokens with probability (1 - rate)^64;
-        # the flip rate at which that reaches the issue's 95 % is 1 - 0.95^(1/64) = 0.080 %.
+        # the flip rate at which that reaches a 95 % target is 1 - 0.95^(1/64) = 0.080 %.
         "expected_share_identical_for_64": (1 - rate) ** TOKENS,
         "flip_rate_for_95_percent": 1 - 0.95 ** (1 / TOKENS)})
     out = {"command": command_line(), "machine": machine_info(), "kv_dtype": tested.engine.kv_format.name,

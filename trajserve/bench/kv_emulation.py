@@ -1,5 +1,5 @@
 """`bench kv-agreement --emulate`: where a quantized pool's disagreement
-with a float32 pool comes from (issue 27).
+with a float32 pool comes from.
 
 An emulated side runs a float32 pool and the float32 C kernels, but each K/V
 row it stores is first replaced by what a lossy format would give back
@@ -9,7 +9,7 @@ pick which rows lose precision:
 
     mantissa7     K and V rounded to bfloat16's 8 significant bits
     mantissa10    K and V rounded to float16's 11 (range not limited)
-    q8_0          K and V through rotated q8_0 (kv/kv_quant.py) and back
+    q8_0          K and V through rotated q8_0 (model/kv_quant.py) and back
     q8_0-k        only K;  q8_0-v: only V
     q8_0-recent64 q8_0, but the prompt's last 64 tokens and every generated
                   token keep float32 (a window of recent tokens held at full
@@ -40,7 +40,7 @@ def round_trip(x, name: str):
     """Rows through a quantized pool format and back, as attention reads them."""
     import torch
 
-    from trajserve.kv.kv_quant import FORMATS, load_rows, store_rows
+    from trajserve.model.kv_quant import FORMATS, load_rows, store_rows
 
     f = FORMATS[name]
     return load_rows(store_rows(x, f), f, x.shape[-1], torch.float32)

@@ -1,4 +1,4 @@
-"""`trajserve bench lora`: the cost of serving many adapters (issue 29).
+"""`trajserve bench lora`: the cost of serving many adapters.
 
 One engine, one process; random PEFT adapters are written to a temporary
 directory (rank --rank on --targets, none can be downloaded here) and loaded.

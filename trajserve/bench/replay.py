@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from trajserve.config import SchedulerConfig
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.lower_tiers import LowerTiers

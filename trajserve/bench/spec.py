@@ -1,4 +1,4 @@
-"""`trajserve bench spec`: speculative decoding on and off (issue 26).
+"""`trajserve bench spec`: speculative decoding on and off.
 
 One engine, one process; each case runs with the proposer and without,
 alternated round by round (this machine's speed drifts by tens of percent

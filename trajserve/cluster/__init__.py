@@ -1,4 +1,4 @@
-"""Past one machine (issue 28): engine replicas on Ray behind one routing front end.
+"""Past one machine: engine replicas on Ray behind one routing front end.
 
     directory.py   the prefix directory: which replica holds which chained block hash, on which tier
                    (fed by the replicas' KV events: kv/radix_cache.py and kv/lower_tiers.py on_event)

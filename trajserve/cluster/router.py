@@ -1,4 +1,4 @@
-"""Which replica serves a request (issue 28): the cluster's routing policies.
+"""Which replica serves a request: the cluster's routing policies.
 
 kv   kv-cache-management figure 7's joint objective over the prefix
      directory (directory.py):

@@ -93,7 +93,7 @@ def resolve_quantization(name: str, dtype: torch.dtype, device: torch.device,
 def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
                      block_size: int = 16, group: int = 1):
     """What the KV pool stores (--kv-cache-dtype), a KVFormat
-    (kv/kv_quant.py), and why, for the start-up line. `kernels`: the
+    (model/kv_quant.py), and why, for the start-up line. `kernels`: the
     model's CpuKernels, or None where torch runs it.
 
     A bfloat16 pool under float32 compute runs in the C kernels only
@@ -109,7 +109,7 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,
     bf16 on the bf16 pool's tiles) for a head_dim that is a multiple of 32;
     auto never picks them: they trade quality for capacity, the user's call
     (as llama.cpp's --cache-type-k/v and vLLM's --kv-cache-dtype fp8)."""
-    from trajserve.kv.kv_quant import FORMATS
+    from trajserve.model.kv_quant import FORMATS
 
     if name == "auto":
         if dtype == torch.float32 and kernels is not None and kernels.amx_attention(head_dim, block_size):

@@ -30,7 +30,7 @@ from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_executor import ModelExecutor
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.output_processor import OutputProcessor, RequestGroup
-from trajserve.engine.request import Request, RequestStatus
+from trajserve.request import Request, RequestStatus
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
@@ -108,7 +108,7 @@ class LLMEngine:
         del weights
 
         cc = config.cache
-        # kv_format: what a pool row is (kv/kv_quant.py); kv_dtype: the pool tensors' dtype (uint8 for q8_0 / q4_0).
+        # kv_format: what a pool row is (model/kv_quant.py); kv_dtype: the pool tensors' dtype (uint8 for q8_0 / q4_0).
         self.kv_format, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels, mc.head_dim,
                                                      cc.block_size, mc.num_heads // mc.num_kv_heads)
         self.kv_dtype = self.kv_format.storage

@@ -20,9 +20,9 @@ def available_memory(device: torch.device) -> int:
 
 def bytes_per_block(model: ModelConfig, block_size: int, fmt) -> int:
     """m_token (eq. 1, kv-cache-management) times tokens per block; fmt a
-    KVFormat (kv/kv_quant.py) or a float torch dtype. One definition of a
+    KVFormat (model/kv_quant.py) or a float torch dtype. One definition of a
     format's bytes: trajserve.plan.kv_format, which the planner uses too."""
-    from trajserve.kv.kv_quant import kv_format
+    from trajserve.model.kv_quant import kv_format
 
     return (kv_format(fmt) if isinstance(fmt, torch.dtype) else fmt).bytes_per_token(model) * block_size
 

@@ -51,8 +51,8 @@ class PreparedBatch:
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                      head_dim: int, fmt, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K and V per layer, [num_blocks, H_kv, B, row]: fmt a KVFormat
-    (kv/kv_quant.py; a q8_0 / q4_0 row is bytes) or a float torch dtype."""
-    from trajserve.kv.kv_quant import kv_format
+    (model/kv_quant.py; a q8_0 / q4_0 row is bytes) or a float torch dtype."""
+    from trajserve.model.kv_quant import kv_format
 
     f = kv_format(fmt) if isinstance(fmt, torch.dtype) else fmt
     shape = (num_blocks, num_kv_heads, block_size, f.row_elems(head_dim))

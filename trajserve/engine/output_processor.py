@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trajserve.engine.request import Request, RequestStatus
+from trajserve.request import Request, RequestStatus
 from trajserve.model.tokenizer import IncrementalDetokenizer
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 

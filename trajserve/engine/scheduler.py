@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trajserve.config import SchedulerConfig
-from trajserve.engine.request import Request, RequestStatus
+from trajserve.request import Request, RequestStatus
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
 

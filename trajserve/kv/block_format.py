@@ -44,7 +44,7 @@ HEADER_BYTES = _BODY.size + _SUM.size
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "uint8": torch.uint8, "int64": torch.int64,  # int64: the tests' token-id stand-in blocks
-           # quantized rows (kv/kv_quant.py): named, so never confused; "+h32": groups rotated before quantizing,
+           # quantized rows (model/kv_quant.py): named, so never confused; "+h32": groups rotated before quantizing,
            # the plain names those of blocks written before (read, and refused as another layout)
            "q8_0+h32": torch.uint8, "q4_0+h32": torch.uint8, "q8_0": torch.uint8, "q4_0": torch.uint8}
 

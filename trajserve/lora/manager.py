@@ -58,7 +58,7 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}
         self.counts: dict[str, AdapterCounts] = {}
         self.reserved: set[str] = set()  # the base model's served names (the server's): no adapter takes them
-        # Every cache scope an adapter's requests used (engine/request.py
+        # Every cache scope an adapter's requests used (request.py
         # cache_scope): what unload drops from the prefix cache and tiers.
         self.scopes: dict[str, set[CacheScope]] = {}
         self.in_flight: dict[str, LoRAAdapter] = {}  # request id -> its adapter, until it finishes

@@ -59,8 +59,8 @@ def amx_kv_quant_usable(k) -> bool:
     as bf16, attention_bf16.c): for each format, a chunk on tiles, a short
     chunk as tile decodes, and every query decoded alone give the same bits,
     and they are the bf16 kernels' bits over a bf16 pool holding the rows'
-    values (queries and outputs rotated, kv/kv_quant.py). Needs amx_usable."""
-    from trajserve.kv.kv_quant import FORMATS, GROUP, dequantize_q4_0, dequantize_q8_0, rotate, store_rows
+    values (queries and outputs rotated, model/kv_quant.py). Needs amx_usable."""
+    from trajserve.model.kv_quant import FORMATS, GROUP, dequantize_q4_0, dequantize_q8_0, rotate, store_rows
 
     rng = np.random.default_rng(17)
     x = torch.from_numpy(rng.standard_normal((2, 9, 2, 16, 64), dtype=np.float32)) * 3

@@ -23,7 +23,7 @@ Two paths, chosen per sequence by query length:
 Pool layout per layer: [num_blocks, H_kv, B, d] (head-major inside a block),
 so a gathered block is already the [H_kv, B, d] operand a batched matmul
 wants: no transpose copy of K or V on the decode path. A q8_0 / q4_0 pool
-holds [num_blocks, H_kv, B, row bytes] (kv/kv_quant.py): its gathered
+holds [num_blocks, H_kv, B, row bytes] (model/kv_quant.py): its gathered
 blocks are dequantized to the compute dtype, and write_kv quantizes.
 
 K/V of the current step are written into the pool (write_kv) before this runs.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trajserve.kv.kv_quant import load_rows, pool_format, store_rows
+from trajserve.model.kv_quant import load_rows, pool_format, store_rows
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ class AttentionMetadata:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """k, v: [T, H_kv, d]; caches: [num_blocks, H_kv, B, row] (row: d, or a
-    q8_0 / q4_0 row's bytes, kv/kv_quant.py)."""
+    q8_0 / q4_0 row's bytes, model/kv_quant.py)."""
     fmt = pool_format(k_cache, k.shape[-1])
     k_cache[meta.slot_block, :, meta.slot_offset] = store_rows(k, fmt)
     v_cache[meta.slot_block, :, meta.slot_offset] = store_rows(v, fmt)

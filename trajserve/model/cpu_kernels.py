@@ -239,8 +239,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _pool_format(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> int:
     """The pool's kv_fmt code (cpu_kernels.c): 0 float32, 1 bfloat16
-    (attention_bf16.c), 2 q8_0, 3 q4_0 (kv/kv_quant.py)."""
-    from trajserve.kv.kv_quant import pool_format
+    (attention_bf16.c), 2 q8_0, 3 q4_0 (model/kv_quant.py)."""
+    from trajserve.model.kv_quant import pool_format
 
     if k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape or \
             k_cache.dtype not in (torch.float32, torch.bfloat16, torch.uint8):

@@ -2,7 +2,7 @@
  * attention_bf16.c: the format codes, a row's bytes, the rotation of its
  * groups, and a row read back as float32.
  *
- * A q8_0 / q4_0 pool row (kv/kv_quant.py has the layout and the torch
+ * A q8_0 / q4_0 pool row (model/kv_quant.py has the layout and the torch
  * twins of these): the codes of the d / 32 groups, then their float16
  * scales; a dequantized value, code x float16 scale, is exact in float32. */
 #ifndef TRAJSERVE_KV_ROWS_H

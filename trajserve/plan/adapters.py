@@ -1,5 +1,5 @@
 """Many LoRA adapters on one base model: their bytes, and what they take
-from the KV pool (inference-optimization 8.2.1, issue 29).
+from the KV pool (inference-optimization 8.2.1).
 
 A LoRA adapter on a projection W [out x in] adds two matrices, A [r x in]
 and B [out x r]; the request's product becomes W x + (alpha / r) B (A x).

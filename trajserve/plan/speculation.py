@@ -15,7 +15,7 @@ token it adds is under the time per token so far (8.5.4's marginal rule):
     dT / dN < T / N.
 
 Times are milliseconds. Arithmetic only: no torch, nothing measured here;
-the engine's own draft length choice (issue 26) is to use these functions.
+the engine's own draft length choice is to use these functions.
 """
 from __future__ import annotations
 

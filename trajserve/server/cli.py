@@ -1,28 +1,14 @@
-"""`trajserve serve`'s arguments; the work is in server/serve.py. Loads
-no torch or web framework until the command runs."""
+"""`trajserve serve`'s arguments; the work is in server/serve.py (one engine)
+or cluster/launch.py (replicas), which trajserve/cli.py picks. Loads no
+torch or web framework."""
 from __future__ import annotations
 
 import argparse
-import logging
 
 from trajserve.engine.options import add_engine_args
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from trajserve.server import log_guard
-
-    # Before anything logs: a slow or full stderr must never stall serving.
-    log_guard.install(logging.getLogger().level)
-    if args.replicas is not None or args.ray_address is not None:
-        from trajserve.cluster.launch import serve_cluster
-
-        return serve_cluster(args)
-    from trajserve.server.serve import serve
-
-    return serve(args)
-
-
-def add_serve_parser(sub) -> None:
+def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
@@ -57,4 +43,4 @@ def add_serve_parser(sub) -> None:
     c.add_argument("--replica-cpus", type=float, default=1.0, metavar="N",
                    help="CPUs each replica reserves on Ray (its torch threads follow)")
     add_engine_args(s)
-    s.set_defaults(func=_serve)
+    return s

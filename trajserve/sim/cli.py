@@ -106,7 +106,7 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", type=int, default=256, help="chat: output tokens")
     w.add_argument("--prefix-len", type=int, default=0, help="chat: shared system-prompt tokens")
 
-    c = p.add_argument_group("replicas (issue 28: the cluster's router on the cost model)")
+    c = p.add_argument_group("replicas (the cluster's router on the cost model)")
     c.add_argument("--replicas", type=int, default=1,
                    help="engine replicas, each with its own pool and cache, behind --router")
     c.add_argument("--router", default="all",
@@ -128,7 +128,6 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
                    help="a `trajserve bench agent --json` result to compare with (default: run its cached "
                         "phase now on the real engine)")
     v.add_argument("--save-measured", default=None, metavar="JSON", help="write the measurement taken now")
-    p.set_defaults(func=cmd_simulate)
 
 
 def add_calibrate_parser(p: argparse.ArgumentParser) -> None:
@@ -139,13 +138,6 @@ def add_calibrate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")
-    p.set_defaults(func=cmd_calibrate)
-
-
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    from trajserve.sim.calibrate import run
-
-    return run(args)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -186,18 +178,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {path!r}: no such directory to write it in")
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    check_args(args)
+def run_simulation(args: argparse.Namespace) -> int:
+    """`trajserve simulate` without --validate (trajserve/cli.py sends that,
+    which measures the engine, to bench/validate.py), args checked."""
     if args.replicas > 1:
-        if args.validate:
-            raise ValueError("--validate predicts one engine: it does not take --replicas")
         from trajserve.sim.fleet_report import run_fleet
 
         return run_fleet(args)
-    if args.validate:
-        from trajserve.sim.validate import run as run_validate
-
-        return run_validate(args)
     from trajserve.sim.report import run_simulate
 
     return run_simulate(args)

@@ -1,4 +1,4 @@
-"""N replicas behind one router, on one virtual clock (issue 28's fleet view).
+"""N replicas behind one router, on one virtual clock (the cluster's view).
 
 Each replica is the simulator's own control plane (sim/build.py: the
 engine's Scheduler and KVCacheManager with its radix cache, stepped by a
@@ -32,7 +32,7 @@ import numpy as np
 from trajserve.cluster.directory import KVEvent, prompt_hashes
 from trajserve.cluster.router import KVRouter, ReplicaLoad, RouteRequest, Router
 from trajserve.engine.core import EngineCore
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.kv.scope import CacheScope
 from trajserve.sim.executor import CostModelExecutor
 from trajserve.sim.simulator import greedy_params, refused

@@ -1,7 +1,7 @@
 """What a `simulate` command line builds, apart from parsing it: the
 simulated machine, model and pool (setup_from_args), the workload
 (sessions_factory), and the defaults both read. `sim/cli.py` parses and
-dispatches; `sim/report.py` and `sim/validate.py` run with what this builds,
+dispatches; `sim/report.py` and `bench/validate.py` run with what this builds,
 so none of them imports the other's command line. Loads no torch."""
 from __future__ import annotations
 

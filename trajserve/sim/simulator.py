@@ -39,7 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from trajserve.engine.core import EngineCore
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.engine.scheduler import Scheduler, SchedulerOutput
 from trajserve.kv.block_table import blocks_for
 from trajserve.sampling import SamplingParams

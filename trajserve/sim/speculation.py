@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.speculative.proposer import DraftProposer, SpecConfig
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trajserve.engine.request import Request
+from trajserve.request import Request
 from trajserve.plan.speculation import marginal_output
 from trajserve.speculative.context_index import ContextIndex
 from trajserve.speculative.step_cost import StepCost

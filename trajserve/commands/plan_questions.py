@@ -1,5 +1,5 @@
 """`trajserve plan QUESTION`: inference-optimization's sizing questions
-beyond capacity, each answered by its own module:
+beyond capacity, each answered by its own module of plan/:
 
     plan spec      speculative decoding: E[N], time per token, draft length (speculation.py; 8.5.2-8.5.4)
     plan offload   weight offload with prefetch: memory freed, copy time per round (weight_offload.py; 8.4.3)

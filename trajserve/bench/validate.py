@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile:
         profile = load_profile(args.profile)
     elif engine is not None:
-        from trajserve.sim.calibrate import calibrate
+        from trajserve.bench.calibrate import calibrate
 
         log("no --profile: calibrating this engine first (as `trajserve calibrate --quick`) ...")
         profile = calibrate(engine, quick=True, log=log)

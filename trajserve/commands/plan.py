@@ -83,7 +83,7 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_plan)
     questions = p.add_subparsers(dest="question", metavar="QUESTION",
                                  help="spec | offload | reads | request: chapter 8's other sizing questions")
-    from trajserve.plan.questions_cli import add_questions
+    from trajserve.commands.plan_questions import add_questions
     add_questions(questions)
 
 

@@ -9,16 +9,16 @@ import torch
 
 from trajserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from trajserve.engine.engine import StepStats
-from trajserve.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.copy_engine import CopyEngine
-from trajserve.kv.keep_policy import CostRates
+from trajserve.kv.cost_rates import CostRates
 from trajserve.model.kv_quant import FORMATS
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from trajserve.request import Request
 
 VOCAB = 500
 

@@ -58,8 +58,8 @@ def test_an_idle_loop_runs_the_idle_hooks_so_a_lease_runs_out_with_no_request():
     session manager registered itself (nobody wires it onto the loop)."""
     import time
 
-    from trajserve.engine.session import SessionManager
-    from trajserve.kv.keep_policy import Decision
+    from trajserve.sessions.manager import SessionManager
+    from trajserve.sessions.keep_policy import Decision
 
     engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64)))
     mgr = SessionManager(engine)
@@ -69,7 +69,7 @@ def test_an_idle_loop_runs_the_idle_hooks_so_a_lease_runs_out_with_no_request():
     ae = AsyncEngine(engine)
     ae.start()
     try:
-        ae.submit(lambda _: mgr.machine.set_lease(s, time.monotonic()))
+        ae.submit(lambda _: mgr.machine.set_lease(s.record, time.monotonic()))
         deadline = time.monotonic() + 10
         while mgr.stats.lease_demotions == 0 and time.monotonic() < deadline:
             time.sleep(0.05)

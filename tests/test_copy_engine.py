@@ -171,7 +171,7 @@ def test_prefetch_loads_in_the_background_and_the_resume_hits(mgr):
         s.pause(decision="disk", expected_wait_s=60)
         mgr.flush()
         assert s.table.counts()["disk"] > 0
-        mgr.machine.set_prefetch(s, time.monotonic())  # the return is near
+        mgr.machine.set_prefetch(s.record, time.monotonic())  # the return is near
         mgr.tick()
         assert s.copy is not None and s.copy.kind == "load" and s.importing is not None
         mgr.flush()  # lands: the blocks join the tree and are held there
@@ -200,7 +200,7 @@ def test_a_failed_prefetch_falls_back_to_recompute(mgr, monkeypatch):
         s.pause(decision="host", expected_wait_s=60)
         mgr.flush()
         monkeypatch.setattr(copy, "load", broken_load)
-        mgr.machine.set_prefetch(s, time.monotonic())
+        mgr.machine.set_prefetch(s.record, time.monotonic())
         mgr.tick()
         monkeypatch.setattr(copy, "load", real_load)
         mgr.flush()
@@ -245,7 +245,7 @@ def test_a_prefetch_without_room_leaves_the_state_on_its_tier_for_the_resume(mgr
         saved = s.saved_blocks
         assert saved > 0
         monkeypatch.setattr(kv, "begin_import", lambda *a, **k: None)
-        mgr.machine.set_prefetch(s, time.monotonic())
+        mgr.machine.set_prefetch(s.record, time.monotonic())
         mgr.tick()
         monkeypatch.undo()
         assert not s.prefetched and s.copy is None and s.saved_blocks == saved and mgr.host.nbytes > 0

@@ -23,8 +23,8 @@ from pydantic import BaseModel
 
 from server_util import ServerProcess
 from test_server import wait_idle
-from trajserve.engine.session_ids import check_session_id
 from trajserve.server import anthropic, protocol, responses
+from trajserve.sessions.ids import check_session_id
 
 MODEL = "smol"
 EXAMPLES = int(os.environ.get("TRAJSERVE_FUZZ_EXAMPLES", "25"))

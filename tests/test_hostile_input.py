@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from trajserve.engine.session import SessionManager
-from trajserve.engine.session_ids import SESSION_ID_MAX, check_session_id
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.ids import SESSION_ID_MAX, check_session_id
+from trajserve.sessions.manager import SessionManager
 
 SURROGATE = "h\ud800i"
 ENDPOINTS = [

@@ -112,11 +112,13 @@ def test_every_module_is_small_and_says_what_it_owns():
 
 # package -> the packages it must never import (anywhere in it, lazily or not).
 LAYERS = {
-    "model": {"kv", "engine", "server", "sim", "bench", "cluster", "commands", "speculative"},
-    "lora": {"engine", "server", "sim", "bench", "cluster", "commands", "speculative"},
-    "kv": {"engine", "server", "sim", "bench", "cluster", "commands", "speculative"},
-    "plan": {"engine", "kv", "server", "sim", "bench", "cluster", "commands", "speculative", "lora"},
-    "speculative": {"engine", "server", "sim", "bench", "cluster", "commands"},
+    "model": {"kv", "engine", "sessions", "server", "sim", "bench", "cluster", "commands", "speculative"},
+    "lora": {"engine", "sessions", "server", "sim", "bench", "cluster", "commands", "speculative"},
+    "kv": {"engine", "sessions", "server", "sim", "bench", "cluster", "commands", "speculative"},
+    "plan": {"engine", "kv", "sessions", "server", "sim", "bench", "cluster", "commands", "speculative", "lora"},
+    "speculative": {"engine", "sessions", "server", "sim", "bench", "cluster", "commands"},
+    "engine": {"sessions", "server", "sim", "bench", "cluster", "commands"},
+    "sessions": {"server", "sim", "bench", "cluster", "commands"},
     "sim": {"server", "bench", "commands"},
     "server": {"cluster", "bench", "sim", "commands"},
 }

@@ -13,9 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy, PauseDecision, PauseState
-from trajserve.kv.wait_estimator import P2Quantile, WaitEstimator
+from trajserve.kv.cost_rates import CostRates
 from trajserve.plan import get_device, get_model
+from trajserve.sessions.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
+from trajserve.sessions.wait_estimator import P2Quantile, WaitEstimator
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 GB = 1e9

@@ -174,7 +174,7 @@ def test_a_session_paused_to_host_or_disk_resumes_with_the_formats_tokens(fmt, d
     the same session never paused."""
     from test_sessions import two_turns
 
-    from trajserve.engine.session import SessionManager
+    from trajserve.sessions.manager import SessionManager
 
     eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=256, kv_cache_dtype=fmt)))
     mgr = SessionManager(eng, disk_dir=str(tmp_path / "kv"))

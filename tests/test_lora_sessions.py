@@ -170,7 +170,7 @@ def test_saved_blocks_are_refused_under_another_scope(tiny):
     s.pause(5.0, decision="host")
     llm.sessions.flush()
     assert s.saved_blocks > 0
-    s.lora = None  # the record now names the base model
+    s.lora, s.record.scope = None, CacheScope()  # the session and its pause record now claim the base model
     s.resume(OBS)
     assert llm.sessions.metrics()["mislabelled_blocks"] >= 1
     out = s.generate(G)

@@ -1,13 +1,14 @@
-"""The pause state machine (kv/pause_machine.py) on its own: a real KV
+"""The pause state machine (sessions/pause_machine.py) on its own: a real KV
 manager and radix cache, transfers that only keep books, a clock the test
 moves. The engine's SessionManager and the simulator's PauseController run
 this same machine (their tests: test_sessions, test_copy_engine,
 test_pressure, test_sim_pauses)."""
-from trajserve.engine.session import SessionManager
 from trajserve.kv.cache_manager import KVCacheManager
-from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy
-from trajserve.kv.pause_machine import PauseCounts, PauseMachine, Residency
+from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.scope import CacheScope
+from trajserve.sessions.keep_policy import Decision, KeepPolicy
+from trajserve.sessions.manager import SessionManager
+from trajserve.sessions.pause_machine import PauseCounts, PauseMachine, Residency
 from trajserve.sim import pauses as sim_pauses
 
 B = 4

@@ -10,12 +10,12 @@ import pytest
 from standin_engine import StandInEngine, reference_reply
 from test_pressure import B, greedy, unique
 from trajserve.config import SchedulerConfig
-from trajserve.request import Request
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
-from trajserve.kv.keep_policy import CostRates
+from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.kv.preemption import PreemptionPricer
+from trajserve.request import Request
 
 
 def test_break_even_prices():

@@ -9,12 +9,13 @@ import pytest
 
 from standin_engine import StandInEngine, reference_reply
 from trajserve.config import SchedulerConfig
-from trajserve.request import Request, RequestStatus
 from trajserve.engine.scheduler import Scheduler
-from trajserve.engine.session import SessionManager
 from trajserve.kv.cache_manager import KVCacheManager
-from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy
+from trajserve.kv.cost_rates import CostRates
+from trajserve.request import Request, RequestStatus
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.keep_policy import Decision, KeepPolicy
+from trajserve.sessions.manager import SessionManager
 
 B = 4
 

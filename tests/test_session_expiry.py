@@ -5,8 +5,8 @@ send a session_id and need not DELETE it, so without this the records, and
 their host/disk state, would grow for as long as the server runs.)"""
 import pytest
 
-from trajserve.engine.session import SessionManager, SessionState
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.manager import SessionManager, SessionState
 
 SHORT = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 PROMPT = "You are a coding agent. Tools: read_file(path), run_tests(). " * 4

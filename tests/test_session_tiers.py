@@ -1,5 +1,5 @@
 """Paused sessions on the prefix cache's own tiers (kv/tier_holds.py,
-engine/session_offload.py): saved blocks are tier blocks named by their
+sessions/offload.py): saved blocks are tier blocks named by their
 chained hashes, so a preamble shared by two sessions is stored once, a resume
 without room on the device leaves the state on its tier for the turn's match
 to promote, and with the engine's tiers there is one store for both."""
@@ -8,7 +8,7 @@ import pytest
 from test_sessions import GREEDY, OBS, messages, mgr  # noqa: F401 - mgr is a fixture
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
-from trajserve.engine.session import SessionManager
+from trajserve.sessions.manager import SessionManager
 
 
 def reference(mgr, task):

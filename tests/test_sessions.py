@@ -9,9 +9,9 @@ import pytest
 from engine_util import run_requests
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
-from trajserve.engine.session import SessionBusy, SessionManager, SessionState
-from trajserve.kv.keep_policy import Decision
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.keep_policy import Decision
+from trajserve.sessions.manager import SessionBusy, SessionManager, SessionState
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SYSTEM = ("You are a coding agent working in a git repository. Tools: read_file(path), write_file(path, text), "
@@ -113,7 +113,7 @@ def test_leases_advance_under_ordinary_traffic(mgr):
     s = mgr.open(messages("Run the linter."))
     s.generate(GREEDY)
     s.pause(decision="keep")
-    mgr.machine.set_lease(s, time.monotonic())
+    mgr.machine.set_lease(s.record, time.monotonic())
     run_requests(mgr.engine, [("An unrelated prompt about the sea.", SamplingParams(max_tokens=2))])
     assert mgr.stats.lease_demotions == 1 and s.tier is not Decision.KEEP
     mgr.shutdown()
@@ -125,7 +125,7 @@ def test_expired_keep_lease_moves_state_down_a_tier(mgr):
     s.generate(GREEDY)
     s.pause(decision="keep")
     assert s.tier is Decision.KEEP and s.pin is not None
-    mgr.machine.set_lease(s, time.monotonic())  # the lease has run out
+    mgr.machine.set_lease(s.record, time.monotonic())  # the lease has run out
     mgr.tick()
     assert s.tier is not Decision.KEEP and s.pin is None
     assert mgr.stats.lease_demotions == 1

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from standin_engine import VOCAB, StandInEngine, reference_reply
-from trajserve.engine.session import SessionManager, SessionState
-from trajserve.kv.keep_policy import Decision
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.keep_policy import Decision
+from trajserve.sessions.manager import SessionManager, SessionState
 
 
 @pytest.mark.parametrize("max_sessions", [None, 12])
@@ -62,7 +62,7 @@ def test_200_sessions_with_random_pauses_forks_and_closes(tmp_path, max_sessions
             assert d.decision in Decision
             if rng.random() < 0.1:
                 if s.tier is Decision.KEEP:
-                    mgr.machine.set_lease(s, time.monotonic())
+                    mgr.machine.set_lease(s.record, time.monotonic())
                 mgr.tick()
         else:
             n = rng.randrange(1, 6)

@@ -14,8 +14,9 @@ import pytest
 from trajserve.config import SchedulerConfig
 from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cache_manager import KVCacheManager
-from trajserve.kv.keep_policy import CostRates, KeepPolicy
+from trajserve.kv.cost_rates import CostRates
 from trajserve.plan.catalog import get_device, get_model
+from trajserve.sessions.keep_policy import KeepPolicy
 from trajserve.sim.build import SimSetup
 from trajserve.sim.cost_model import CostModel
 from trajserve.sim.executor import CostModelRunner

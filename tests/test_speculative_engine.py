@@ -137,7 +137,7 @@ def test_fork_children_continue_identically(engine_f32, prompts):
 @pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
 def test_session_pause_to_each_tier(engine_f32, tmp_path, decision):
     from test_sessions import two_turns
-    from trajserve.engine.session import SessionManager
+    from trajserve.sessions.manager import SessionManager
 
     def turns(proposer, sub):
         engine_f32.kv.clear_cache()

@@ -90,11 +90,11 @@ class LLM:
 
     def open_session(self, prompt: Messages | str | list[int], cache_salt: str | None = None,
                      session_id: str | None = None, lora: str | None = None):
-        """An agent session (engine/session.py): generate a turn, pause for a
+        """An agent session (sessions/manager.py): generate a turn, pause for a
         tool (keep / host / disk / drop by the keep policy), resume with the
         observation, fork, close. `lora`: the adapter its turns run."""
         if self._sessions is None:
-            from trajserve.engine.session import SessionManager
+            from trajserve.sessions.manager import SessionManager
 
             self._sessions = SessionManager(self.engine)
         return self._sessions.open(prompt, cache_salt, session_id, lora)

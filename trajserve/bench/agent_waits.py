@@ -8,7 +8,7 @@ While it waits, its session is paused under one of four policies:
     keep     always keep the state pinned in the pool
     drop     always drop it (recompute on resume)
     host     always offload it to host memory
-    policy   the break-even keep policy (kv/keep_policy.py)
+    policy   the break-even keep policy (sessions/keep_policy.py)
 
 The pool is sized so that keeping every paused state does not fit. Always
 keep never gives a paused state up, so it can only serve the agents whose
@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 
 from trajserve.bench.agent_workload import preamble, task, tool_result
 from trajserve.bench.common import command_line, machine_info
-from trajserve.engine.session import SessionManager, SessionState
-from trajserve.kv.keep_policy import Decision
 from trajserve.kv.block_table import blocks_for
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.keep_policy import Decision
+from trajserve.sessions.manager import SessionManager, SessionState
 from trajserve.traces import default_trace_dir, tool_waits
 
 WAIT_MIX = {"grep": (0.05, 0.5), "build": (1.0, 5.0), "pytest": (10.0, 30.0)}  # seconds, before scaling

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     from trajserve.bench.common import command_line, machine_info
     from trajserve.llm import LLM
-    from trajserve.engine.session import SessionManager
+    from trajserve.sessions.manager import SessionManager
 
     eng = LLM.from_args(args).engine
     g = torch.Generator().manual_seed(args.seed)

@@ -32,7 +32,7 @@ import time
 import torch
 
 from trajserve.kv.block_format import BlockIdentity, digest
-from trajserve.kv.keep_policy import CostRates
+from trajserve.kv.cost_rates import CostRates
 from trajserve.sampling import SamplingParams
 
 log = logging.getLogger("trajserve")

@@ -30,24 +30,24 @@ from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_executor import ModelExecutor
 from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
 from trajserve.engine.output_processor import OutputProcessor, RequestGroup
-from trajserve.request import Request, RequestStatus
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
-from trajserve.kv.keep_policy import CostRates
-from trajserve.kv.preemption import PreemptionPricer
+from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers
+from trajserve.kv.preemption import PreemptionPricer
 from trajserve.lora.manager import LoRAManager
 from trajserve.lora.slots import LoRASlots
 from trajserve.model.fingerprint import model_fingerprint
-from trajserve.model.quant import QUANT_FORMATS
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
+from trajserve.model.quant import QUANT_FORMATS
 from trajserve.model.sampler import Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 from trajserve.outputs import CompletionOutput, RequestOutput
+from trajserve.request import Request, RequestStatus
 from trajserve.sampling import SamplingParams
 from trajserve.speculative.proposer import DraftProposer, SpecConfig
 from trajserve.structured import GrammarCompiler

@@ -17,7 +17,7 @@ is exactly the KV the tree would have computed for that position. Each tier
 is exclusive: a block loaded back leaves the tier (it is on the device, and
 will come down again if evicted again).
 
-Paused agent sessions store their state here too (engine/session_offload.py),
+Paused agent sessions store their state here too (sessions/offload.py),
 under the same chained hashes: a block already on a tier (a shared preamble
 another session saved, or LRU spilled) is held, not stored again. A held
 block is never evicted by LRU (its room was reserved before its copy began);

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.kv.keep_policy import CostRates
+from trajserve.kv.cost_rates import CostRates
 
 
 @dataclass(slots=True)

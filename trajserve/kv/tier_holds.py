@@ -1,7 +1,7 @@
 """Paused sessions on the lower tiers: holds on blocks named by their chained hashes.
 
-A session paused to the host or disk tier (kv/pause_machine.py decides,
-engine/session_offload.py copies) stores its path's blocks in the same tiers
+A session paused to the host or disk tier (sessions/pause_machine.py decides,
+sessions/offload.py copies) stores its path's blocks in the same tiers
 as the prefix cache's LRU spill (kv/lower_tiers.py), under the same names:
 the chained hash of each block's prefix, so a name is an identity (the disk
 format checks it, with the CRC). Stored once: a block already on a tier,

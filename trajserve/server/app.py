@@ -26,7 +26,6 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from trajserve.engine.memory import bytes_per_block
-from trajserve.engine.session import SessionManager
 from trajserve.server.async_engine import AsyncEngine
 from trajserve.server.auth import ApiKeyAuth
 from trajserve.server.body_cap import BodyCap
@@ -36,6 +35,7 @@ from trajserve.server.metrics import ServerMetrics
 from trajserve.server.routes import admin, chat, completions, lora, messages, responses, sessions
 from trajserve.server.state import ServerState, calls_format_for
 from trajserve.server.unicode_guard import UnicodeGuard
+from trajserve.sessions.manager import SessionManager
 
 log = logging.getLogger("trajserve")
 

@@ -45,7 +45,7 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
 
 
-# A pause's placement a client may force (kv/keep_policy.py Decision).
+# A pause's placement a client may force (sessions/keep_policy.py Decision).
 PauseTier = Literal["keep", "host", "disk", "drop"]
 
 

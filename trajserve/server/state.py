@@ -13,8 +13,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from trajserve.engine.session import SessionBusy, SessionManager
-from trajserve.engine.session_ids import check_session_id
 from trajserve.lora.adapter import AdapterError
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
@@ -24,6 +22,8 @@ from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.protocol import ChatCompletionRequest
 from trajserve.server.tool_calls import FORMATS, forced_schema, format_for_template
+from trajserve.sessions.ids import check_session_id
+from trajserve.sessions.manager import SessionBusy, SessionManager
 from trajserve.structured import StructuredOutput
 
 

@@ -2,7 +2,7 @@
 
 When a session's call finishes and its next call is due later (a tool run,
 a human's think time), the session pauses, and the engine's own pause state
-machine (kv/pause_machine.py, which the engine's SessionManager runs too)
+machine (sessions/pause_machine.py, which the engine's SessionManager runs too)
 decides where its KV state waits (kv-cache-management section 6, the
 break-even wait T*_wait; "分层辅助存储" for the tiers):
 
@@ -42,11 +42,12 @@ from dataclasses import dataclass, field
 from collections import Counter
 
 from trajserve.engine.scheduler import Scheduler
-from trajserve.kv.keep_policy import CostRates, Decision, KeepPolicy, PauseDecision
-from trajserve.kv.pause_machine import PauseCounts, PauseMachine, Residency
-from trajserve.kv.radix_cache import MatchResult, RadixNode
+from trajserve.kv.cost_rates import CostRates
+from trajserve.kv.radix_cache import MatchResult
 from trajserve.kv.scope import CacheScope
-from trajserve.kv.wait_estimator import WaitEstimator
+from trajserve.sessions.keep_policy import Decision, KeepPolicy
+from trajserve.sessions.pause_machine import PauseCounts, PauseMachine, PausedRecord, Residency
+from trajserve.sessions.wait_estimator import WaitEstimator
 from trajserve.sim.cost_model import CostModel
 from trajserve.sim.workload import Session
 
@@ -54,22 +55,10 @@ MODES = ("policy", "keep", "host", "disk", "drop")
 WAIT_HINTS = ("exact", "estimate")
 
 
-@dataclass(slots=True, eq=False)
-class Paused:
-    """One paused session (the machine's PausedRecord) and its tier bookkeeping."""
-    history: list[int]
-    keys: list                      # its block keys, chunked once (a history can be 10^5 tokens)
-    scope: CacheScope               # the namespace its blocks were computed under
-    paused_at: float = 0.0
-    expected_wait_s: float = 0.0
-    decision: PauseDecision | None = None
-    forced: bool = False
-    tier: Decision | None = None
-    residency: Residency | None = None
-    pin: RadixNode | None = None
-    lease_deadline: float | None = None
-    prefetch_at: float | None = None
-    prefetched: bool = False
+@dataclass(eq=False)
+class Paused(PausedRecord):
+    """One paused session: the machine's record, and what the cost-model link
+    keeps of its saved state."""
     saved_blocks: int = 0           # blocks held on the host / disk tier
     saved_bytes: int = 0
     io_done: float = 0.0            # when its disk write has landed

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from trajserve.engine.session import SessionBusy
 from trajserve.server.errors import APIError
 from trajserve.server.protocol import ForkRequest
 from trajserve.server.state import ServerState, server_state
+from trajserve.sessions.manager import SessionBusy
 
 router = APIRouter()
 

@@ -3,10 +3,10 @@
 Spec: kv-cache-management section 6 (the break-even wait T*_wait decides
 keep / offload / drop), "分层辅助存储" (host and disk tiers), "异步分页换入换出"
 (prefetch ahead of the return), "服务遥测动态" (paused state gives way to
-running work). The engine's SessionManager (engine/session.py) and the
+running work). The engine's SessionManager (sessions/manager.py) and the
 simulator's PauseController (sim/pauses.py) both run this one machine; only
 the transfers differ. A `Transfers` object carries out what the machine
-decides: the engine's copy engine and tier stores (engine/session_offload.py)
+decides: the engine's copy engine and tier stores (sessions/offload.py)
 move real bytes, the simulator's cost-model link (sim/pauses.py) moves
 virtual time.
 
@@ -24,9 +24,11 @@ history's radix path; a resume hands that pin to the admission holds
 (kv/admission_hold.py) until its turn is admitted. Transitions are
 methods here; everything that touches bytes or time is a Transfers call.
 
-A record is any object with the fields of `PausedRecord` (the engine's
-Session is one, the simulator's Paused another): the machine reads and
-writes those fields only.
+A record is a `PausedRecord`: the machine's part of a paused session. Its
+owner sets what is paused (the history, its block keys, its cache scope)
+before each pause; the machine writes the rest; the transfers' own state
+for a record is declared by them on a subclass (sessions/offload.py
+SessionPause for the engine, sim/pauses.py Paused for the simulator).
 """
 from __future__ import annotations
 
@@ -40,9 +42,9 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
 from trajserve.kv.radix_cache import MatchResult, RadixNode
 from trajserve.kv.scope import CacheScope
+from trajserve.sessions.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
 
 OFFLOAD_TIERS = (Decision.HOST, Decision.DISK)
 
@@ -55,20 +57,23 @@ class Residency(enum.Enum):
     DROPPED = "dropped"      # nowhere: the next turn recomputes what the prefix cache lost
 
 
-class PausedRecord(Protocol):
-    history: list[int]
-    keys: list | None            # the history's block keys if the caller chunked them once, else None
-    scope: CacheScope            # the namespace its blocks live in: salt and adapter (kv/scope.py)
-    paused_at: float | None
-    expected_wait_s: float       # inf when unknown
-    decision: PauseDecision | None
-    forced: bool
-    tier: Decision | None        # where the state waits (or is going): KEEP / HOST / DISK / DROP
-    residency: Residency | None
-    pin: RadixNode | None
-    lease_deadline: float | None
-    prefetch_at: float | None
-    prefetched: bool
+@dataclass(eq=False)
+class PausedRecord:
+    # What is paused, set by the record's owner before each pause.
+    history: list[int] = field(default_factory=list)
+    keys: list | None = None           # the history's block keys, chunked once by the owner (None: chunk here)
+    scope: CacheScope = CacheScope()   # the namespace its blocks live in: salt and adapter (kv/scope.py)
+    # The machine's own.
+    paused_at: float | None = None
+    expected_wait_s: float = math.inf  # inf when unknown
+    decision: PauseDecision | None = None
+    forced: bool = False
+    tier: Decision | None = None       # where the state waits (or is going): KEEP / HOST / DISK / DROP
+    residency: Residency | None = None
+    pin: RadixNode | None = None
+    lease_deadline: float | None = None
+    prefetch_at: float | None = None
+    prefetched: bool = False
 
 
 class Transfers(Protocol):

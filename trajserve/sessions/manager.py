@@ -14,11 +14,11 @@ that path waits:
     drop   free them; the next turn recomputes (prefill) what is missing
 
 Where the state waits and when it moves is the pause state machine's
-(kv/pause_machine.py), which the simulator runs too: leases, the
+(sessions/pause_machine.py), which the simulator runs too: leases, the
 admission ceiling, pressure (kept state gives way to running work before
 anyone is preempted, the session expected back last first), prefetch at a
 safe lower bound of the wait, and the stall drop. Its transfers are real
-copies here (engine/session_offload.py): saves and loads on the runner's
+copies here (sessions/offload.py): saves and loads on the runner's
 copy engine, a resume's reload streaming in under the turn's prefill, disk
 blocks checked for identity and damage on the way back (a block that fails
 is recomputed, never served).
@@ -35,21 +35,17 @@ import logging
 import math
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from trajserve.engine.engine import LLMEngine
-from trajserve.engine.session_ids import check_session_id
-from trajserve.engine.session_offload import SessionOffload
-from trajserve.kv.copy_engine import CopyJob
-from trajserve.kv.keep_policy import Decision, KeepPolicy, PauseDecision
-from trajserve.kv.pause_machine import PauseCounts, PauseMachine, Residency
-from trajserve.kv.radix_cache import MatchResult, RadixNode
 from trajserve.kv.scope import CacheScope
-from trajserve.kv.tiered_table import TieredBlockTable
-from trajserve.kv.wait_estimator import WaitEstimator
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.host import EngineHost
+from trajserve.sessions.ids import check_session_id
+from trajserve.sessions.keep_policy import Decision, KeepPolicy, PauseDecision
+from trajserve.sessions.offload import SessionOffload, SessionPause
+from trajserve.sessions.pause_machine import PauseCounts, PauseMachine
+from trajserve.sessions.wait_estimator import WaitEstimator
 
 log = logging.getLogger("trajserve")
 class SessionBusy(RuntimeError):
@@ -64,50 +60,32 @@ class SessionState(enum.Enum):
 
 @dataclass(eq=False)
 class Session:
+    """A session, as its manager keeps it. Where its KV state waits through a
+    pause is its record's (`record`: the pause machine's fields and the
+    offload's, each declared and written by its owner); the record's fields
+    read here are views."""
     session_id: str
     cache_salt: str | None
     history: list[int]
     manager: SessionManager
     state: SessionState = SessionState.IDLE
-    # The pause state machine's record (kv/pause_machine.py PausedRecord):
-    tier: Decision | None = None  # where a paused session's state waits (or is going)
-    residency: Residency | None = None
-    decision: PauseDecision | None = None
-    # Where each block of the state is (device / host / disk), while it is
-    # saved or being moved; None when it is simply on the device.
-    table: TieredBlockTable | None = None
-    pin: RadixNode | None = None  # a keep (or a landed prefetch) holds the path
-    lease_deadline: float | None = None
-    paused_at: float | None = None
-    keys = None  # block keys: the KV manager chunks the history itself
     tool: str | None = None
     turns: int = 0
     last_output: RequestOutput | None = None
     prompt_tokens: int = 0  # over all turns, for the session's hit rate
     cached_tokens: int = 0
     in_flight: bool = False
-    forced: bool = False  # the caller chose the tier: pressure does not move a forced keep
-    expected_wait_s: float = math.inf
-    prefetch_at: float | None = None  # when to load offloaded state back
-    prefetched: bool = False
-    # The offload's (engine/session_offload.py):
-    io: Future | None = None  # background disk write of this session's blocks
-    copy: CopyJob | None = None  # a save or load in flight on the copy engine
-    hold: RadixNode | None = None  # pins the device frames a copy reads or writes
-    saving: tuple | None = None  # a save's target tier, blocks, and the namespace digest and hashes it carries
-    importing: tuple[MatchResult, list[int], object] | None = None  # a prefetch's blocks, adopted when it lands
     last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
     expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
     lora: object = None  # the LoRA adapter every turn runs (lora/adapter.py), None for the base model
+    record: SessionPause = None  # set in __post_init__
+
+    def __post_init__(self) -> None:
+        self.record = SessionPause(session_id=self.session_id)
 
     @property
     def scope(self) -> CacheScope:  # where every turn's blocks live: salt and adapter (kv/scope.py)
         return CacheScope.of(self.cache_salt, self.lora)
-
-    @property
-    def saved_blocks(self) -> int:
-        """Blocks of the state held on the host or disk tier."""
-        return 0 if self.table is None else len(self.table) - self.table.counts()["device"]
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +108,13 @@ class Session:
         self.manager.close(self)
 
 
+# Read-only views of the record's fields (describe, the benches and the tests
+# read them); only the pause machine and the offload write them.
+for _name in ("tier", "residency", "decision", "pin", "lease_deadline", "paused_at", "forced", "expected_wait_s",
+              "prefetch_at", "prefetched", "table", "copy", "hold", "importing", "saved_blocks"):
+    setattr(Session, _name, property(lambda s, _n=_name: getattr(s.record, _n)))
+
+
 @dataclass
 class SessionStats(PauseCounts):
     swap_out_bytes: int = 0
@@ -144,7 +129,7 @@ class SessionStats(PauseCounts):
 
 
 class SessionManager:
-    def __init__(self, engine: LLMEngine, policy: KeepPolicy | None = None,
+    def __init__(self, engine: EngineHost, policy: KeepPolicy | None = None,
                  host_bytes: int = 2 * 2**30, disk_dir: str | None = None, disk_bytes: int = 8 * 2**30,
                  waits: WaitEstimator | None = None, prefetch_fraction: float = 0.8,
                  overlap_reload: bool = True, idle_ttl_s: float | None = None,
@@ -272,8 +257,8 @@ class SessionManager:
     def close(self, s: Session) -> None:
         if s.state is SessionState.CLOSED:
             return
-        self.offload.settle(s)
-        self.offload.release_saved(s)
+        self.offload.settle(s.record)
+        self.offload.release_saved(s.record)
         self.machine.forget(s)
         s.state = SessionState.CLOSED
         self.sessions.pop(s.session_id, None)
@@ -293,7 +278,7 @@ class SessionManager:
             raise SessionBusy(f"session {s.session_id!r} has a turn in flight: fork it when the turn ends")
         self._touch(s)  # the children's arrival must not close it (max_sessions)
         if s.state is SessionState.PAUSED:
-            self.offload.share_saved(s)
+            self.offload.share_saved(s.record)
         return [self._add(Session(f"{s.session_id}.{next(self._ids)}", s.cache_salt, list(s.history), self,
                                   lora=s.lora))
                 for _ in range(n)]
@@ -408,10 +393,12 @@ class SessionManager:
         self._touch(s)  # before tick(), whose expiry must not take s
         self.engine.kv.cancel_hold(s)  # the turn ran: its resume's hold is over
         self.tick()
-        self.offload.land(s)  # paused again before its reload landed: that copy ends first
+        self.offload.land(s.record)  # paused again before its reload landed: that copy ends first
         est = self.waits.estimate(tool, expected_wait_s)
         s.state, s.tool = SessionState.PAUSED, tool
-        return self.machine.pause(s, s, est.seconds, est.source != "prior", decision, time.monotonic())
+        r = s.record  # what is paused: the history as it is now, its keys, its scope
+        r.keys, r.history, r.scope = self._block_keys(s), s.history, s.scope
+        return self.machine.pause(s, r, est.seconds, est.source != "prior", decision, time.monotonic())
 
     def resume(self, s: Session, observation: str | list[int] = ()) -> None:
         """The tool returned: bring the state back and append the observation
@@ -430,6 +417,17 @@ class SessionManager:
         s.history.extend(ids)
         self._touch(s)
         s.state = SessionState.IDLE
+
+    def _block_keys(self, s: Session) -> list:
+        """The history's block keys, chunked once: a history only appended to
+        since the last pause (the same list: a turn's reply, an observation)
+        keeps the keys it had and chunks its new full blocks alone; a turn
+        that sent a new history (the server's) is chunked whole."""
+        kv, r = self.engine.kv, s.record
+        B, n = kv.block_size, len(s.history) // kv.block_size
+        keys = list(r.keys) if r.keys is not None and r.history is s.history and len(r.keys) <= n else []
+        keys += kv.block_keys(s.history[len(keys) * B:n * B])
+        return keys
 
     # ------------------------------------------------------- engine steps
     def tick(self) -> None:
@@ -451,7 +449,7 @@ class SessionManager:
 
     def flush(self) -> None:
         """Land every copy in flight and wait until every queued disk write has landed."""
-        self.offload.flush(list(self.sessions.values()))
+        self.offload.flush([s.record for s in self.sessions.values()])
 
     def _check_open(self, s: Session, what: str) -> None:
         if s.state is SessionState.CLOSED:

@@ -1,6 +1,6 @@
 """The engine's transfers for paused sessions: real copies to the host and disk tiers.
 
-The pause state machine (kv/pause_machine.py) decides; this carries its
+The pause state machine (sessions/pause_machine.py) decides; this carries its
 decisions out on the engine's hardware (spec "异步分页换入换出", "分层辅助存储"):
 
     save  the runner's copy engine (kv/copy_engine.py) reads the path's
@@ -30,27 +30,50 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from trajserve.engine.calibration import calibrate_rates
 from trajserve.engine.memory import bytes_per_block
 from trajserve.kv.block_format import namespace_digest
-from trajserve.kv.keep_policy import CostRates, Decision
+from trajserve.kv.copy_engine import CopyJob
+from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers
-from trajserve.kv.pause_machine import Residency
+from trajserve.kv.radix_cache import MatchResult, RadixNode
 from trajserve.kv.tiered_table import Tier, TieredBlockTable
 from trajserve.kv.tiers import DISK_HEADER_BYTES
+from trajserve.sessions.host import EngineHost
+from trajserve.sessions.keep_policy import Decision
+from trajserve.sessions.pause_machine import PausedRecord, Residency
 
 TIER_NAME = {Decision.HOST: "host", Decision.DISK: "disk"}
 
 
-class SessionOffload:
-    """Transfers (kv/pause_machine.py) over the runner's copy engine and the
-    lower tiers. Works on the engine's Session records (engine/session.py):
-    their copy, hold, table, saving, importing and io fields are its own."""
+@dataclass(eq=False)
+class SessionPause(PausedRecord):
+    """A session's pause record (sessions/manager.py Session.record): the
+    machine's fields, and these, the offload's own."""
+    session_id: str = ""
+    # Where each block of the state is (device / host / disk) while it is
+    # saved or moved; None when it is simply on the device.
+    table: TieredBlockTable | None = None
+    copy: CopyJob | None = None  # a save or load in flight on the copy engine
+    hold: RadixNode | None = None  # pins the device frames a copy reads or writes
+    saving: tuple | None = None  # a save's target tier, blocks, and the namespace digest and hashes it carries
+    importing: tuple[MatchResult, list[int], object] | None = None  # a prefetch's blocks, adopted when it lands
 
-    def __init__(self, engine, rates: CostRates, stats, host_bytes: int, disk_dir: str | None,
+    @property
+    def saved_blocks(self) -> int:
+        """Blocks of the state held on the host or disk tier."""
+        return 0 if self.table is None else len(self.table) - self.table.counts()["device"]
+
+
+class SessionOffload:
+    """Transfers (sessions/pause_machine.py) over the runner's copy engine and
+    the lower tiers, on SessionPause records."""
+
+    def __init__(self, engine: EngineHost, rates: CostRates, stats, host_bytes: int, disk_dir: str | None,
                  disk_bytes: int, overlap_reload: bool = True) -> None:
         self.engine, self.rates, self.stats = engine, rates, stats
         self.block_bytes = bytes_per_block(engine.model_config, engine.kv.block_size, engine.kv_format)
@@ -90,7 +113,7 @@ class SessionOffload:
     def save(self, s, tier: Decision, hit, sync: bool) -> None:
         assert s.copy is None, "one copy per session at a time (pause lands a reload first)"
         kv = self.engine.kv
-        s.hold = kv.pin(s.history, s.scope)
+        s.hold = kv.pin(s.history, s.scope, s.keys)
         s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids)
         # Labelled by the tree that holds the blocks: a copy never claims a
         # namespace its bytes were not computed under.
@@ -119,7 +142,7 @@ class SessionOffload:
         self.stats.swap_out_s += job.seconds
         self.engine.kv.unpin(s.hold)
         s.hold = None
-        self.engine.kv.evict_prefix(s.history, s.scope)
+        self.engine.kv.evict_prefix(s.history, s.scope, s.keys)
 
     def land_saves(self, need: int | None = None) -> int:
         """Land saves in flight (all, or until `need` blocks are free); returns blocks freed."""
@@ -160,10 +183,10 @@ class SessionOffload:
         kv = self.engine.kv
         if s.table is None:  # nothing saved
             return False
-        got = kv.begin_import(s.history, s.scope, len(s.table))
+        got = kv.begin_import(s.history, s.scope, len(s.table), s.keys)
         if got is None and self.land_saves():
             # Other sessions' saves in flight still held their frames: landed, try again.
-            got = kv.begin_import(s.history, s.scope, len(s.table))
+            got = kv.begin_import(s.history, s.scope, len(s.table), s.keys)
         if got is None:
             self.stats.reload_no_room += 1
             if landed is None:  # a resume: the blocks stay on their tier, unheld, for the turn's match to promote
@@ -179,12 +202,12 @@ class SessionOffload:
             return True
         data = self._fetch(s, have, have + len(new_ids))
         filled = len(data)
-        kv.finish_import(s.history, s.scope, hit, new_ids, filled)
+        kv.finish_import(s.history, s.scope, hit, new_ids, filled, s.keys)
         self.release_saved(s)
         if filled:
             # Device-resident now (the KV still streaming in): the table says so until it lands.
             s.table = TieredBlockTable(Tier.DEVICE, hit.block_ids + new_ids[:filled])
-            s.hold = kv.pin(s.history, s.scope)  # nobody evicts blocks still being written
+            s.hold = kv.pin(s.history, s.scope, s.keys)  # nobody evicts blocks still being written
             s.copy = copy.load(new_ids[:filled], data)
             self.copying[s.session_id] = s
         return True
@@ -213,7 +236,7 @@ class SessionOffload:
         if s.importing is not None:
             hit, new_ids, landed = s.importing
             s.importing = None
-            kv.finish_import(s.history, s.scope, hit, new_ids, job.filled)
+            kv.finish_import(s.history, s.scope, hit, new_ids, job.filled, s.keys)
             self.release_saved(s)
             landed(s, job.filled > 0)
         else:
@@ -284,7 +307,7 @@ class SessionOffload:
         if s.table is None or s.tier not in (Decision.HOST, Decision.DISK):
             return  # on the device already (kept, prefetched) or dropped
         kv = self.engine.kv
-        got = kv.begin_import(s.history, s.scope, len(s.table))
+        got = kv.begin_import(s.history, s.scope, len(s.table), s.keys)
         if got is None:
             return  # no room: the children recompute
         hit, new_ids = got
@@ -292,7 +315,7 @@ class SessionOffload:
         data = self._fetch(s, have, have + len(new_ids))
         if data:
             self.engine.runner.write_blocks(new_ids[:len(data)], torch.stack(data))
-        kv.finish_import(s.history, s.scope, hit, new_ids, len(data))
+        kv.finish_import(s.history, s.scope, hit, new_ids, len(data), s.keys)
         self.stats.corrupt_blocks = self.tiers.stats.corrupt_blocks
 
     def flush(self, sessions) -> None:

@@ -268,7 +268,7 @@ def test_abort_mid_decode_frees_blocks_and_metrics_track_the_pool(llm, story_ref
     keep = eng.add_request(STORY, greedy(24))
     drop = eng.add_request(QUESTION * 8, greedy(24))
     waiting = eng.add_request(CODE, greedy(4))
-    eng.scheduler.config.max_num_seqs = 2  # `waiting` stays queued
+    eng.scheduler.reconfigure(max_num_seqs=2)  # `waiting` stays queued
     try:
         for _ in range(4):
             eng.step()
@@ -293,7 +293,7 @@ def test_abort_mid_decode_frees_blocks_and_metrics_track_the_pool(llm, story_ref
         assert eng.metrics()["U_KV"] == pytest.approx(eng.kv.pool.num_used / eng.kv.num_blocks)
         finished = drain(eng)
     finally:
-        eng.scheduler.config.max_num_seqs = 64
+        eng.scheduler.reconfigure(max_num_seqs=64)
     assert set(finished) == {keep}
     assert finished[keep].outputs[0].token_ids == story_ref.token_ids
     assert_idle(eng)

@@ -87,15 +87,12 @@ def prompts(engine_f32):
 
 @contextlib.contextmanager
 def sched_config(engine: LLMEngine, **kw):
-    cfg = engine.scheduler.config
-    old = {k: getattr(cfg, k) for k in kw}
-    for k, v in kw.items():
-        setattr(cfg, k, v)
+    old = engine.scheduler.config
+    engine.scheduler.reconfigure(**kw)
     try:
         yield
     finally:
-        for k, v in old.items():
-            setattr(cfg, k, v)
+        engine.scheduler.reconfigure(**{k: getattr(old, k) for k in kw})
 
 
 def clear_prefix_cache(engine: LLMEngine) -> None:
@@ -333,7 +330,7 @@ def test_block_size_8_does_not_change_tokens(prompts, reference, kv_dtype):
     # Room for all prompts at once (~2,048 tokens), so nothing is preempted.
     eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=8, num_blocks=256,
                                                                     kv_cache_dtype=kv_dtype)))
-    eng.scheduler.config.max_prefill_chunk = eng.scheduler.config.max_num_batched_tokens = 128
+    eng.scheduler.reconfigure(max_prefill_chunk=128, max_num_batched_tokens=128)
     got = run_batch(eng, prompts)
     assert eng.scheduler.num_preemptions == 0
     assert got == reference, _diff(got, reference)
@@ -355,7 +352,7 @@ def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference
     # Prefix caching off: a preempted request recomputes everything.
     eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=B, num_blocks=num_blocks,
                                                                     kv_cache_dtype=kv_dtype, **cache_off())))
-    eng.scheduler.config.max_prefill_chunk = eng.scheduler.config.max_num_batched_tokens = 64
+    eng.scheduler.reconfigure(max_prefill_chunk=64, max_num_batched_tokens=64)
     eng.scheduler.ceiling_blocks = num_blocks  # no admission ceiling: this tests preemption
     if not speculative:
         eng.scheduler.proposer = None

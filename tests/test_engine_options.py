@@ -71,3 +71,23 @@ def test_llm_takes_a_config_or_keywords_not_both():
 
     with pytest.raises(TypeError, match="not both"):
         LLM(config=EngineConfig(), num_blocks=8)
+
+
+def test_the_chunk_cap_defaults_to_the_budget_on_every_path():
+    """One source for the default: a config built directly, from keywords and
+    from flags all cap a prefill chunk at the token budget unless told."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    for sc in (SchedulerConfig(max_num_batched_tokens=2048),
+               engine_config(max_num_batched_tokens=2048).scheduler,
+               config_from_args(parser.parse_args(["--max-num-batched-tokens", "2048"])).scheduler):
+        assert (sc.max_num_batched_tokens, sc.max_prefill_chunk) == (2048, 2048)
+    assert SchedulerConfig(max_num_batched_tokens=2048, max_prefill_chunk=256).max_prefill_chunk == 256
+
+
+def test_configs_are_frozen_values():
+    """What an engine was built with stays what its config says: a live
+    scheduler's limits change through Scheduler.reconfigure, not the config."""
+    for cfg, field in ((SchedulerConfig(), "max_num_seqs"), (CacheConfig(), "num_blocks"), (EngineConfig(), "dtype")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(cfg, field, 1)

@@ -1,6 +1,8 @@
 """SamplingParams.prompt_logprobs (vLLM's): each prompt token's logprob given
 the tokens before it, against transformers, and unchanged by chunking,
 batching, the prefix cache and a preemption in the middle of the prefill."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,7 +21,8 @@ def scored(k=3, **kw):
 @pytest.fixture
 def small_chunks(engine_f32, monkeypatch):
     """Prefill in chunks of 23 tokens: several steps, none block-aligned."""
-    monkeypatch.setattr(engine_f32.scheduler.config, "max_prefill_chunk", 23)
+    sched = engine_f32.scheduler
+    monkeypatch.setattr(sched, "config", dataclasses.replace(sched.config, max_prefill_chunk=23))
     return engine_f32
 
 

@@ -52,7 +52,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
     # Pool size: an explicit block count wins, else a byte budget, else a
@@ -76,13 +76,14 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # token budget per step
     # Per-request chunk cap: a long prompt is cut into chunks of at most this
     # many tokens so it cannot hold the whole budget (chunked prefill).
-    max_prefill_chunk: int = 512
+    # None: the token budget (resolved here, the one place).
+    max_prefill_chunk: int | None = None
     # Admission ceiling tau_high on U_KV (kv-cache-management "服务遥测动态"):
     # while requests and pinned paused state hold more than this share of
     # the pool, new requests wait in the queue (unless nothing runs) and
@@ -98,8 +99,12 @@ class SchedulerConfig:
     # LoRA (trajserve/lora/): distinct adapters one step may run (slots).
     max_loras: int = 4
 
+    def __post_init__(self) -> None:
+        if self.max_prefill_chunk is None:
+            object.__setattr__(self, "max_prefill_chunk", self.max_num_batched_tokens)
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # None = embedded SmolLM2-135M-Instruct
     device: str = "cpu"

@@ -69,8 +69,7 @@ def _tokens(engine, rng: random.Random, n: int) -> list[int]:
 def measure_prefill(engine, chunk: int, tokens: int, rng: random.Random) -> list[Step]:
     from trajserve.sampling import SamplingParams
 
-    cfg = engine.scheduler.config
-    cfg.max_num_batched_tokens = cfg.max_prefill_chunk = chunk
+    engine.scheduler.reconfigure(max_num_batched_tokens=chunk, max_prefill_chunk=chunk)
     engine.kv.clear_cache()
     rid = engine.add_request(_tokens(engine, rng, tokens), SamplingParams(max_tokens=1, temperature=0,
                                                                           ignore_eos=True))
@@ -91,8 +90,7 @@ def measure_prefill(engine, chunk: int, tokens: int, rng: random.Random) -> list
 def measure_decode(engine, batch: int, context: int, steps: int, rng: random.Random) -> list[Step]:
     from trajserve.sampling import SamplingParams
 
-    cfg = engine.scheduler.config
-    cfg.max_num_batched_tokens = cfg.max_prefill_chunk = 512
+    engine.scheduler.reconfigure(max_num_batched_tokens=512, max_prefill_chunk=512)
     engine.kv.clear_cache()
     prompt = _tokens(engine, rng, context)
     # Compute the prompt once; the batch then hits it in the prefix cache.

@@ -26,6 +26,7 @@ whose adapter sits in its slot; and the copy's own time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -115,12 +116,11 @@ def run(args: argparse.Namespace) -> int:
 
     targets = [module_name(t.strip()) for t in args.targets.split(",") if t.strip()]
     cfg = config_from_args(args)
-    cfg.enable_lora = True
-    cfg.max_lora_rank = max(cfg.max_lora_rank, args.rank)
-    cfg.scheduler.max_loras = max(cfg.scheduler.max_loras, args.adapters)
-    cfg.scheduler.max_num_seqs = max(cfg.scheduler.max_num_seqs, args.requests)
-    engine = LLMEngine(cfg)
-    engine.scheduler.proposer = None  # one row per request per decode step
+    # Speculation off: one row per request per decode step.
+    sc = dataclasses.replace(cfg.scheduler, max_loras=max(cfg.scheduler.max_loras, args.adapters),
+                             max_num_seqs=max(cfg.scheduler.max_num_seqs, args.requests), speculative="off")
+    engine = LLMEngine(dataclasses.replace(cfg, enable_lora=True, max_lora_rank=max(cfg.max_lora_rank, args.rank),
+                                           scheduler=sc))
     tmp = tempfile.TemporaryDirectory(prefix="trajserve-bench-lora-")
     names = [f"ad{i}" for i in range(args.adapters + 1)]  # one more than resident: the on-demand case
     for i, name in enumerate(names):

@@ -123,11 +123,10 @@ def run(args: argparse.Namespace) -> int:
         # (3,000-token prompts at batch 16 decoded 14 of 16).
         ceiling = SchedulerConfig().admission_ceiling
         args.num_blocks = int(need_tokens / ceiling) // args.block_size + 64
-    llm = LLM.from_args(args)
-    engine = llm.engine
     # The forward's speed, a token a step: drafts would make a step's tokens
     # depend on the text (`bench spec` measures speculation).
-    engine.scheduler.proposer = None
+    llm = LLM.from_args(argparse.Namespace(**{**vars(args), "speculative": "off"}))
+    engine = llm.engine
     rng = random.Random(args.seed)
 
     bw = read_bandwidth(engine.device)

@@ -50,8 +50,8 @@ def measure(args: argparse.Namespace):
         flags += ["--" + name.replace("_", "-"), str(agent_value(args, name))]
     bargs = parse_agent_args(flags)  # bench agent's own defaults for everything else
     bargs.num_blocks = bench.default_pool_blocks(bargs)
+    bargs.speculative = "off"  # the simulation decodes a token a step (no --spec-accept)
     engine = LLM.from_args(bargs).engine
-    engine.scheduler.proposer = None  # the simulation decodes a token a step (no --spec-accept)
     busy = [0.0]
     step = engine.step
 

@@ -71,8 +71,17 @@ def resolve_speculative(choice: str, c_kernels: bool) -> tuple[str, str]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
+        """Resolve what `auto` means here, load the model, build the rest
+        around it: each step reads only what the ones before settled."""
         self.config = config = config or EngineConfig()
         config.validate()
+        why: dict[str, str] = {}  # each resolved choice's reason, for the start-up line
+        self._resolve(config, why)
+        self._load(config, why)
+        self._build(config, why)
+
+    def _resolve(self, config: EngineConfig, why: dict[str, str]) -> None:
+        """Device, threads, dtype, quantization, tokenizer and chat template."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         try:
@@ -85,18 +94,22 @@ class LLMEngine:
             raise ValueError("device 'cuda' requested but torch sees no CUDA device")
         # Read and compiled before anything loads: a bad template stops start-up with its line.
         template = read_chat_template(config.chat_template) if config.chat_template is not None else None
-        self.dtype, dtype_reason = resolve_dtype(config.dtype, self.device, config.cpu_kernels)
+        self.dtype, why["dtype"] = resolve_dtype(config.dtype, self.device, config.cpu_kernels)
         self.model_path = config.model or default_model_path()
         self.tokenizer = load_tokenizer(self.model_path)
         if template is not None:
             self.tokenizer.chat_template = template
-        self.quantization, quant_reason = resolve_quantization(config.quantization, self.dtype, self.device,
-                                                               config.cpu_kernels)
+        self.quantization, why["quantization"] = resolve_quantization(config.quantization, self.dtype,
+                                                                      self.device, config.cpu_kernels)
+
+    def _load(self, config: EngineConfig, why: dict[str, str]) -> None:
+        """The weights (as stored where the kernels run them) and the model."""
         requantized: dict[str, int] = {}
         self.model_config, weights = load_weights(self.model_path, self.dtype, self.device, self.quantization,
                                                   requantized)
-        if requantized:  # the issue's "said in the start-up line": what did not run as stored
-            quant_reason += "; quantized at load: " + ", ".join(f"{k} x{n}" for k, n in sorted(requantized.items()))
+        if requantized:  # said in the start-up line: what did not run as stored
+            why["quantization"] += "; quantized at load: " + ", ".join(f"{k} x{n}"
+                                                                       for k, n in sorted(requantized.items()))
         mc = self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             # As vLLM: positions past the trained context would be garbage, not a longer context.
@@ -107,10 +120,14 @@ class LLMEngine:
                                 use_cpu_kernels=config.cpu_kernels)
         del weights
 
+    def _build(self, config: EngineConfig, why: dict[str, str]) -> None:
+        """The KV pool and its manager, tiers, adapters, runner, scheduler,
+        sampler and the step's core, around the loaded model."""
+        mc = self.model_config
         cc = config.cache
         # kv_format: what a pool row is (model/kv_quant.py); kv_dtype: the pool tensors' dtype (uint8 for q8_0 / q4_0).
-        self.kv_format, kv_reason = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels, mc.head_dim,
-                                                     cc.block_size, mc.num_heads // mc.num_kv_heads)
+        self.kv_format, why["kv"] = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels,
+                                                     mc.head_dim, cc.block_size, mc.num_heads // mc.num_kv_heads)
         self.kv_dtype = self.kv_format.storage
         lora_bytes = LoRASlots.max_bytes(mc, config.scheduler.max_loras, config.max_lora_rank)  # kept free
         self.num_blocks = num_blocks_for(cc, mc, self.kv_format, self.device, lora_bytes if config.lora_enabled else 0)
@@ -118,7 +135,9 @@ class LLMEngine:
                                  enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.kv_format, self.device)
-        self.runner = ModelRunner(self.model, kv_caches, cc.block_size)
+        self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None  # adapters
+        self.runner = ModelRunner(self.model, kv_caches, cc.block_size,
+                                  self.lora.slots if self.lora is not None else None)
         # What every block written to disk says it is (kv/block_format.py).
         formats = self.model.weight_formats()
         quantized = sorted(f for f in formats if f in QUANT_FORMATS)
@@ -140,12 +159,10 @@ class LLMEngine:
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
         sc = config.scheduler
-        self.speculative, spec_reason = resolve_speculative(sc.speculative, self.model.kernels is not None)
+        self.speculative, why["speculative"] = resolve_speculative(sc.speculative, self.model.kernels is not None)
         self.proposer = None if self.speculative == "off" else DraftProposer(
             SpecConfig(self.speculative, sc.num_speculative_tokens))
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
-        self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None  # adapters
-        self.runner.lora = self.lora.slots if self.lora is not None else None
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.closed = False  # close(): its copy threads are gone, so no new work
@@ -160,14 +177,14 @@ class LLMEngine:
         self.startup_summary = (
             f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
             f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
-            f"in {str(self.dtype).removeprefix('torch.')} ({dtype_reason})"
+            f"in {str(self.dtype).removeprefix('torch.')} ({why['dtype']})"
             f"{f', C kernels ({self.model.kernels.isa})' if self.model.kernels is not None else ''}\n"
             f"weights: {' + '.join(f'{f} {b / 1e6:,.1f} MB' for f, b in formats.items())} read per decode step "
-            f"(quantization {self.quantization}: {quant_reason})\n"
-            f"KV cache: {self.kv_format.name} ({kv_reason}) | m_token = {m_token:,} B "
+            f"(quantization {self.quantization}: {why['quantization']})\n"
+            f"KV cache: {self.kv_format.name} ({why['kv']}) | m_token = {m_token:,} B "
             f"(eq. 1) | block = {cc.block_size} tokens = {bytes_per_block(mc, cc.block_size, self.kv_format):,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}\n"
-            f"speculative decoding: {self.speculative} ({spec_reason})"
+            f"speculative decoding: {self.speculative} ({why['speculative']})"
             + (f"\n{self.lora.summary()}" if self.lora is not None else ""))
         log.info(self.startup_summary)
 

@@ -62,7 +62,7 @@ def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_h
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int) -> None:
+                 block_size: int, lora: LoRASlots | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -70,7 +70,7 @@ class ModelRunner:
         self._in_block = np.arange(block_size)
         # Background device <-> host copies (swaps of paused sessions).
         self.copy = CopyEngine(kv_caches)
-        self.lora: LoRASlots | None = None  # the resident adapters (lora/slots.py), when LoRA is on
+        self.lora = lora  # the resident adapters (lora/slots.py), when LoRA is on
         self.lora_kernels = True  # False: adapters' products as torch matmuls (bench lora's comparison)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:

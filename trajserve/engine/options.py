@@ -151,10 +151,8 @@ def engine_config(**options) -> EngineConfig:
         part, _, name = o.field.rpartition(".")
         parts[part][name] = value
     parts[""]["lora_modules"] = lora_pairs(parts[""]["lora_modules"])
-    sched = parts["scheduler"]
-    if sched["max_prefill_chunk"] is None:  # unset: a chunk may take the whole budget
-        sched["max_prefill_chunk"] = sched["max_num_batched_tokens"]
-    return EngineConfig(**parts[""], cache=CacheConfig(**parts["cache"]), scheduler=SchedulerConfig(**sched))
+    return EngineConfig(**parts[""], cache=CacheConfig(**parts["cache"]),
+                        scheduler=SchedulerConfig(**parts["scheduler"]))
 
 
 def lora_pairs(value) -> tuple[tuple[str, str], ...]:

@@ -28,15 +28,16 @@ SchedulerOutput, so the same code drives the real model or a cost model.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trajserve.config import SchedulerConfig
-from trajserve.request import Request, RequestStatus
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
+from trajserve.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from trajserve.speculative.proposer import DraftProposer
@@ -103,6 +104,13 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0
         # n > 1: a request's other sequences, forked off it when its prefill ends.
         self.pending_samples: dict[str, list[Request]] = {}
+
+    def reconfigure(self, **changes) -> None:
+        """The step's limits changed on a live engine (calibration measures
+        one chunk size after another): a new config, the ceiling as it was.
+        The config itself is frozen, so what an engine was built with stays
+        what its EngineConfig says."""
+        self.config = dataclasses.replace(self.config, **changes)
 
     def add(self, request: Request, samples: Sequence[Request] = ()) -> None:
         """Queue a request; `samples`: the other n - 1 sequences of its prompt."""

@@ -78,7 +78,7 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
     expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
     lora: object = None  # the LoRA adapter every turn runs (lora/adapter.py), None for the base model
-    record: SessionPause = None  # set in __post_init__
+    record: SessionPause = field(init=False, repr=False)  # its pause record, made with it
 
     def __post_init__(self) -> None:
         self.record = SessionPause(session_id=self.session_id)

@@ -45,7 +45,7 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
     if args.max_prefill_chunk is not None and args.max_prefill_chunk < 1:  # 0 is not "the default"
         raise ValueError(f"--max-prefill-chunk must be >= 1 (unset: the token budget), got {args.max_prefill_chunk}")
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                            max_prefill_chunk=budget if args.max_prefill_chunk is None else args.max_prefill_chunk,
+                            max_prefill_chunk=args.max_prefill_chunk,
                             admission_ceiling=args.admission_ceiling)
     if profile is None and args.profile:
         profile = load_profile(args.profile)

@@ -64,11 +64,10 @@ def scripted():
     from trajserve.engine.engine import LLMEngine
     from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from trajserve.server.app import build_app
-    from trajserve.server.async_engine import AsyncEngine
+    from trajserve.server.config import ServerConfig
 
     engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64,
                                                                        enable_prefix_caching=False)))
-    aengine = AsyncEngine(engine)
     # The reply, how it ends (finish_reason, stop_reason) and the prompt
     # tokens the prefix cache is said to have served.
     state = {"reply": "", "prompts": [], "params": [], "end": ("stop", None), "cached": 0}
@@ -84,12 +83,16 @@ def scripted():
                                  delta_text=piece, delta_token_ids=[n])
             yield RequestOutput("r", None, list(prompt), [c], done, RequestMetrics(0.0), state["cached"])
 
-    aengine.generate = generate
+    def app_over(config: ServerConfig):
+        app = build_app(engine, config)  # its engine loop never starts: the script stands in for it
+        app.state.engine.generate = generate
+        return app
+
     for key, parser in (("client", "auto"), ("llama3", "llama3_json")):
-        state[key] = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
-                                   http_client=TestClient(build_app(aengine, "m", tool_call_parser=parser)))
+        state[key] = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0, http_client=TestClient(
+            app_over(ServerConfig(served_model_names=("m",), tool_call_parser=parser))))
     # Anthropic's client on the same app, under two model names (aliases).
-    app = build_app(aengine, ["m", "claude-test"])
+    app = app_over(ServerConfig(served_model_names=("m", "claude-test")))
     state["http"] = TestClient(app)
     state["anthropic"] = anthropic.Anthropic(base_url="http://testserver", api_key="x", max_retries=0,
                                              http_client=TestClient(app))

@@ -8,6 +8,7 @@ import pytest
 
 from trajserve.sampling import SamplingParams
 from trajserve.sessions.ids import SESSION_ID_MAX, check_session_id
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.manager import SessionManager
 
 SURROGATE = "h\ud800i"
@@ -68,7 +69,7 @@ def test_ordinary_session_ids_pass(sid):
 def mgr(engine_f32, tmp_path):
     """A session manager on the shared engine, its store in tmp_path/store."""
     engine_f32.kv.clear_cache()
-    m = SessionManager(engine_f32, disk_dir=str(tmp_path / "store"))
+    m = SessionManager(engine_f32, SessionConfig(disk_dir=str(tmp_path / "store")))
     yield m
     m.shutdown()
 

@@ -140,6 +140,8 @@ def test_plan_and_the_engine_agree_on_block_bytes_and_capacity(kv, plan_kv):
     from trajserve.engine.memory import bytes_per_block
 
     assert bytes_per_block(eng.model_config, 16, eng.kv_format) == result.block_bytes_device
+    # The engine's one figure, and the bytes a block's copy on a tier holds.
+    assert eng.block_bytes == result.block_bytes_device == eng.block_layout.payload_bytes
     assert eng.kv.token_capacity == result.token_capacity
 
 
@@ -174,10 +176,11 @@ def test_a_session_paused_to_host_or_disk_resumes_with_the_formats_tokens(fmt, d
     the same session never paused."""
     from test_sessions import two_turns
 
+    from trajserve.sessions.config import SessionConfig
     from trajserve.sessions.manager import SessionManager
 
     eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=256, kv_cache_dtype=fmt)))
-    mgr = SessionManager(eng, disk_dir=str(tmp_path / "kv"))
+    mgr = SessionManager(eng, SessionConfig(disk_dir=str(tmp_path / "kv")))
     try:
         assert mgr.offload.block_bytes == 16 * eng.kv_format.bytes_per_token(eng.model_config)
         ref_first, ref_second, _ = two_turns(mgr, "Fix the failing test.")

@@ -15,6 +15,7 @@ from trajserve.kv.cost_rates import CostRates
 from trajserve.request import Request, RequestStatus
 from trajserve.sampling import SamplingParams
 from trajserve.sessions.keep_policy import Decision, KeepPolicy
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.manager import SessionManager
 
 B = 4
@@ -75,7 +76,7 @@ def slow_rates():
 @pytest.fixture()
 def standin(tmp_path):
     eng = StandInEngine(num_blocks=40, block_size=B)
-    mgr = SessionManager(eng, policy=KeepPolicy(slow_rates()), disk_dir=str(tmp_path))
+    mgr = SessionManager(eng, SessionConfig(disk_dir=str(tmp_path)), policy=KeepPolicy(slow_rates()))
     yield eng, mgr
     mgr.shutdown()
     assert eng.kv.reclaimer is None and not eng.kv.tables and not eng.kv.holds

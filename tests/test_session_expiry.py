@@ -6,6 +6,7 @@ their host/disk state, would grow for as long as the server runs.)"""
 import pytest
 
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.manager import SessionManager, SessionState
 
 SHORT = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -18,7 +19,7 @@ def manager(engine_f32, tmp_path):
 
     def make(**kw) -> SessionManager:
         engine_f32.kv.clear_cache()
-        made.append(SessionManager(engine_f32, disk_dir=str(tmp_path / "kv"), **kw))
+        made.append(SessionManager(engine_f32, SessionConfig(disk_dir=str(tmp_path / "kv"), **kw)))
         return made[-1]
     yield make
     for m in made:

@@ -8,6 +8,7 @@ import pytest
 from test_sessions import GREEDY, OBS, messages, mgr  # noqa: F401 - mgr is a fixture
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.manager import SessionManager
 
 
@@ -79,7 +80,7 @@ def tiered_engine():
 
 def test_with_the_engines_tiers_sessions_and_the_prefix_cache_share_one_store(tiered_engine):
     eng = tiered_engine
-    mgr = SessionManager(eng, host_bytes=1 << 30)  # ignored: the engine's tiers are the store
+    mgr = SessionManager(eng, SessionConfig(host_bytes=1 << 30))  # ignored: the engine's tiers are the store
     try:
         assert mgr.offload.tiers is eng.lower and eng.kv.lower is eng.lower
         s = mgr.open(messages("Count the files."))

@@ -11,6 +11,7 @@ from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.sampling import SamplingParams
 from trajserve.sessions.keep_policy import Decision
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.manager import SessionBusy, SessionManager, SessionState
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -23,7 +24,7 @@ OBS = "<|im_end|>\n<|im_start|>user\nTool output: 14 passed, 1 failed (test_cach
 @pytest.fixture()
 def mgr(engine_f32, tmp_path):
     engine_f32.kv.clear_cache()
-    m = SessionManager(engine_f32, disk_dir=str(tmp_path / "kv"))
+    m = SessionManager(engine_f32, SessionConfig(disk_dir=str(tmp_path / "kv")))
     yield m
     m.shutdown()
     assert engine_f32.kv.reclaimer is None
@@ -228,7 +229,7 @@ def test_calibrate_prefills_within_a_short_context(tmp_path):
     256-token prefill was over the context, so it failed and the keep
     policy ran on default rates."""
     eng = LLMEngine(EngineConfig(dtype="float32", max_model_len=128, cache=CacheConfig(num_blocks=64)))
-    m = SessionManager(eng, disk_dir=str(tmp_path))
+    m = SessionManager(eng, SessionConfig(disk_dir=str(tmp_path)))
     try:
         assert m.calibrate()["prefill_tokens_per_s"] > 0
     finally:
@@ -246,7 +247,7 @@ def test_calibration_on_a_full_disk_tier_tries_no_round_trip(engine_f32, tmp_pat
 
     engine_f32.kv.clear_cache()
     layout = engine_f32.block_layout
-    m = SessionManager(engine_f32, disk_dir=str(tmp_path / "kv"), disk_bytes=3 * layout.file_bytes)
+    m = SessionManager(engine_f32, SessionConfig(disk_dir=str(tmp_path / "kv"), disk_bytes=3 * layout.file_bytes))
     try:
         block = torch.zeros(layout.shape, dtype=layout.torch_dtype)
         ns = digest("earlier-run")
@@ -265,11 +266,11 @@ def test_a_host_tier_without_room_passes_the_state_to_disk(engine_f32, tmp_path)
     turn still comes out as a session that never paused."""
     engine_f32.kv.clear_cache()
     task = "Fix the failing test."
-    ref = SessionManager(engine_f32, disk_dir=str(tmp_path / "a"))
+    ref = SessionManager(engine_f32, SessionConfig(disk_dir=str(tmp_path / "a")))
     _, ref_second, _ = two_turns(ref, task)
     ref.shutdown()
     engine_f32.kv.clear_cache()
-    m = SessionManager(engine_f32, host_bytes=0, disk_dir=str(tmp_path / "b"))
+    m = SessionManager(engine_f32, SessionConfig(host_bytes=0, disk_dir=str(tmp_path / "b")))
     try:
         _, second, (d, _, _) = two_turns(m, task, pause="host")
         assert d.decision is Decision.HOST

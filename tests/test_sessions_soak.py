@@ -12,6 +12,7 @@ import pytest
 from standin_engine import VOCAB, StandInEngine, reference_reply
 from trajserve.sampling import SamplingParams
 from trajserve.sessions.keep_policy import Decision
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.manager import SessionManager, SessionState
 
 
@@ -24,8 +25,8 @@ def test_200_sessions_with_random_pauses_forks_and_closes(tmp_path, max_sessions
     eng = StandInEngine(num_blocks=96, block_size=B)
     # Host room for ~2 sessions' state: offloads fall back to disk, then drop.
     block_bytes = eng.runner.pool[0].numel() * 4
-    mgr = SessionManager(eng, host_bytes=40 * block_bytes, disk_dir=str(tmp_path), disk_bytes=200 * block_bytes,
-                         max_sessions=max_sessions)
+    mgr = SessionManager(eng, SessionConfig(host_bytes=40 * block_bytes, disk_dir=str(tmp_path),
+                                            disk_bytes=200 * block_bytes, max_sessions=max_sessions))
     preamble = [rng.randrange(VOCAB) for _ in range(24)]
     live: list = []
     opened = pauses = 0

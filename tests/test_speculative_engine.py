@@ -137,11 +137,12 @@ def test_fork_children_continue_identically(engine_f32, prompts):
 @pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
 def test_session_pause_to_each_tier(engine_f32, tmp_path, decision):
     from test_sessions import two_turns
+    from trajserve.sessions.config import SessionConfig
     from trajserve.sessions.manager import SessionManager
 
     def turns(proposer, sub):
         engine_f32.kv.clear_cache()
-        mgr = SessionManager(engine_f32, disk_dir=str(tmp_path / sub))
+        mgr = SessionManager(engine_f32, SessionConfig(disk_dir=str(tmp_path / sub)))
         try:
             with speculation(engine_f32, proposer):
                 first, second, _ = two_turns(mgr, "Repeat the word 'pytest' five times.", pause=decision)

@@ -190,13 +190,12 @@ def pool_sweep(engine, records: list[dict], working_set: int, fractions: list[fl
 
 def lower_tier_blocks(engine) -> tuple[int, int]:
     """The engine's prefix-cache tiers (--kv-host-cache, --kv-disk-cache) in blocks."""
-    from trajserve.engine.memory import bytes_per_block
     from trajserve.kv.tiers import DISK_HEADER_BYTES
 
     cc = engine.config.cache
     if engine.lower is None:
         return 0, 0
-    per = bytes_per_block(engine.model_config, cc.block_size, engine.kv_format)
+    per = engine.block_bytes
     return cc.host_cache_bytes // per, cc.disk_cache_bytes // (per + DISK_HEADER_BYTES)
 
 

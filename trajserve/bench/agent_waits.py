@@ -43,6 +43,7 @@ from trajserve.bench.common import command_line, machine_info
 from trajserve.kv.block_table import blocks_for
 from trajserve.sampling import SamplingParams
 from trajserve.sessions.keep_policy import Decision
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.manager import SessionManager, SessionState
 from trajserve.traces import default_trace_dir, tool_waits
 
@@ -105,7 +106,7 @@ def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[
 
 def run_policy(engine, workload, policy: str, args) -> dict:
     engine.kv.clear_cache()
-    mgr = SessionManager(engine, host_bytes=args.host_bytes)
+    mgr = SessionManager(engine, SessionConfig(host_bytes=args.host_bytes))
     rates = mgr.calibrate()  # the policy prices with this machine's copy and prefill speed
     m_block = mgr.block_bytes
     sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     from trajserve.bench.common import command_line, machine_info
     from trajserve.llm import LLM
+    from trajserve.sessions.config import SessionConfig
     from trajserve.sessions.manager import SessionManager
 
     eng = LLM.from_args(args).engine
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     for rep in range(args.repeats + 1):  # the first round warms up and is not counted
         for mode in modes:
             tier = mode.split("-")[0]
-            mgr = SessionManager(eng, overlap_reload=not mode.endswith("serial"))
+            mgr = SessionManager(eng, SessionConfig(overlap_reload=not mode.endswith("serial")))
             eng.kv.clear_cache()
             s = mgr.open(history)
             s.generate(ONE)

@@ -61,6 +61,7 @@ from trajserve.cluster.router import KVRouter, ReplicaLoad, RouteRequest, Router
 from trajserve.kv.scope import CacheScope, namespace_of
 from trajserve.server import anthropic
 from trajserve.server.errors import error_response
+from trajserve.server.config import DEFAULT, ServerConfig
 from trajserve.server.metrics import LogCollector
 from trajserve.server.tap import sse_event
 
@@ -382,8 +383,9 @@ def _stream_error(path: str, message: str) -> bytes:
     return f"data: {json.dumps({'error': body})}\n\ndata: [DONE]\n\n".encode()
 
 
-def build_frontend(frontend: Frontend, max_body_bytes: int = 8 * 2**20, api_keys: list[str] | None = None,
-                   allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
+def build_frontend(frontend: Frontend, config: ServerConfig = DEFAULT) -> FastAPI:
+    """The routing app over frontend: the server's outer middleware under
+    config (body cap, API keys, CORS, header limits)."""
     from trajserve.server.app import add_outer_middleware
 
     @contextlib.asynccontextmanager
@@ -411,6 +413,6 @@ def build_frontend(frontend: Frontend, max_body_bytes: int = 8 * 2**20, api_keys
     async def forward(request: Request):
         return await frontend.forward(request)
 
-    add_outer_middleware(app, max_body_bytes, api_keys, allowed_origins)
+    add_outer_middleware(app, config)
     return app
 

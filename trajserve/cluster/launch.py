@@ -20,6 +20,7 @@ import argparse
 import logging
 
 from trajserve.cluster.router import make_router
+from trajserve.server.config import ServerConfig
 
 log = logging.getLogger("trajserve.cluster")
 
@@ -40,16 +41,18 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--replica-cpus must be a number > 0, got {args.replica_cpus}")
 
 
-def start_replicas(args: argparse.Namespace, api_keys: list[str] | None = None) -> list:
+def start_replicas(args: argparse.Namespace, config: ServerConfig | None = None) -> list:
     """The replicas' actors (each loads its engine in its own process; call
-    Frontend.start to wait for them). Ray must be initialised."""
+    Frontend.start to wait for them). Ray must be initialised. config: each
+    replica's server (default: from args)."""
     ray = _ray()
     from trajserve.cluster.replica import Replica
 
     _check(args)
+    config = config or ServerConfig.from_args(args)
     actor = ray.remote(Replica)
     return [actor.options(max_restarts=-1, max_task_retries=0, num_cpus=args.replica_cpus,
-                          max_concurrency=1000).remote(args, i, api_keys)
+                          max_concurrency=1000).remote(args, i, config)
             for i in range(args.replicas)]
 
 
@@ -68,19 +71,19 @@ def make_frontend(actors: list, router: str = "kv", **router_options):
 def serve_cluster(args: argparse.Namespace) -> int:
     ray = _ray()
     from trajserve.cluster.frontend import build_frontend
-    from trajserve.server.serve import bind, check_args, run_uvicorn, served_name
+    from trajserve.server.serve import bind, run_uvicorn
 
-    api_keys = check_args(args)
+    config = ServerConfig.from_args(args)
     if args.replicas is None:
         args.replicas = 1
     _check(args)
     make_router(args.router, args.replicas)  # a bad name fails before anything starts
     sock = bind(args)
     ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True)
-    actors = start_replicas(args, api_keys)
+    actors = start_replicas(args, config)
     frontend = make_frontend(actors, args.router)
-    app = build_frontend(frontend, args.max_body_bytes, api_keys, args.allowed_origins)
-    name = (args.served_model_name or [served_name(ray.get(actors[0].info.remote()).model_id)])[0]
+    app = build_frontend(frontend, config)
+    name = config.names_for(ray.get(actors[0].info.remote()).model_id)[0]
     log.info("%d replicas on Ray (%s), router %s", len(actors), ray.get_runtime_context().gcs_address,
              args.router)
 

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from trajserve.cluster import asgi
+from trajserve.server.config import ServerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class ReplicaInfo:
 
 
 class Replica:
-    def __init__(self, args: argparse.Namespace, index: int, api_keys: list[str] | None = None) -> None:
+    def __init__(self, args: argparse.Namespace, index: int, config: ServerConfig) -> None:
         from trajserve.server.serve import build_server
 
         self.index = index
@@ -60,7 +61,7 @@ class Replica:
         if getattr(args, "disk_cache_dir", None):  # one engine holds a --kv-disk-dir: each replica its own under it
             args = argparse.Namespace(**{**vars(args),
                                          "disk_cache_dir": os.path.join(args.disk_cache_dir, f"replica-{index}")})
-        self.server = build_server(args, api_keys)
+        self.server = build_server(args, config)
         self._lock = threading.Lock()  # events come from the engine thread (and the disk writer's caller)
         self._events: list[tuple[str, bool, list[bytes]]] = []
         self._seq = 0

@@ -138,6 +138,7 @@ class LLMEngine:
         self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None  # adapters
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size,
                                   self.lora.slots if self.lora is not None else None)
+        self.block_bytes = bytes_per_block(mc, cc.block_size, self.kv_format)  # a block's KV, every layer
         # What every block written to disk says it is (kv/block_format.py).
         formats = self.model.weight_formats()
         quantized = sorted(f for f in formats if f in QUANT_FORMATS)
@@ -154,8 +155,7 @@ class LLMEngine:
         self.rates = CostRates(prefill_tokens_per_s=300.0, host_bytes_per_s=5e9, disk_bytes_per_s=1e9)
         pricer = None
         if self.lower is not None:  # a host tier to swap preempted blocks to
-            block_bytes = bytes_per_block(mc, cc.block_size, self.kv_format)
-            host = self.lower.host
+            host, block_bytes = self.lower.host, self.block_bytes
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
         sc = config.scheduler
@@ -182,7 +182,7 @@ class LLMEngine:
             f"weights: {' + '.join(f'{f} {b / 1e6:,.1f} MB' for f, b in formats.items())} read per decode step "
             f"(quantization {self.quantization}: {why['quantization']})\n"
             f"KV cache: {self.kv_format.name} ({why['kv']}) | m_token = {m_token:,} B "
-            f"(eq. 1) | block = {cc.block_size} tokens = {bytes_per_block(mc, cc.block_size, self.kv_format):,} B | {self.num_blocks:,} blocks | "
+            f"(eq. 1) | block = {cc.block_size} tokens = {self.block_bytes:,} B | {self.num_blocks:,} blocks | "
             f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}\n"
             f"speculative decoding: {self.speculative} ({why['speculative']})"
             + (f"\n{self.lora.summary()}" if self.lora is not None else ""))

@@ -76,6 +76,9 @@ OPTIONS: tuple[Option, ...] = (
            "tokens per KV block (the prefix cache shares whole blocks)", type=int),
     Option("enable_prefix_caching", "cache.enable_prefix_caching", "--no-prefix-caching",
            "disable the radix prefix cache"),
+    Option("watermark", "cache.watermark", "--watermark",
+           "below this share of free blocks no new request is admitted, so running decodes keep room to grow "
+           "(Pool_headroom, kv-cache-management eq. 7)", type=float),
     Option("host_cache", "cache.host_cache_bytes", "--kv-host-cache",
            "host-memory tier of the prefix cache, e.g. 4GiB: blocks evicted from the KV pool wait there and "
            "load back on a hit (default: none)", metavar="BYTES", size=True),
@@ -90,6 +93,9 @@ OPTIONS: tuple[Option, ...] = (
            "token budget per step", type=int),
     Option("max_prefill_chunk", "scheduler.max_prefill_chunk", "--max-prefill-chunk",
            "per-request chunk cap (default: the token budget, --max-num-batched-tokens)", type=int, default=None),
+    Option("admission_ceiling", "scheduler.admission_ceiling", "--admission-ceiling",
+           "tau_high: admit while active U_KV stays below it (kv-cache-management, eq. 8); a session's kept "
+           "state moves down a tier above it", type=float),
     Option("speculative", "scheduler.speculative", "--speculative",
            "speculative decoding: ngram (drafts from the sequence's own context: prompt lookup), suffix "
            "(also from finished sequences of the same cache_salt) or off; drafts are verified in the batch, "
@@ -125,15 +131,21 @@ OPTIONS: tuple[Option, ...] = (
 BY_NAME = {o.name: o for o in OPTIONS}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None,
+                    defaults: dict | None = None, helps: dict | None = None) -> argparse._ArgumentGroup:
+    """The engine's flags, in an "engine" group: all of them, or the rows
+    named in `only` (the simulator's engine options), with another command's
+    defaults and help where it models another machine."""
     g = p.add_argument_group("engine")
-    for o in OPTIONS:
-        d = o.keyword_default
+    for o in OPTIONS if only is None else [BY_NAME[n] for n in only]:
+        d = (defaults or {}).get(o.name, o.keyword_default)
+        o = dataclasses.replace(o, help=(helps or {}).get(o.name, o.help))
         if isinstance(d, bool):  # switches turn a default on off (--no-prefix-caching)
             g.add_argument(o.flag, dest=o.name, action="store_false" if d else "store_true", help=o.help)
         else:
             g.add_argument(o.flag, dest=o.name, default=d, type=o.type, choices=o.choices, metavar=o.metavar,
                            nargs=o.nargs, help=o.help)
+    return g
 
 
 def engine_config(**options) -> EngineConfig:

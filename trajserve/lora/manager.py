@@ -57,7 +57,6 @@ class LoRAManager:
         self.slots = LoRASlots(model, max_loras, max_rank, device)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.counts: dict[str, AdapterCounts] = {}
-        self.reserved: set[str] = set()  # the base model's served names (the server's): no adapter takes them
         # Every cache scope an adapter's requests used (request.py
         # cache_scope): what unload drops from the prefix cache and tiers.
         self.scopes: dict[str, set[CacheScope]] = {}
@@ -86,8 +85,6 @@ class LoRAManager:
 
     def _check_free(self, name: str) -> None:
         check_name(name)
-        if name in self.reserved:
-            raise AdapterError(f"lora_name {name!r} is the base model's name")
         if name in self.adapters:
             raise AdapterError(f"lora_name {name!r}: an adapter of that name is already loaded; unload it first")
 

@@ -19,6 +19,7 @@ from typing import Any
 from trajserve.engine.engine import LLMEngine
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
+from trajserve.server.config import DEFAULT
 
 log = logging.getLogger("trajserve.server")
 # How often a request whose client cannot be read mid-stream (a non-streaming
@@ -50,7 +51,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT.max_waiting,
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 extra_metrics: Callable[[], dict] | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         # (fn, loop, future): fn(engine) runs on the engine thread; the future
@@ -65,10 +68,10 @@ class AsyncEngine:
         # Every request that ends, its output final: finished, or aborted
         # (its unfinished choices say "abort", or "error" when a step failed
         # under them), so counters see all the work done.
-        self.on_finished: Callable[[RequestOutput], None] | None = None
+        self.on_finished = on_finished
         self.num_failed_steps = 0  # steps that raised and were recovered from (_fail_in_flight)
         # More figures for the snapshot, computed on the engine thread.
-        self.extra_metrics: Callable[[], dict] | None = None
+        self.extra_metrics = extra_metrics
         self._thread = threading.Thread(target=self._run, name="trajserve-engine", daemon=True)
 
     # ------------------------------------------------------------ lifecycle

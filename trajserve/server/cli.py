@@ -6,30 +6,32 @@ from __future__ import annotations
 import argparse
 
 from trajserve.engine.options import add_engine_args
+from trajserve.server.config import DEFAULT
+from trajserve.server.tool_calls import FORMATS
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
-    s.add_argument("--allowed-origins", nargs="+", default=["*"], metavar="ORIGIN",
+    s.add_argument("--allowed-origins", nargs="+", default=list(DEFAULT.allowed_origins), metavar="ORIGIN",
                    help="browser origins allowed to call the API (CORS; default: any, as vLLM)")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model id clients send (default: the file's stem); more names are aliases, e.g. the "
                         "model names an Anthropic client sends to /v1/messages; a reply names the one its "
                         "request used")
-    s.add_argument("--max-waiting", type=int, default=256,
+    s.add_argument("--max-waiting", type=int, default=DEFAULT.max_waiting,
                    help="admission queue limit; a request beyond it gets 429 with Retry-After")
-    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="request body cap (413 above it)")
+    s.add_argument("--max-body-bytes", type=int, default=DEFAULT.max_body_bytes, help="request body cap (413 above it)")
     s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="/v1 routes want one of these keys (Authorization: Bearer KEY, or x-api-key: KEY); "
                         "default: $TRAJSERVE_API_KEY if set, else no key")
-    s.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS",
+    s.add_argument("--session-ttl", type=float, default=DEFAULT.sessions.idle_ttl_s, metavar="SECONDS",
                    help="close a session (and free its saved KV state) after this long without a turn, pause or "
-                        "resume; 0: never (default 3600)")
-    s.add_argument("--max-sessions", type=int, default=4096,
+                        "resume; 0: never")
+    s.add_argument("--max-sessions", type=int, default=DEFAULT.sessions.max_sessions,
                    help="open session records; one more closes the least recently active (0: no limit)")
-    s.add_argument("--tool-call-parser", choices=("auto", "hermes", "llama3_json"), default="auto",
+    s.add_argument("--tool-call-parser", choices=("auto", *FORMATS), default=DEFAULT.tool_call_parser,
                    help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
                         "for Qwen, Llama 3's JSON form)")
     c = s.add_argument_group("replicas (Ray; pip install 'trajserve[cluster]')")

@@ -3,41 +3,21 @@
 The socket is bound before uvicorn starts so `--port 0` works: the line
 "trajserve serving <model> on http://HOST:PORT" (stderr) names the port.
 With --replicas the engines run as Ray actors behind a routing front end
-(cluster/launch.py, chosen by server/cli.py); each replica builds its
+(cluster/launch.py, chosen by trajserve/cli.py); each replica builds its
 server with build_server."""
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
+from trajserve.server.config import ServerConfig
 from trajserve.server.header_limits import MAX_HEADER_BYTES
 
 log = logging.getLogger("trajserve.server")
-
-
-def served_name(model_path: str) -> str:
-    p = Path(model_path)
-    return p.stem if p.suffix == ".gguf" else p.name
-
-
-def check_args(args: argparse.Namespace) -> list[str] | None:
-    """The server options' own checks (before anything loads); returns the API keys, if any."""
-    if args.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    if not 0 <= args.session_ttl < float("inf"):
-        raise ValueError(f"--session-ttl must be a finite number of seconds >= 0 (0: never), got {args.session_ttl}")
-    if args.max_sessions < 0:
-        raise ValueError(f"--max-sessions must be >= 0 (0: no limit), got {args.max_sessions}")
-    api_keys = args.api_key or ([os.environ["TRAJSERVE_API_KEY"]] if os.environ.get("TRAJSERVE_API_KEY") else None)
-    if api_keys is not None and not all(api_keys):
-        raise ValueError("--api-key: a key must not be empty")
-    return api_keys
 
 
 def bind(args: argparse.Namespace) -> socket.socket:
@@ -68,19 +48,15 @@ class Server:
             self.engine.close()
 
 
-def build_server(args: argparse.Namespace, api_keys: list[str] | None = None) -> Server:
+def build_server(args: argparse.Namespace, config: ServerConfig) -> Server:
+    """The engine of args' engine options, and the app over it under config."""
     from trajserve.llm import LLM
     from trajserve.server.app import build_app
-    from trajserve.server.async_engine import AsyncEngine
 
     engine = LLM.from_args(args).engine
-    names = args.served_model_name or [served_name(engine.model_path)]
-    aengine = AsyncEngine(engine, max_waiting=args.max_waiting)
-    aengine.start()
-    app = build_app(aengine, names, max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                    allowed_origins=args.allowed_origins, session_ttl_s=args.session_ttl or None,
-                    max_sessions=args.max_sessions or None, api_keys=api_keys)
-    return Server(engine, aengine, app, names)
+    app = build_app(engine, config)
+    app.state.engine.start()
+    return Server(engine, app.state.engine, app, app.state.server.names)
 
 
 def run_uvicorn(app, sock: socket.socket, name: str, on_stop, detail: str = "") -> int:
@@ -120,7 +96,7 @@ def run_uvicorn(app, sock: socket.socket, name: str, on_stop, detail: str = "") 
 
 
 def serve(args: argparse.Namespace) -> int:
-    api_keys = check_args(args)
+    config = ServerConfig.from_args(args)
     sock = bind(args)
-    server = build_server(args, api_keys)
+    server = build_server(args, config)
     return run_uvicorn(server.app, sock, server.names[0], server.close)

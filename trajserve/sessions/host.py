@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from trajserve.config import EngineConfig, ModelConfig
+from trajserve.config import EngineConfig
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.cache_manager import KVCacheManager
@@ -36,8 +36,7 @@ class StepStats(Protocol):
 class EngineHost(Protocol):
     # What it is
     config: EngineConfig              # the scheduler's admission ceiling
-    model_config: ModelConfig
-    kv_format: str                    # the pool's storage format, priced per block
+    block_bytes: int                  # a block's KV, every layer: what the keep policy prices
     block_layout: BlockLayout         # a block's bytes, in memory and on disk
     max_model_len: int
     tokenizer: object                 # encode(): a resumed session's observation

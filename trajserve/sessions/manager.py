@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from trajserve.kv.scope import CacheScope
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.host import EngineHost
 from trajserve.sessions.ids import check_session_id
 from trajserve.sessions.keep_policy import Decision, KeepPolicy, PauseDecision
@@ -129,43 +130,31 @@ class SessionStats(PauseCounts):
 
 
 class SessionManager:
-    def __init__(self, engine: EngineHost, policy: KeepPolicy | None = None,
-                 host_bytes: int = 2 * 2**30, disk_dir: str | None = None, disk_bytes: int = 8 * 2**30,
-                 waits: WaitEstimator | None = None, prefetch_fraction: float = 0.8,
-                 overlap_reload: bool = True, idle_ttl_s: float | None = None,
-                 max_sessions: int | None = None) -> None:
-        """idle_ttl_s: a session with no turn, pause or resume for this long is
-        closed (its saved state freed); max_sessions: opening one more closes
-        the least recently active. Both off by default, for callers that hold
-        their Session objects; the server sets them (--session-ttl,
-        --max-sessions), since its clients need not say when they are done.
-        host_bytes / disk_dir / disk_bytes: the tiers saved state goes to when
-        the engine has none of its own (--kv-host-cache, --kv-disk-cache);
-        with the engine's, those are the one store for both."""
+    def __init__(self, engine: EngineHost, config: SessionConfig = SessionConfig(),
+                 policy: KeepPolicy | None = None, waits: WaitEstimator | None = None) -> None:
+        """config: the tiers, prefetch, expiry (sessions/config.py). policy,
+        waits: the keep policy and wait estimator (default: priced with the
+        engine's rates, learning from this manager's pauses)."""
         if not engine.kv.prefix_caching:
             raise ValueError("sessions keep their state in the prefix cache: enable prefix caching")
         if engine.kv.has_reclaimer:
             raise ValueError("this engine already has a session manager: shut that one down first")
-        if idle_ttl_s is not None and not 0 < idle_ttl_s < math.inf:
-            raise ValueError(f"idle_ttl_s must be a finite number of seconds > 0 (or None: never), "
-                             f"got {idle_ttl_s!r}")
-        if max_sessions is not None and (not isinstance(max_sessions, int) or max_sessions < 1):
-            raise ValueError(f"max_sessions must be an integer >= 1 (or None: no limit), got {max_sessions!r}")
-        if not 0 <= prefetch_fraction <= 1:
-            raise ValueError(f"prefetch_fraction must be in [0, 1], got {prefetch_fraction}")
+        if not isinstance(config, SessionConfig):
+            raise TypeError(f"config must be a SessionConfig, got {type(config).__name__}")
+        self.config = config
         self.engine = engine
         # The policy's ceiling is the scheduler's: one tau_high for admission and keeping.
         # The engine's rates: what this manager measures also prices preemption.
         self.policy = policy or KeepPolicy(engine.rates, admission_ceiling=engine.config.scheduler.admission_ceiling)
         self.waits = waits or WaitEstimator()
         self.stats = SessionStats()
-        self.offload = SessionOffload(engine, self.policy.rates, self.stats, host_bytes, disk_dir, disk_bytes,
-                                      overlap_reload)
+        self.offload = SessionOffload(engine, self.policy.rates, self.stats, config.host_bytes, config.disk_dir,
+                                      config.disk_bytes, config.overlap_reload)
         self.machine = PauseMachine(engine.kv, self.policy, self.offload, self.stats,
                                     block_bytes=self.offload.block_bytes,
                                     ceiling_blocks=lambda: engine.scheduler.ceiling_blocks,
-                                    clock=time.monotonic, prefetch_fraction=prefetch_fraction)
-        self.idle_ttl_s, self.max_sessions = idle_ttl_s, max_sessions
+                                    clock=time.monotonic, prefetch_fraction=config.prefetch_fraction)
+        self.idle_ttl_s, self.max_sessions = config.idle_ttl_s, config.max_sessions
         # Least recently active first (_touch moves a session to the end), so
         # expiry and the cap look only at the front.
         self.sessions: OrderedDict[str, Session] = OrderedDict()

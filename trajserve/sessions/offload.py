@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 
 from trajserve.engine.calibration import calibrate_rates
-from trajserve.engine.memory import bytes_per_block
 from trajserve.kv.block_format import namespace_digest
 from trajserve.kv.copy_engine import CopyJob
 from trajserve.kv.cost_rates import CostRates
@@ -76,7 +75,7 @@ class SessionOffload:
     def __init__(self, engine: EngineHost, rates: CostRates, stats, host_bytes: int, disk_dir: str | None,
                  disk_bytes: int, overlap_reload: bool = True) -> None:
         self.engine, self.rates, self.stats = engine, rates, stats
-        self.block_bytes = bytes_per_block(engine.model_config, engine.kv.block_size, engine.kv_format)
+        self.block_bytes = engine.block_bytes
         if engine.lower is not None:  # one store: the prefix cache's tiers
             self.tiers, self._own = engine.lower, False
         else:

@@ -44,6 +44,7 @@ from typing import Protocol
 
 from trajserve.kv.radix_cache import MatchResult, RadixNode
 from trajserve.kv.scope import CacheScope
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.keep_policy import Decision, KeepPolicy, PauseDecision, PauseState
 
 OFFLOAD_TIERS = (Decision.HOST, Decision.DISK)
@@ -129,7 +130,7 @@ class PauseCounts:
 class PauseMachine:
     def __init__(self, kv, policy: KeepPolicy, transfers: Transfers, stats: PauseCounts, *, block_bytes: int,
                  ceiling_blocks: Callable[[], int], clock: Callable[[], float],
-                 prefetch_fraction: float = 0.8) -> None:
+                 prefetch_fraction: float = SessionConfig.prefetch_fraction) -> None:
         """kv: the KV cache manager (KVCacheManager); block_bytes: a block's KV
         bytes, whole model, as the policy prices them; ceiling_blocks: the
         scheduler's admission ceiling in blocks (tau_high); clock: now, in the

@@ -6,6 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
+from trajserve.engine.options import add_engine_args
 from trajserve.plan.catalog import device_names, model_names
 from trajserve.sim.from_args import (AGENT_DEFAULTS, BENCH_AGENT_DEFAULTS, DISK_TIER_DEFAULT, HOST_TIER_DEFAULT,
                                       WORKLOADS)
@@ -44,14 +45,11 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     h.add_argument("--offload-buffers", type=int, default=2,
                    help="prefetch buffers: 2 or more overlap the copy with the step, 1 adds it")
 
-    e = p.add_argument_group("engine")
-    e.add_argument("--num-blocks", type=int, default=None, help="KV pool (default: device memory, eqs. 3-5)")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--watermark", type=float, default=0.01)
-    e.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget per step")
-    e.add_argument("--max-prefill-chunk", type=int, default=None, help="default: the token budget")
+    # The engine's own rows (engine/options.py), at a GPU replica's defaults.
+    e = add_engine_args(p, only=("num_blocks", "block_size", "watermark", "enable_prefix_caching", "max_num_seqs",
+                             "max_num_batched_tokens", "max_prefill_chunk", "admission_ceiling"),
+                        defaults={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+                        helps={"num_blocks": "KV pool (default: device memory, eqs. 3-5)"})
     e.add_argument("--spec-accept", type=float, default=None, metavar="A",
                    help="speculative decoding: each draft token accepted with probability A given the ones "
                         "before it (8.5.2), e.g. the acceptance_rate `trajserve bench spec --json` measured "
@@ -59,8 +57,6 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--spec-draft", default="4", metavar="M",
                    help="--spec-accept: draft tokens per sequence per step, or auto (the engine's marginal "
                         "rule, 8.5.4, up to 8)")
-    e.add_argument("--admission-ceiling", type=float, default=0.88,
-                   help="tau_high: admit while active U_KV stays below it (kv-cache-management, eq. 8)")
 
     k = p.add_argument_group("tool pauses (the engine's keep policy, kv-cache-management section 6)")
     k.add_argument("--keep-policy", choices=["policy", "keep", "host", "disk", "drop", "cache"], default="policy",

@@ -81,7 +81,7 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
                    for v, flag in ((args.prefix_host_cache, "--prefix-host-cache"),
                                    (args.prefix_disk_cache, "--prefix-disk-cache"))]
     return SimSetup(hw=hw, model=model, num_blocks=blocks, block_size=args.block_size, scheduler=sched,
-                    watermark=args.watermark, prefix_caching=args.prefix_caching, pool_source=why,
+                    watermark=args.watermark, prefix_caching=args.enable_prefix_caching, pool_source=why,
                     keep_policy=args.keep_policy, wait_hint=args.wait_hint,
                     host_kv_bytes=parse_bytes(host, "--host-kv-memory"), disk_kv_bytes=parse_bytes(disk, "--disk-kv"),
                     prefix_host_blocks=tier_blocks[0], prefix_disk_blocks=tier_blocks[1],

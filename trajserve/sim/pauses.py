@@ -45,6 +45,7 @@ from trajserve.engine.scheduler import Scheduler
 from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.radix_cache import MatchResult
 from trajserve.kv.scope import CacheScope
+from trajserve.sessions.config import SessionConfig
 from trajserve.sessions.keep_policy import Decision, KeepPolicy
 from trajserve.sessions.pause_machine import PauseCounts, PauseMachine, PausedRecord, Residency
 from trajserve.sessions.wait_estimator import WaitEstimator
@@ -211,7 +212,7 @@ class PauseController:
     """The simulator's side: pauses at call ends, resumes at arrivals, a tick before each step."""
 
     def __init__(self, sched: Scheduler, cost: CostModel, *, mode: str = "policy", wait_hint: str = "exact",
-                 host_bytes: float = 0.0, disk_bytes: float = 0.0, prefetch_fraction: float = 0.8,
+                 host_bytes: float = 0.0, disk_bytes: float = 0.0, prefetch_fraction: float = SessionConfig.prefetch_fraction,
                  policy: KeepPolicy | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"keep policy mode {mode!r}: use one of {', '.join(MODES)}")

@@ -47,6 +47,8 @@ def _manager(st: ServerState):
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(req: LoadLoRARequest, st: ServerState = Depends(server_state)):
     manager = _manager(st)
+    if req.lora_name in st.names:
+        raise APIError(400, f"lora_name {req.lora_name!r} is the base model's name", param="lora_name")
     param = "lora_path" if req.lora_path is not None else "lora_name"
     try:
         adapter = await asyncio.to_thread(manager.read_named, req.lora_name, req.lora_path)

@@ -1,0 +1,58 @@
+"""ServerConfig: the HTTP server's options, one home for their defaults
+(server/cli.py reads its flags' defaults from here) and their checks.
+Imports no torch or web framework: the CLI and the cluster front end read it."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trajserve.sessions.config import SessionConfig
+
+
+def _server_sessions() -> SessionConfig:
+    # An HTTP client that sends a session_id need not DELETE it: the server
+    # closes idle records and caps their number, the library does neither.
+    return SessionConfig(idle_ttl_s=3600.0, max_sessions=4096)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...] = ()  # empty: the model file's stem; more names are aliases
+    max_waiting: int = 256  # admission queue limit: 429 beyond it
+    max_body_bytes: int = 8 * 2**20  # 413 above it
+    api_keys: tuple[str, ...] | None = None  # /v1 routes want one of them (server/auth.py)
+    allowed_origins: tuple[str, ...] = ("*",)  # CORS (vLLM's default: any)
+    tool_call_parser: str = "auto"  # how the model writes tool calls (server/state.py calls_format_for)
+    sessions: SessionConfig = field(default_factory=_server_sessions)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_waiting, int) or self.max_waiting < 1:
+            raise ValueError(f"--max-waiting must be >= 1, got {self.max_waiting}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        if self.api_keys is not None and not all(self.api_keys):
+            raise ValueError("--api-key: a key must not be empty")
+
+    def names_for(self, model_path: str) -> list[str]:
+        """The model ids clients send; the first is the one replies name."""
+        p = Path(model_path)
+        return list(self.served_model_names) or [p.stem if p.suffix == ".gguf" else p.name]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
+        """`trajserve serve`'s flags (server/cli.py); the API keys default to
+        $TRAJSERVE_API_KEY. --session-ttl 0 / --max-sessions 0: never / no limit."""
+        if not 0 <= args.session_ttl < float("inf"):
+            raise ValueError(f"--session-ttl must be a finite number of seconds >= 0 (0: never), got {args.session_ttl}")
+        if args.max_sessions < 0:
+            raise ValueError(f"--max-sessions must be >= 0 (0: no limit), got {args.max_sessions}")
+        keys = args.api_key or ([os.environ["TRAJSERVE_API_KEY"]] if os.environ.get("TRAJSERVE_API_KEY") else None)
+        return cls(served_model_names=tuple(args.served_model_name or ()), max_waiting=args.max_waiting,
+                   max_body_bytes=args.max_body_bytes, api_keys=tuple(keys) if keys is not None else None,
+                   allowed_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
+                   sessions=SessionConfig(idle_ttl_s=args.session_ttl or None, max_sessions=args.max_sessions or None))
+
+
+DEFAULT = ServerConfig()

@@ -189,7 +189,6 @@ def test_count_tokens(s):
 @pytest.mark.parametrize("body, status, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
      "messages.0.content.0: image content is not supported"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400, "tools.0: tool type 'web_search"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, 400, "tool_choice of type tool needs a name"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, 400, "'nope', which is not among"),
     ({"model": "claude-other"}, 404, "the model `claude-other` does not exist"),

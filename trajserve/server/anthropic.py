@@ -19,15 +19,26 @@ of events:
     output_config.format (a JSON schema)
                                  -> response_format json_schema (the reply is held to it)
 
+    tools of Anthropic's types (server tools: web_search_..., code_execution_...;
+    schema-less ones: bash_..., text_editor_...)
+                                 -> left out of the prompt, named in the reply's
+                                    `ignored_tools` and once in the log
+    metadata.user_id             -> Claude Code's session in it names the
+                                    conversation (server/conversations.py)
+    thinking, context_management, cache_control (ephemeral, ttl 5m / 1h),
+    anthropic-beta headers       -> accepted and checked; the models served
+                                    here write no thinking, and edits are
+                                    not applied
+
 Usage counts as Anthropic's does: `input_tokens` is the prompt's tokens
 that were computed, `cache_read_input_tokens` those the prefix cache
-served (every computed block is cached on its own; `cache_control` marks
-are accepted and not needed). Images and documents are refused by name:
-the models served here read text.
+served (every computed block is cached on its own). Images and documents
+are refused by name: the models served here read text.
 """
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal
@@ -35,6 +46,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.outputs import CompletionOutput, RequestOutput
+from trajserve.server.conversations import KEY_MAX, claude_code_session
 from trajserve.server.protocol import ChatCompletionRequest, PauseTier
 from trajserve.server.tap import Tap, sse_event
 
@@ -44,14 +56,26 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                429: "rate_limit_error", 503: "overloaded_error"}
 
 
+log = logging.getLogger("trajserve.server")
+_said: set[str] = set()  # tool types logged as left out (once each)
+
+
 def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+class CacheControl(BaseModel):
+    """A prompt-cache breakpoint: the prefix up to this block is cached for ttl."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
 
 
 class Block(BaseModel):
     """One content block; which fields count depends on `type`."""
     model_config = ConfigDict(extra="ignore")
     type: str
+    cache_control: CacheControl | None = None
     text: str | None = None
     id: str | None = None                         # tool_use
     name: str | None = None
@@ -73,6 +97,28 @@ class Tool(BaseModel):
     description: str | None = None
     input_schema: dict | None = None
     type: str | None = None  # "custom" or absent; Anthropic's server tools have their own types
+    cache_control: CacheControl | None = None
+
+
+class Thinking(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1024)  # Anthropic's minimum
+
+
+class ContextEdit(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+
+
+class ContextManagement(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    edits: list[ContextEdit] | None = None
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    user_id: str | None = Field(default=None, max_length=KEY_MAX)
 
 
 class ToolChoice(BaseModel):
@@ -100,6 +146,9 @@ class CountTokensRequest(BaseModel):
     system: str | list[Block] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
+    metadata: Metadata | None = None
     # trajserve extensions, as on the OpenAI endpoints
     cache_salt: str | None = None
     session_id: str | None = None
@@ -119,14 +168,16 @@ class CountTokensRequest(BaseModel):
         body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision, **sampling}
-        if self.tools:
-            for i, t in enumerate(self.tools):
-                if t.type not in (None, "custom"):
-                    raise ValueError(f"tools.{i}: tool type {t.type!r} runs on Anthropic's servers and is not "
-                                     "supported here; give custom tools (name, description, input_schema)")
+        for t in self.ignored_tools:
+            if t["type"] not in _said and len(_said) < 64:  # once per type (a bounded set)
+                _said.add(t["type"])
+                log.info("messages: tool type %r left out of the prompt (Anthropic's own tools are not run "
+                         "here; the reply names it in ignored_tools)", t["type"][:64])
+        shown = [t for t in self.tools or [] if t.type in (None, "custom")]
+        if shown:
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description,
-                "parameters": t.input_schema or {"type": "object", "properties": {}}}} for t in self.tools]
+                "parameters": t.input_schema or {"type": "object", "properties": {}}}} for t in shown]
         tc = self.tool_choice
         if tc is not None:
             if tc.type == "tool" and not tc.name:
@@ -143,7 +194,16 @@ class CountTokensRequest(BaseModel):
                 raise ValueError("final assistant content cannot end with trailing whitespace")
             else:
                 body["continue_final_message"] = True
-        return ChatCompletionRequest.model_validate(body)
+        req = ChatCompletionRequest.model_validate(body)
+        sid = claude_code_session(self.metadata.user_id if self.metadata is not None else None)
+        if sid is not None:
+            req._conversation = ("metadata.user_id", sid)
+        return req
+
+    @property
+    def ignored_tools(self) -> list[dict]:
+        """Tools of Anthropic's own types, left out: {index, type}."""
+        return [{"index": i, "type": t.type} for i, t in enumerate(self.tools or []) if t.type not in (None, "custom")]
 
 
 class MessagesRequest(CountTokensRequest):
@@ -267,7 +327,8 @@ def _tool_use(call: dict) -> dict:
             "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
 
 
-def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int) -> dict:
+def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int,
+            ignored_tools: list[dict] = ()) -> dict:
     """The reply as a message; chat_message: what the chat endpoint would
     return for the choice (content and tool_calls)."""
     c, msg = final.outputs[0], chat_message["message"]
@@ -277,10 +338,12 @@ def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: in
     reason, seq = stop_reason(c, bool(calls), max_tokens)
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": seq,
-            "usage": usage(final, len(c.token_ids))}
+            "usage": usage(final, len(c.token_ids)),
+            **({"ignored_tools": list(ignored_tools)} if ignored_tools else {})}
 
 
-async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: int) -> AsyncIterator[str]:
+async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: int,
+                 ignored_tools: list[dict] = ()) -> AsyncIterator[str]:
     """The chat endpoint's stream chunks (one choice) as Anthropic's
     server-sent events: message_start, per block content_block_start /
     _delta / _stop (text as it comes; a tool call whole, its input as one
@@ -294,7 +357,8 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
             started = True
             yield sse_event("message_start", {"message": {
                 "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
-                "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(tap.last, 0)}})
+                "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(tap.last, 0),
+                **({"ignored_tools": list(ignored_tools)} if ignored_tools else {})}})
             yield sse_event("ping", {})
         delta = chunk["choices"][0]["delta"]
         if delta.get("content"):

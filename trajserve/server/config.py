@@ -45,7 +45,8 @@ class ServerConfig:
         """`trajserve serve`'s flags (server/cli.py); the API keys default to
         $TRAJSERVE_API_KEY. --session-ttl 0 / --max-sessions 0: never / no limit."""
         if not 0 <= args.session_ttl < float("inf"):
-            raise ValueError(f"--session-ttl must be a finite number of seconds >= 0 (0: never), got {args.session_ttl}")
+            raise ValueError(f"--session-ttl must be a finite number of seconds >= 0 (0: never), "
+                             f"got {args.session_ttl}")
         if args.max_sessions < 0:
             raise ValueError(f"--max-sessions must be >= 0 (0: no limit), got {args.max_sessions}")
         keys = args.api_key or ([os.environ["TRAJSERVE_API_KEY"]] if os.environ.get("TRAJSERVE_API_KEY") else None)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool
 
 from trajserve.sampling import SamplingParams
+from trajserve.server.conversations import KEY_MAX
 from trajserve.server.tool_calls import hermes_text
 from trajserve.structured import StructuredOutput
 
@@ -68,6 +69,16 @@ class _Common(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's prompt-cache fields: the key names the conversation
+    # (server/conversations.py); caching is automatic either way.
+    prompt_cache_key: str | None = Field(default=None, max_length=KEY_MAX)
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    # The conversation another API's fields named (origin, key): Responses'
+    # client_metadata, Messages' metadata.user_id (set by their translation).
+    _conversation: tuple[str, str] | None = PrivateAttr(default=None)
     # Agent / tenant extensions.
     cache_salt: str | None = Field(default=None, description="requests share cached KV only within one salt")
     session_id: str | None = Field(default=None, description="pins a trajectory (or header X-Session-Id)")
@@ -84,6 +95,13 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def conversation(self) -> tuple[str, str] | None:
+        """(origin, key) of the conversation the request names without a
+        session_id, or None (server/conversations.py)."""
+        if self._conversation is not None:
+            return self._conversation
+        return ("prompt_cache_key", self.prompt_cache_key) if self.prompt_cache_key else None
 
     @property
     def structured_given(self) -> bool:

@@ -16,6 +16,15 @@ of events:
     previous_response_id         -> that response's conversation first (kept
                                     in memory while store is true, LRU)
     tools (type function)        -> function tools; tool_choice likewise
+    tools (type namespace: a group of functions, Codex's)
+                                 -> each function as `namespace.name`; its
+                                    calls come back as function_call items
+                                    with `name` and `namespace` (function_call
+                                    input items with a namespace likewise)
+    hosted tools (web_search, file_search, code_interpreter, ...)
+                                 -> left out of the prompt (this server cannot
+                                    run them), named in the response's
+                                    `ignored_tools` and once in the log
     tools (type custom: freeform input, Codex's apply_patch)
                                  -> a function with one string argument,
                                     `input`; its calls come back as
@@ -27,14 +36,22 @@ of events:
 
 A conversation continued by previous_response_id renders to the same tokens
 it had, so the prefix cache serves it: only the new input is computed.
-Images, files, hosted tools (web_search, file_search, ...) and local_shell
-are refused by name: the models served here read text and call the
-client's function and custom tools. A custom tool's grammar (`format`) is
-not enforced on its input.
+    prompt_cache_key, client_metadata.session_id
+                                 -> the conversation a turn belongs to: it
+                                    pauses and resumes as a session
+                                    (server/conversations.py)
+    store: false, include, reasoning, prompt_cache_retention,
+    safety_identifier, user      -> accepted (no reasoning items are made:
+                                    the models served here write none)
+
+Images and files are refused by name: the models served here read text and
+call the client's function and custom tools. A custom tool's grammar
+(`format`) is not enforced on its input.
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -44,8 +61,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.outputs import RequestOutput
+from trajserve.server.conversations import KEY_MAX
 from trajserve.server.protocol import ChatCompletionRequest, PauseTier
 from trajserve.server.tap import Tap, sse_event
+
+log = logging.getLogger("trajserve.server")
 
 STORE_LIMIT = 4096  # stored responses (oldest dropped first): previous_response_id reaches these
 
@@ -57,6 +77,14 @@ class FunctionTool(BaseModel):
     description: str | None = None
     parameters: dict | None = None
     strict: StrictBool | None = None
+    tools: list[FunctionTool] | None = None  # a namespace's functions
+
+
+class Reasoning(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
 
 
 class NamedFunction(BaseModel):
@@ -68,8 +96,8 @@ class NamedFunction(BaseModel):
 # Custom (freeform) tools reach the model as a function with one string argument.
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
                      "additionalProperties": False}
-HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
-          "image_generation", "mcp")
+CLIENT_TOOLS = ("function", "custom")  # what the model can call and the client runs
+_said: set[str] = set()  # hosted tool types logged as left out (once each)
 
 
 class TextFormat(BaseModel):
@@ -101,6 +129,13 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: StrictBool = True
     metadata: dict | None = None
+    include: list[str] | None = None
+    reasoning: Reasoning | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=KEY_MAX)
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
+    client_metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    user: str | None = None
     # extensions, as on the chat endpoint
     top_k: int | None = None
     seed: int | None = None
@@ -110,9 +145,41 @@ class ResponsesRequest(BaseModel):
     tool: str | None = None
     tool_decision: PauseTier | None = None
 
+    def client_tools(self) -> tuple[list[tuple[str, FunctionTool]], list[dict]]:
+        """The tools the model sees, as (name it calls, tool): functions and
+        custom tools, a namespace's as `namespace.name`; and the hosted ones
+        left out, as {index, type} (ValueError naming a malformed one)."""
+        seen, shown, left_out = set(), [], []
+        for i, t in enumerate(self.tools or []):
+            if t.type == "namespace":
+                if not t.name or not t.tools:
+                    raise ValueError(f"tools.{i}: a namespace tool needs a name and tools")
+                inner = [(f"{t.name}.{u.name}", u, f"tools.{i}.tools.{j}") for j, u in enumerate(t.tools)]
+            elif t.type in CLIENT_TOOLS:
+                inner = [(t.name, t, f"tools.{i}")]
+            else:  # a hosted tool: OpenAI's servers run it, this one cannot
+                left_out.append({"index": i, "type": t.type})
+                continue
+            for name, u, where in inner:
+                if u.type not in CLIENT_TOOLS:
+                    raise ValueError(f"{where}: a namespace holds function or custom tools, got {u.type!r}")
+                if not u.name:
+                    raise ValueError(f"{where}: a {u.type} tool needs a name")
+                if name in seen:
+                    raise ValueError(f"{where}: two tools are named {name!r}")
+                seen.add(name)
+                shown.append((name, u))
+        return shown, left_out
+
     @property
     def custom_tools(self) -> frozenset[str]:
-        return frozenset(t.name for t in self.tools or [] if t.type == "custom")
+        return frozenset(name for name, t in self.client_tools()[0] if t.type == "custom")
+
+    @property
+    def namespaced(self) -> dict[str, tuple[str, str]]:
+        """A namespace's function as the model calls it -> (namespace, name)."""
+        return {f"{t.name}.{u.name}": (t.name, u.name) for t in self.tools or [] if t.type == "namespace"
+                for u in t.tools or [] if u.name}
 
     def input_messages(self) -> list[dict]:
         """`input` as chat messages (ValueError naming the item)."""
@@ -134,8 +201,11 @@ class ResponsesRequest(BaseModel):
                         raise ValueError(f"{where}: a {kind} item needs {key} (a string)")
                 args = ((item["arguments"] or "{}") if kind == "function_call"
                         else json.dumps({"input": item["input"]}))
+                ns = item.get("namespace")
+                if ns is not None and (not isinstance(ns, str) or not ns):
+                    raise ValueError(f"{where}: a {kind} item's namespace must be a non-empty string")
                 call = {"id": item["call_id"], "type": "function",
-                        "function": {"name": item["name"], "arguments": args}}
+                        "function": {"name": f"{ns}.{item['name']}" if ns else item["name"], "arguments": args}}
                 last = msgs[-1] if msgs else None
                 if last is not None and last["role"] == "assistant":  # several calls, or text then calls: one turn
                     last.setdefault("tool_calls", []).append(call)
@@ -163,17 +233,17 @@ class ResponsesRequest(BaseModel):
                 "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision}
-        if self.tools:
-            for i, t in enumerate(self.tools):
-                if t.type not in ("function", "custom"):
-                    what = "a hosted tool" if t.type.startswith(HOSTED) else "not supported here"
-                    raise ValueError(f"tools.{i}: tool type {t.type!r} is {what}; give function or custom tools")
-                if not t.name:
-                    raise ValueError(f"tools.{i}: a {t.type} tool needs a name")
+        shown, left_out = self.client_tools()
+        for t in left_out:
+            if t["type"] not in _said and len(_said) < 64:  # once per type (a bounded set)
+                _said.add(t["type"])
+                log.info("responses: hosted tool type %r left out of the prompt (this server runs no hosted tools; "
+                         "the response names it in ignored_tools)", t["type"][:64])
+        if shown:
             body["tools"] = [{"type": "function", "function": {
-                "name": t.name, "description": t.description,
+                "name": name, "description": t.description,
                 "parameters": CUSTOM_PARAMETERS if t.type == "custom"
-                else t.parameters or {"type": "object", "properties": {}}}} for t in self.tools]
+                else t.parameters or {"type": "object", "properties": {}}}} for name, t in shown]
         tc = self.tool_choice
         if tc is not None:
             body["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
@@ -185,7 +255,12 @@ class ResponsesRequest(BaseModel):
                 raise ValueError("text.format of type json_schema needs a schema")
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.name,
                                                                               "schema": fmt.schema_}}
-        return ChatCompletionRequest.model_validate(body)
+        body["prompt_cache_key"] = self.prompt_cache_key
+        req = ChatCompletionRequest.model_validate(body)
+        sid = (self.client_metadata or {}).get("session_id")
+        if self.prompt_cache_key is None and sid:  # Codex names its thread here too
+            req._conversation = ("client_metadata.session_id", sid[:KEY_MAX])
+        return req
 
 
 def _check_outputs_answer_calls(msgs: list[dict]) -> None:
@@ -238,7 +313,7 @@ class ResponseStore:
 
 
 # ------------------------------------------------------------------ replies
-def _items(chat_message: dict, custom: frozenset[str]) -> list[dict]:
+def _items(chat_message: dict, shell: Shell) -> list[dict]:
     """Output items of a finished reply: its text as a message, each call
     as a function_call (custom_tool_call for a custom tool)."""
     msg = chat_message["message"]
@@ -246,7 +321,7 @@ def _items(chat_message: dict, custom: frozenset[str]) -> list[dict]:
     if msg["content"]:
         out.append(_message_item(msg["content"], "completed"))
     for call in msg.get("tool_calls") or []:
-        out.append(_call_item(call, "completed", custom))
+        out.append(_call_item(call, "completed", shell))
     return out
 
 
@@ -255,14 +330,16 @@ def _message_item(text: str, status: str) -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(call: dict, status: str, custom: frozenset[str]) -> dict:
+def _call_item(call: dict, status: str, shell: Shell) -> dict:
     name, args, key = call["function"]["name"], call["function"]["arguments"], call["id"].removeprefix("call_")
-    if name in custom:  # its one argument is the freeform input
+    ns, inner = shell.namespaced.get(name, (None, name))  # a namespace's function: called back by its own name
+    where = {"namespace": ns} if ns is not None else {}
+    if name in shell.custom:  # its one argument is the freeform input
         value = json.loads(args).get("input")
-        return {"type": "custom_tool_call", "id": "ctc_" + key, "call_id": call["id"], "name": name,
+        return {"type": "custom_tool_call", "id": "ctc_" + key, "call_id": call["id"], "name": inner, **where,
                 "input": value if isinstance(value, str) else json.dumps(value)}
-    return {"type": "function_call", "id": "fc_" + key, "call_id": call["id"], "name": name, "arguments": args,
-            "status": status}
+    return {"type": "function_call", "id": "fc_" + key, "call_id": call["id"], "name": inner, **where,
+            "arguments": args, "status": status}
 
 
 def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instructions: bool) -> list[dict]:
@@ -272,7 +349,7 @@ def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instr
     msgs = [m.model_dump(exclude_none=True) for m in req.messages][1 if has_instructions else 0:]
     text = "".join(c["text"] for it in output if it["type"] == "message" for c in it["content"])
     calls = [{"id": it["call_id"], "type": "function", "function": {
-        "name": it["name"],
+        "name": f"{it['namespace']}.{it['name']}" if it.get("namespace") else it["name"],
         "arguments": it["arguments"] if it["type"] == "function_call" else json.dumps({"input": it["input"]})}}
         for it in output if it["type"] in ("function_call", "custom_tool_call")]
     reply = {"role": "assistant", "content": text or None}
@@ -287,6 +364,8 @@ class Shell:
     def __init__(self, body: ResponsesRequest, model: str) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.custom = body.custom_tools
+        self.namespaced = body.namespaced
+        self.ignored_tools = body.client_tools()[1]
         self.created_at = int(time.time())
         self.fields = {
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
@@ -304,9 +383,10 @@ class Shell:
         incomplete = None
         if status == "incomplete":
             incomplete = {"reason": "max_output_tokens"}
+        extra = {"ignored_tools": self.ignored_tools} if self.ignored_tools else {}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "error": None, "incomplete_details": incomplete, "output": output,
-                "usage": usage(final) if final is not None else None, **self.fields}
+                "usage": usage(final) if final is not None else None, **self.fields, **extra}
 
 
 def status_of(final: RequestOutput) -> str:
@@ -321,7 +401,7 @@ def usage(final: RequestOutput) -> dict:
 
 
 def response(shell: Shell, final: RequestOutput, chat_message: dict) -> dict:
-    return shell.response(status_of(final), _items(chat_message, shell.custom), final)
+    return shell.response(status_of(final), _items(chat_message, shell), final)
 
 
 async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None) -> AsyncIterator[str]:
@@ -375,7 +455,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None)
             if text_item is not None and text_item["status"] == "in_progress":
                 for e in close_text():
                     yield e
-            item = _call_item(call, "in_progress", shell.custom)
+            item = _call_item(call, "in_progress", shell)
             output.append(item)
             idx = len(output) - 1
             # The call streams whole: its arguments (a custom tool's input) as one delta.

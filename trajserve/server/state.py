@@ -18,8 +18,10 @@ from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
 from trajserve.server import responses, streams
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
+from trajserve.server.conversations import conversation_id, inferred_tool, lineage
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
 from trajserve.server.metrics import ServerMetrics
+from trajserve.server.openai_format import chat_message
 from trajserve.server.protocol import ChatCompletionRequest
 from trajserve.server.tool_calls import FORMATS, forced_schema, format_for_template
 from trajserve.sessions.ids import check_session_id
@@ -137,13 +139,15 @@ class ServerState:
 
         return streams.Outputs(first, gen)
 
-    async def begin_session(self, req, request: Request, n_prompts: int = 1, lora: str | None = None):
+    async def begin_session(self, req, request: Request, n_prompts: int = 1, lora: str | None = None,
+                            prompt: list[int] | None = None):
+        """The session a request is a turn of: its session_id (or
+        X-Session-Id), else the conversation its own API's fields name
+        (server/conversations.py; prompt: its ids, whose head tells a
+        harness's side calls from its main loop), else None."""
         sid = req.session_id or request.headers.get("x-session-id")
         if sid is None:
-            for field in ("tool_wait_s", "tool_decision"):
-                if getattr(req, field) is not None:
-                    raise APIError(400, f"{field} needs a session_id (field or X-Session-Id header)", param=field)
-            return None
+            return await self._inferred_session(req, n_prompts, lora, prompt)
         if self.sessions is None:
             raise APIError(400, "sessions keep their state in the prefix cache, which this server runs without",
                            param="session_id")
@@ -162,10 +166,41 @@ class ServerState:
         except ValueError as e:  # the session belongs to another cache_salt or model
             raise APIError(400, str(e), param="session_id") from None
 
-    def end_session(self, sess, final: RequestOutput | None, req) -> None:
-        if sess is not None:
-            self.aengine.submit(lambda _: self.sessions.after_turn(
-                sess, final.prompt_token_ids if final else [], final, req.tool_wait_s, req.tool, req.tool_decision))
+    async def _inferred_session(self, req, n_prompts: int, lora: str | None, prompt: list[int] | None):
+        named = req.conversation()
+        if named is None or self.sessions is None or req.n != 1 or n_prompts != 1 or prompt is None:
+            for field in ("tool_wait_s", "tool_decision"):
+                if getattr(req, field) is not None:
+                    raise APIError(400, f"{field} needs a session_id (field or X-Session-Id header)", param=field)
+            return None
+        origin, key = named
+        base = conversation_id(key, origin, req.cache_salt, lora)
+
+        def turn(_):
+            sid = lineage(self.sessions.sessions, base, prompt)
+            if sid is None:  # its lineage has a turn running, or none is free: run without a session
+                return None
+            try:
+                return self.sessions.before_turn(sid, req.cache_salt, lora, origin=origin)
+            except (ValueError, AdapterError):  # the adapter went away or was loaded again: no session
+                return None
+        return await self.aengine.call(turn)
+
+    def end_session(self, sess, final: RequestOutput | None, req, message: dict | None = None) -> None:
+        """The turn ended (final None: it never ran). A conversation's turn
+        without an explicit pause pauses on what its reply waits for: its
+        first tool call, or the human (message: the reply's message as the
+        chat API returns it, content and tool_calls; None: parsed here)."""
+        if sess is None:
+            return
+        wait, tool, decision = req.tool_wait_s, req.tool, req.tool_decision
+        if sess.origin != "session_id" and (wait, tool, decision) == (None, None, None) \
+                and final is not None and final.finished:
+            if message is None and isinstance(req, ChatCompletionRequest):
+                message = chat_message(final.outputs[0], req, self.calls_format)["message"]
+            tool = inferred_tool(message)
+        self.aengine.submit(lambda _: self.sessions.after_turn(
+            sess, final.prompt_token_ids if final else [], final, wait, tool, decision))
 
     async def session_stream(self, outs, sess, req):
         final = None
@@ -224,7 +259,7 @@ class ServerState:
             if forced is None:
                 raise
             raise await self._tool_schema_error(req.tools, e) from None
-        sess = await self.begin_session(req, request, lora=lora)
+        sess = await self.begin_session(req, request, lora=lora, prompt=ids)
         try:
             outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora)
         except APIError:

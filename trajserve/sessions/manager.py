@@ -79,6 +79,9 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
     expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
     lora: object = None  # the LoRA adapter every turn runs (lora/adapter.py), None for the base model
+    # What named it: "session_id" (the client's id), or the field of the
+    # client's own API a conversation was inferred from (server/conversations.py).
+    origin: str = "session_id"
     record: SessionPause = field(init=False, repr=False)  # its pause record, made with it
 
     def __post_init__(self) -> None:
@@ -278,11 +281,12 @@ class SessionManager:
     # session's state back, after_turn records the history and pauses it if
     # the client announced a tool wait.
 
-    def before_turn(self, session_id: str, cache_salt: str | None, lora: str | None = None) -> Session:
+    def before_turn(self, session_id: str, cache_salt: str | None, lora: str | None = None,
+                    origin: str = "session_id") -> Session:
         s = self.sessions.get(session_id)
         adapter = self.engine.adapter(lora)
         if s is None:
-            s = self._add(Session(check_session_id(session_id), cache_salt, [], self, lora=adapter))
+            s = self._add(Session(check_session_id(session_id), cache_salt, [], self, lora=adapter, origin=origin))
         elif s.cache_salt != cache_salt:
             raise ValueError(f"session {session_id!r} belongs to another cache_salt")
         elif s.scope != CacheScope.of(cache_salt, adapter):  # another adapter, or other weights
@@ -322,7 +326,7 @@ class SessionManager:
     def describe(self, s: Session) -> dict:
         kv = self.engine.kv
         hit = kv.cached_prefix(s.history, s.scope) if s.history else None
-        return {"id": s.session_id, "state": s.state.value,
+        return {"id": s.session_id, "origin": s.origin, "state": s.state.value,
                 "tier": s.tier.value if s.tier is not None else "device",
                 "residency": s.residency.value if s.residency is not None else None,
                 "num_tokens": len(s.history), "device_tokens": hit.num_tokens if hit else 0,
@@ -333,6 +337,7 @@ class SessionManager:
                 "blocks_by_tier": s.table.counts() if s.table is not None else None,
                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "waiting_for": s.tool if s.state is SessionState.PAUSED else None,
                 "decision": None if s.decision is None else {
                     "decision": s.decision.decision.value, "reason": s.decision.reason,
                     "lease_s": s.decision.lease_s}}

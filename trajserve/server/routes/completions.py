@@ -44,7 +44,7 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
         st.check_room(len(p), sp, "max_tokens" in req.model_fields_set and req.max_tokens is not None)
     await st.compile_constraint(sp)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    sess = await st.begin_session(req, request, len(prompts), lora)
+    sess = await st.begin_session(req, request, len(prompts), lora, prompts[0] if len(prompts) == 1 else None)
     if req.stream:
         # Every prompt is queued before the stream starts: one the engine
         # refuses is a 400 for the request, and the others are aborted.

@@ -25,10 +25,10 @@ async def messages(body: anthropic.MessagesRequest, request: Request, st: Server
         raise
     if req.stream:
         chunks = oai.chat_chunks(outs, "", 0, body.model, req, st.tok, st.calls_format)
-        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens),
+        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens, body.ignored_tools),
                              lambda e: sse_event("error", anthropic.error_body(500, e)))
     final = await streams.last(outs)
     if final is None:
         return Response(status_code=499)
     return anthropic.message(final, oai.chat_message(final.outputs[0], req, st.calls_format), body.model,
-                             body.max_tokens)
+                             body.max_tokens, body.ignored_tools)

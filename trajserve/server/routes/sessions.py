@@ -1,8 +1,9 @@
-"""Agent sessions over HTTP: read one, close it, fork it (a turn is a
-completion or chat request with a session_id; server/state.py runs it)."""
+"""Agent sessions over HTTP: list them, read one, close it, fork it (a turn
+is a request with a session_id, or of a conversation its API's own fields
+name: server/state.py runs it, server/conversations.py names it)."""
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query
 
 from trajserve.server.errors import APIError
 from trajserve.server.protocol import ForkRequest
@@ -10,6 +11,17 @@ from trajserve.server.state import ServerState, server_state
 from trajserve.sessions.manager import SessionBusy
 
 router = APIRouter()
+
+
+@router.get("/v1/sessions")
+async def session_list(cache_salt: str | None = Query(default=None, max_length=256),
+                       st: ServerState = Depends(server_state)):
+    """The open sessions of one cache salt (default: none), newest activity
+    last: explicit ones and the conversations inferred from clients' fields."""
+    if st.sessions is None:
+        return {"object": "list", "data": []}
+    return {"object": "list", "data": await st.aengine.call(lambda _: [
+        st.sessions.describe(s) for s in st.sessions.sessions.values() if s.cache_salt == cache_salt])}
 
 
 @router.get("/v1/sessions/{session_id}")

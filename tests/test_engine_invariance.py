@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from trajserve.config import CacheConfig, EngineConfig
+from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.sampling import SamplingParams
 
@@ -233,9 +233,9 @@ def test_last_layer_goes_on_with_the_sampled_rows_alone(engine, prompts, referen
     model.forward = both
     # Without drafts: a verified draft samples every row of its chunk, and
     # the steps this test needs are chunks that sample nothing beside decodes.
-    proposer, eng.scheduler.proposer = eng.scheduler.proposer, None
     try:
-        with sched_config(eng, max_prefill_chunk=64, max_num_batched_tokens=64, max_num_seqs=64):
+        with eng.scheduler.without_drafts(), sched_config(eng, max_prefill_chunk=64, max_num_batched_tokens=64,
+                                                          max_num_seqs=64):
             clear_prefix_cache(eng)
             ids = [eng.add_request(prompts[long], GREEDY)]
             eng.step()  # the long prompt's first chunk, alone: nothing to sample
@@ -244,7 +244,6 @@ def test_last_layer_goes_on_with_the_sampled_rows_alone(engine, prompts, referen
             drain(eng, results)
     finally:
         del model.forward
-        eng.scheduler.proposer = proposer
     if kernels:  # (the torch forward's rounding may part from the reference's on a near tie)
         got = [results[i].outputs[0].token_ids for i in ids]
         want = [reference[i] for i in [long, *rest]]
@@ -350,12 +349,13 @@ def test_block_size_32_with_preemption_does_not_change_tokens(prompts, reference
     num_blocks = sum(-(-(len(p) + 1) // B) for p in prompts) + 1
     assert num_blocks >= -(-(max(map(len, prompts)) + MAX_TOKENS) // B)  # the longest fits alone
     # Prefix caching off: a preempted request recomputes everything.
+    # No admission ceiling (1.0): this tests preemption.
     eng = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=B, num_blocks=num_blocks,
-                                                                    kv_cache_dtype=kv_dtype, **cache_off())))
-    eng.scheduler.reconfigure(max_prefill_chunk=64, max_num_batched_tokens=64)
-    eng.scheduler.ceiling_blocks = num_blocks  # no admission ceiling: this tests preemption
-    if not speculative:
-        eng.scheduler.proposer = None
+                                                                    kv_cache_dtype=kv_dtype, **cache_off()),
+                                 scheduler=SchedulerConfig(max_prefill_chunk=64, max_num_batched_tokens=64,
+                                                           admission_ceiling=1.0,
+                                                           speculative="auto" if speculative else "off")))
+    assert eng.scheduler.ceiling_blocks == num_blocks
     preempted_at: list[tuple[str, int]] = []  # (request, output tokens it had)
     orig_preempt = eng.scheduler._preempt
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from trajserve.config import CacheConfig, EngineConfig
+from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.sampling import SamplingParams
 
@@ -91,11 +91,11 @@ def test_spec_fork_example_on_the_model():
     cache is off: with it, branches that happen to sample the same 4 tokens
     would share that block too, and the count would be lower than the spec's."""
     B = 4
-    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=B, num_blocks=300,
-                                                                       enable_prefix_caching=False)))
     # Decoding a token a step, as the spec counts: with drafts the branches
     # finish at different steps and the peak falls below its figure.
-    engine.scheduler.proposer = None
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(block_size=B, num_blocks=300,
+                                                                       enable_prefix_caching=False),
+                                    scheduler=SchedulerConfig(speculative="off")))
     base = engine.tokenizer.encode(PROMPT * 100)[: 95 * B]
     assert len(base) == 95 * B
     # 9B output tokens: the first 9B - 1 are fed back, filling 9 blocks per branch.

@@ -17,12 +17,9 @@ def test_logits_and_greedy_text_match_transformers(engine_float_weights, hf_gguf
     eng.add_request(ids, SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True))
     # One row of logits a step: without drafts (a verified draft's rows go to
     # the sampler a round at a time; tests/test_speculative_engine.py).
-    proposer, eng.scheduler.proposer = eng.scheduler.proposer, None
-    try:
+    with eng.scheduler.without_drafts():
         while eng.has_unfinished_requests():
             eng.step()
-    finally:
-        eng.scheduler.proposer = proposer
     monkeypatch.undo()
     ours = torch.cat(seen)  # [STEPS, vocab]: prefill's last row, then each decode step
     assert ours.shape[0] == STEPS

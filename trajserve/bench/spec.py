@@ -26,6 +26,8 @@ every output was identical with and without (greedy).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import inspect
 import json
 import random
@@ -143,27 +145,27 @@ def run(args: argparse.Namespace) -> int:
     from trajserve.bench.common import command_line, machine_info  # imports torch: not at parser build
     from trajserve.engine.options import config_from_args
     from trajserve.engine.engine import LLMEngine
-    from trajserve.speculative.proposer import DraftProposer, SpecConfig
 
     cfg = config_from_args(args)
+    if cfg.scheduler.speculative not in ("ngram", "suffix"):  # auto / off: the bench measures ngram against none
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, speculative="ngram"))
     engine = LLMEngine(cfg)
-    sc = cfg.scheduler
-    proposer = engine.proposer or DraftProposer(SpecConfig("ngram", sc.num_speculative_tokens))
-    engine.scheduler.proposer = None
+    proposer = engine.proposer
     cases = build_cases(engine, args)
     for c in cases:  # the prompts into the prefix cache: measured passes time decoding
-        _run(engine, c["prompts"], [SamplingParams(max_tokens=1)] * len(c["prompts"]), c["batch"])
+        with engine.scheduler.without_drafts():
+            _run(engine, c["prompts"], [SamplingParams(max_tokens=1)] * len(c["prompts"]), c["batch"])
     rows = {c["name"]: {"off_s": [], "on_s": [], "tokens": 0, "identical": True, "ref": None,
                         "drafts": 0, "draft_tokens": 0, "accepted": 0} for c in cases}
     for r in range(args.rounds):
         for c in cases:
             row = rows[c["name"]]
             for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                engine.scheduler.proposer = proposer if mode == "on" else None
                 before = (proposer.num_drafts, proposer.num_draft_tokens, proposer.num_accepted_tokens)
-                t = time.perf_counter()
-                outs = _run(engine, c["prompts"], c["params"], c["batch"])
-                row[f"{mode}_s"].append(time.perf_counter() - t)
+                with engine.scheduler.without_drafts() if mode == "off" else contextlib.nullcontext():
+                    t = time.perf_counter()
+                    outs = _run(engine, c["prompts"], c["params"], c["batch"])
+                    row[f"{mode}_s"].append(time.perf_counter() - t)
                 if mode == "on":
                     row["drafts"] += proposer.num_drafts - before[0]
                     row["draft_tokens"] += proposer.num_draft_tokens - before[1]
@@ -172,7 +174,6 @@ def run(args: argparse.Namespace) -> int:
                     row["ref"] = outs
                     row["tokens"] = sum(len(o) for o in outs)
                 row["identical"] &= outs == row["ref"]
-    engine.scheduler.proposer = engine.proposer
     out_cases = []
     for c in cases:
         row = rows[c["name"]]

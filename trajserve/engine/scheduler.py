@@ -28,9 +28,10 @@ SchedulerOutput, so the same code drives the real model or a cost model.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -111,6 +112,18 @@ class Scheduler:
         The config itself is frozen, so what an engine was built with stays
         what its EngineConfig says."""
         self.config = dataclasses.replace(self.config, **changes)
+
+    @contextlib.contextmanager
+    def without_drafts(self) -> Iterator[None]:
+        """Steps inside decode one token a sequence, with no drafts (a
+        bench's baseline beside speculation on the same engine, a test that
+        reads one row of logits a step); the proposer keeps its statistics
+        and drafts again after."""
+        proposer, self.proposer = self.proposer, None
+        try:
+            yield
+        finally:
+            self.proposer = proposer
 
     def add(self, request: Request, samples: Sequence[Request] = ()) -> None:
         """Queue a request; `samples`: the other n - 1 sequences of its prompt."""

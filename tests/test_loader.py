@@ -275,7 +275,7 @@ def test_gguf_llama3_rope_freqs_become_rope_scaling(tmp_path: Path) -> None:
     assert factors.min() == 1.0 and factors.max() == 32.0  # both ends of the band occur
     write_gguf(tmp_path / "l3.gguf", tiny_hf_model("llama"), "llama", extra_tensors={"rope_freqs.weight": factors})
     cfg, w = load_weights(tmp_path / "l3.gguf")
-    assert cfg.rope_scaling == params
+    assert cfg.rope_scaling == {"rope_type": "llama3", **params}
     assert "rope_freqs.weight" not in w
 
     bad = factors.copy()
@@ -382,14 +382,21 @@ def test_hf_rope_scaling_and_head_dim_default(tmp_path: Path) -> None:
     # transformers 4 style
     _rewrite_config(tmp_path, rope_scaling=llama3, rope_theta=500000.0, rope_parameters=None, head_dim=None)
     cfg = load_model_config(tmp_path)
-    assert cfg.rope_scaling == {k: v for k, v in llama3.items() if k != "rope_type"}
+    assert cfg.rope_scaling == llama3
     assert cfg.rope_theta == 500000.0 and cfg.head_dim == 64 // 4
     # transformers 5 style
     _rewrite_config(tmp_path, rope_scaling=None, rope_theta=None, rope_parameters={**llama3, "rope_theta": 1e6})
     cfg = load_model_config(tmp_path)
     assert cfg.rope_scaling["factor"] == 8.0 and cfg.rope_theta == 1e6
-    _rewrite_config(tmp_path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})
-    with pytest.raises(ValueError, match=r"'yarn'.*llama3"):
+    # YaRN's trained context defaults to the config's max_position_embeddings (256 here), as transformers'.
+    _rewrite_config(tmp_path, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                               "beta_fast": 16})
+    cfg = load_model_config(tmp_path)
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16,
+                                "original_max_position_embeddings": 256}
+    assert cfg.max_position_embeddings == 4 * 256  # the context the scaling serves, as vLLM derives it
+    _rewrite_config(tmp_path, rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e6})
+    with pytest.raises(ValueError, match=r"'longrope'.*llama3, linear, yarn"):
         load_model_config(tmp_path)
 
 

@@ -1,5 +1,5 @@
-"""Our Llama-family forward vs transformers on tiny random Llama (with Llama 3
-RoPE scaling), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) checkpoints:
+"""Our Llama-family forward vs transformers on tiny random Llama (with Llama 3,
+linear and YaRN RoPE scaling), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) checkpoints:
 chunked prefill through the paged cache plus a decode step, every row; with
 the C kernels (cpu_kernels.c) and with the torch forward."""
 from pathlib import Path
@@ -24,6 +24,10 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 @pytest.mark.parametrize("kind, overrides", [
     ("llama", {}),
     ("llama", {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("qwen2", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                                "beta_fast": 16, "beta_slow": 2}}),
     ("qwen2", {}),
     ("qwen3", {"head_dim": 32}),
 ])

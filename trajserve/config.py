@@ -17,6 +17,10 @@ FLAGS = {"num_threads": "--threads"}
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
 # --kv-cache-dtype's values (engine/dtype.py resolve_kv_dtype says what auto becomes).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
+# --rope-scaling's values: stretch a model's RoPE past its trained context (model/rope.py).
+ROPE_SCALINGS = ("linear", "yarn")
+# --tool-prompt's values: how tools reach a model whose chat template shows none (model/tool_prompt.py).
+TOOL_PROMPTS = ("hermes",)
 # --speculative's values (engine/engine.py says what auto becomes).
 SPECULATIVE = ("auto", "off", "ngram", "suffix")
 # An adapter's name (the request's `model` field picks it; a metrics label):
@@ -38,8 +42,11 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    # Llama 3 style frequency scaling: {"factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"} or None.
+    # RoPE frequency scaling (model/rope.py), or None: {"rope_type": "llama3",
+    # "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}, {"rope_type": "linear", "factor"}
+    # or {"rope_type": "yarn", "factor", "original_max_position_embeddings",
+    # and optionally beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim}.
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
@@ -110,11 +117,19 @@ class EngineConfig:
     device: str = "cpu"
     # A Jinja chat template (its text or a file's path) in place of the model's own.
     chat_template: str | None = None
+    # Tools written into the system message for a template that renders none
+    # (model/tool_prompt.py); None: such a template shows no tools (and the server says so).
+    tool_prompt: str | None = None
     dtype: str = "auto"  # compute + KV dtype: auto | bfloat16 | float32 | float16
     # Weight matrices in a GGUF block format run as stored (model/quant.py
     # target_format): auto | none | q8_0 | q4_0 | q4_1
     quantization: str = "auto"
-    max_model_len: int | None = None  # default: the model's context length
+    max_model_len: int | None = None  # default: the model's context length (times rope_factor when scaled)
+    # Stretch RoPE past the trained context (as llama.cpp's --rope-scaling and
+    # vLLM's rope_scaling): "linear" or "yarn" by rope_factor; an explicit
+    # opt-in, since quality past the trained length is not promised.
+    rope_scaling: str | None = None
+    rope_factor: float | None = None
     seed: int = 0
     num_threads: int | None = None
     # float32 on the CPU: the C kernels of model/cpu_kernels.c (else torch only)
@@ -158,6 +173,16 @@ class EngineConfig:
         check(self.quantization in QUANTIZATIONS, "quantization", "one of " + ", ".join(QUANTIZATIONS),
               self.quantization)
         count("max_model_len", self.max_model_len, allow_none=True)
+        check(self.tool_prompt in (None, *TOOL_PROMPTS), "tool_prompt", "one of " + ", ".join(TOOL_PROMPTS),
+              self.tool_prompt)
+        check(self.rope_scaling in (None, *ROPE_SCALINGS), "rope_scaling", "one of " + ", ".join(ROPE_SCALINGS),
+              self.rope_scaling)
+        if self.rope_scaling is not None or self.rope_factor is not None:
+            check(isinstance(self.rope_factor, (int, float)) and not isinstance(self.rope_factor, bool)
+                  and 1 < self.rope_factor <= 64, "rope_factor", "a number in (1, 64] with --rope-scaling",
+                  self.rope_factor)
+            check(self.rope_scaling is not None, "rope_scaling", "linear or yarn with --rope-factor",
+                  self.rope_scaling)
         count("num_threads", self.num_threads, allow_none=True)
         count("block_size", cc.block_size)
         check(cc.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", "one of " + ", ".join(KV_CACHE_DTYPES),

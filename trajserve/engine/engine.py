@@ -44,29 +44,16 @@ from trajserve.model.fingerprint import model_fingerprint
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
 from trajserve.model.quant import QUANT_FORMATS
+from trajserve.model.rope import stretched_rope
 from trajserve.model.sampler import Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.request import Request, RequestStatus
 from trajserve.sampling import SamplingParams
-from trajserve.speculative.proposer import DraftProposer, SpecConfig
+from trajserve.speculative.proposer import DraftProposer, SpecConfig, resolve_speculative
 from trajserve.structured import GrammarCompiler
 
 log = logging.getLogger("trajserve")
-
-
-def resolve_speculative(choice: str, c_kernels: bool) -> tuple[str, str]:
-    """What --speculative runs, and why. auto drafts where verification
-    cannot change a token: on the C kernels a row computed in a verify chunk
-    is the same bits as the same row decoded (docs/architecture.md), so
-    greedy and seeded output are those of plain decoding; torch's kernels
-    promise no such thing."""
-    if choice != "auto":
-        return choice, "--speculative"
-    if c_kernels:
-        return "ngram", ("auto: drafts from the context, verified on the C kernels, whose verified rows are "
-                         "the same bits as decode steps")
-    return "off", "auto: the torch path does not compute a verified row the same bits as a decode step"
 
 
 class LLMEngine:
@@ -99,6 +86,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         if template is not None:
             self.tokenizer.chat_template = template
+        self.tokenizer.tool_prompt = config.tool_prompt
         self.quantization, why["quantization"] = resolve_quantization(config.quantization, self.dtype,
                                                                       self.device, config.cpu_kernels)
 
@@ -110,11 +98,18 @@ class LLMEngine:
         if requantized:  # said in the start-up line: what did not run as stored
             why["quantization"] += "; quantized at load: " + ", ".join(f"{k} x{n}"
                                                                        for k, n in sorted(requantized.items()))
+        if config.rope_scaling is not None:
+            trained = self.model_config.max_position_embeddings
+            self.model_config = stretched_rope(self.model_config, config.rope_scaling, config.rope_factor)
+            why["rope"] = (f"\nRoPE: {config.rope_scaling} x{config.rope_factor:g} (--rope-scaling), context "
+                           f"{trained:,} -> {self.model_config.max_position_embeddings:,} tokens: quality past "
+                           f"the trained {trained:,} is not promised")
         mc = self.model_config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             # As vLLM: positions past the trained context would be garbage, not a longer context.
             raise ValueError(f"max_model_len (--max-model-len) {config.max_model_len:,} is over the model's "
-                             f"context of {mc.max_position_embeddings:,} tokens")
+                             f"context of {mc.max_position_embeddings:,} tokens (--rope-scaling and --rope-factor "
+                             f"stretch it, at a cost in quality)")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, self.device,
                                 use_cpu_kernels=config.cpu_kernels)
@@ -142,7 +137,9 @@ class LLMEngine:
         # What every block written to disk says it is (kv/block_format.py).
         formats = self.model.weight_formats()
         quantized = sorted(f for f in formats if f in QUANT_FORMATS)
-        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized)),
+        # A stretched RoPE stores other keys: blocks on disk must not pass for the unstretched model's.
+        rope = f";rope={config.rope_scaling}x{config.rope_factor:g}" if config.rope_scaling else ""
+        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized) + rope),
                                            self.kv_format.disk_name, (mc.num_layers, 2, mc.num_kv_heads, cc.block_size,
                                             self.kv_format.row_elems(mc.head_dim)))
         self.lower = None
@@ -183,7 +180,7 @@ class LLMEngine:
             f"(quantization {self.quantization}: {why['quantization']})\n"
             f"KV cache: {self.kv_format.name} ({why['kv']}) | m_token = {m_token:,} B "
             f"(eq. 1) | block = {cc.block_size} tokens = {self.block_bytes:,} B | {self.num_blocks:,} blocks | "
-            f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}\n"
+            f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}{why.get('rope', '')}\n"
             f"speculative decoding: {self.speculative} ({why['speculative']})"
             + (f"\n{self.lora.summary()}" if self.lora is not None else ""))
         log.info(self.startup_summary)

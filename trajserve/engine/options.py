@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import (KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, SPECULATIVE, CacheConfig, EngineConfig,
-                              SchedulerConfig)
+from trajserve.config import (KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, ROPE_SCALINGS, SPECULATIVE, TOOL_PROMPTS,
+                              CacheConfig, EngineConfig, SchedulerConfig)
 from trajserve.units import parse_bytes
 
 _UNSET = object()
@@ -53,6 +53,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("chat_template", "chat_template", "--chat-template",
            "a Jinja chat template (a file, or the template itself) in place of the model's, e.g. one that "
            "renders tools", metavar="FILE_OR_TEXT"),
+    Option("tool_prompt", "tool_prompt", "--tool-prompt",
+           "for a chat template that renders no tools (SmolLM2's): write a request's tools into the system "
+           "message in this form (hermes: JSON signatures in <tools>, calls in <tool_call>); without it such a "
+           "template shows no tools, and the server says so in the reply", choices=TOOL_PROMPTS),
     Option("dtype", "dtype", "--dtype", "auto: float32 with the C kernels on a CPU that builds them (else "
            "bfloat16 with AVX-512 BF16/AMX, else float32), bfloat16 on CUDA",
            choices=("auto", "bfloat16", "float32", "float16")),
@@ -122,7 +126,14 @@ OPTIONS: tuple[Option, ...] = (
            "bfloat16 rounds float adapters to bf16 (as vLLM runs them in the model's dtype; CPUs with "
            "AVX512-BF16 run bf16 adapters on dot products); float32", choices=LORA_DTYPES),
     Option("max_model_len", "max_model_len", "--max-model-len",
-           "context limit, prompt + output (default: the model's)", type=int),
+           "context limit, prompt + output (default: the model's, times --rope-factor with --rope-scaling)",
+           type=int),
+    Option("rope_scaling", "rope_scaling", "--rope-scaling",
+           "stretch RoPE past the trained context by --rope-factor (as llama.cpp and vLLM): yarn (long "
+           "wavelengths interpolated, short ones kept) or linear (all positions divided); quality past the "
+           "trained length is not promised", choices=ROPE_SCALINGS),
+    Option("rope_factor", "rope_factor", "--rope-factor",
+           "--rope-scaling's factor: the context grows to this many times the trained one", type=float),
     Option("seed", "seed", "--seed", "the engine's seed for requests that give none", type=int),
     Option("num_threads", "num_threads", "--threads", "torch CPU threads (default: torch's)", type=int),
     Option("cpu_kernels", "cpu_kernels", "--no-cpu-kernels",

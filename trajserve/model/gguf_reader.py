@@ -133,6 +133,7 @@ def _llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: floa
     largest divisor. Rebuild the divisors from that and insist they agree."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     params = {
+        "rope_type": "llama3",
         "factor": float(factors.max()),
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,

@@ -25,21 +25,41 @@ def _read_hf_config(d: Path) -> dict:
 
 
 def _hf_rope(raw: dict) -> tuple[float, dict | None]:
-    """rope_theta and Llama 3 scaling, from transformers 4 (`rope_theta`,
-    `rope_scaling`) or 5 (`rope_parameters`) style configs."""
+    """rope_theta and RoPE scaling (llama3, linear, yarn: model/rope.py), from
+    transformers 4 (`rope_theta`, `rope_scaling`) or 5 (`rope_parameters`)
+    style configs."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or params
     theta = float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0)
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind in (None, "default"):
         return theta, None
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default (none), llama3")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in scaling]
+    required = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "linear": ("factor",), "yarn": ("factor",)}
+    if kind not in required:
+        raise ValueError(f"unsupported rope scaling {kind!r}; supported: default (none), {', '.join(required)}")
+    missing = [k for k in required[kind] if k not in scaling]
     if missing:
-        raise ValueError(f"llama3 rope scaling lacks {', '.join(missing)}")
-    return theta, {k: scaling[k] for k in keys}
+        raise ValueError(f"{kind} rope scaling lacks {', '.join(missing)}")
+    out = {"rope_type": kind, **{k: scaling[k] for k in required[kind]}}
+    if kind == "yarn":
+        out["original_max_position_embeddings"] = scaling.get("original_max_position_embeddings") \
+            or raw.get("max_position_embeddings")
+        out.update({k: scaling[k] for k in ("beta_fast", "beta_slow", "attention_factor", "mscale",
+                                            "mscale_all_dim", "truncate") if scaling.get(k) is not None})
+    return theta, out
+
+
+def _context(raw: dict, scaling: dict | None) -> int:
+    """The positions the model serves: a config's YaRN or linear scaling
+    stretches its trained context by the factor, as vLLM derives it (YaRN
+    from original_max_position_embeddings); Llama 3's configs already say
+    the stretched length."""
+    trained = int(raw.get("max_position_embeddings", 2048))
+    if scaling is None or scaling["rope_type"] == "llama3":
+        return trained
+    base = scaling["original_max_position_embeddings"] if scaling["rope_type"] == "yarn" else trained
+    return max(trained, int(base * scaling["factor"]))
 
 
 def _hf_config(raw: dict, name: str = "") -> ModelConfig:
@@ -72,7 +92,7 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_context(raw, rope_scaling),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bias,
         qk_norm=arch == "qwen3",

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer as Backend
 
 from trajserve.model.gguf_reader import PathLike, gguf_value, open_gguf
 from trajserve.model.loader import is_gguf, resolve_model_path
+from trajserve.model.tool_prompt import template_shows_tools, with_tools_shown
 
 # Token strings that end a turn; a model emits one of them instead of (or as)
 # its eos, so generation must stop on any of them (llama.cpp's "EOG" set).
@@ -107,6 +108,7 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.chat_template = chat_template  # the setter also clears the compiled template
+        self.tool_prompt: str | None = None  # tools for a template that renders none (model/tool_prompt.py)
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
@@ -117,6 +119,12 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    @property
+    def shows_tools(self) -> bool:
+        """Whether a request's tools reach the model: the template renders
+        them, or --tool-prompt writes them into the system message."""
+        return self.tool_prompt is not None or template_shows_tools(self.chat_template)
 
     @chat_template.setter
     def chat_template(self, template: str | None) -> None:
@@ -175,6 +183,9 @@ class Tokenizer:
             self._compiled_template = _jinja_env().from_string(self.chat_template)
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", **self._template_vars}
         context.update(template_kwargs)
+        tools = template_kwargs.get("tools")
+        if tools and self.tool_prompt is not None and not template_shows_tools(self.chat_template):
+            messages = with_tools_shown(messages, tools)
         text = self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt and not continue_final_message,
             **context

@@ -327,10 +327,10 @@ def _tool_use(call: dict) -> dict:
             "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
 
 
-def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int,
-            ignored_tools: list[dict] = ()) -> dict:
+def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int, notes: dict | None = None) -> dict:
     """The reply as a message; chat_message: what the chat endpoint would
-    return for the choice (content and tool_calls)."""
+    return for the choice (content and tool_calls); notes: fields that say
+    what the request asked and did not get (ignored_tools, tools_not_shown)."""
     c, msg = final.outputs[0], chat_message["message"]
     content = [{"type": "text", "text": msg["content"]}] if msg["content"] else []
     calls = msg.get("tool_calls") or []
@@ -338,12 +338,11 @@ def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: in
     reason, seq = stop_reason(c, bool(calls), max_tokens)
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": seq,
-            "usage": usage(final, len(c.token_ids)),
-            **({"ignored_tools": list(ignored_tools)} if ignored_tools else {})}
+            "usage": usage(final, len(c.token_ids)), **(notes or {})}
 
 
 async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: int,
-                 ignored_tools: list[dict] = ()) -> AsyncIterator[str]:
+                 notes: dict | None = None) -> AsyncIterator[str]:
     """The chat endpoint's stream chunks (one choice) as Anthropic's
     server-sent events: message_start, per block content_block_start /
     _delta / _stop (text as it comes; a tool call whole, its input as one
@@ -358,7 +357,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
             yield sse_event("message_start", {"message": {
                 "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
                 "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(tap.last, 0),
-                **({"ignored_tools": list(ignored_tools)} if ignored_tools else {})}})
+                **(notes or {})}})
             yield sse_event("ping", {})
         delta = chunk["choices"][0]["delta"]
         if delta.get("content"):

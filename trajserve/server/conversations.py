@@ -18,8 +18,8 @@ calls beside its main loop (a title, a topic check: another system
 prompt); each line of calls is a lineage of its own, so a side call does
 not overwrite the main loop's history: a request continues the lineage
 whose last prompt's head it starts with (its first half, at most
-LINEAGE_TOKENS tokens), else opens
-a free one (LINEAGES per key; with none free it runs without a session).
+LINEAGE_TOKENS tokens), else opens a free one (LINEAGES per key; with none
+free it runs without a session).
 
 A turn of an inferred conversation pauses when its reply ends: on the
 reply's first tool call, the wait estimated from that tool's history (the
@@ -70,9 +70,9 @@ def conversation_id(key: str, origin: str, cache_salt: str | None, lora: str | N
 def lineage(sessions: Mapping[str, object], base: str, prompt: list[int]) -> str | None:
     """The session id, under base (conversation_id), this prompt is a turn
     of: the lineage whose last prompt's head (its first half, at most
-    LINEAGE_TOKENS tokens) it starts with, else a free
-    one; None when that lineage has a turn running (the harness's calls in
-    parallel run without a session) or none is free."""
+    LINEAGE_TOKENS tokens) it starts with, else a free one; None when that
+    lineage has a turn running (the harness's calls in parallel run without
+    a session) or none is free."""
     free = None
     for i in range(LINEAGES):
         sid = f"{base}-{i}"

@@ -361,11 +361,13 @@ def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instr
 class Shell:
     """The response object's fields that echo the request."""
 
-    def __init__(self, body: ResponsesRequest, model: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, tools_not_shown: str | None = None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.custom = body.custom_tools
         self.namespaced = body.namespaced
-        self.ignored_tools = body.client_tools()[1]
+        # What the request asked and did not get: hosted tools, tools the template cannot show.
+        self.notes = {k: v for k, v in (("ignored_tools", body.client_tools()[1]),
+                                        ("tools_not_shown", tools_not_shown)) if v}
         self.created_at = int(time.time())
         self.fields = {
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
@@ -383,10 +385,9 @@ class Shell:
         incomplete = None
         if status == "incomplete":
             incomplete = {"reason": "max_output_tokens"}
-        extra = {"ignored_tools": self.ignored_tools} if self.ignored_tools else {}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "error": None, "incomplete_details": incomplete, "output": output,
-                "usage": usage(final) if final is not None else None, **self.fields, **extra}
+                "usage": usage(final) if final is not None else None, **self.fields, **self.notes}
 
 
 def status_of(final: RequestOutput) -> str:

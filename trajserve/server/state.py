@@ -8,6 +8,7 @@ becomes prompt ids)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -28,6 +29,8 @@ from trajserve.sessions.ids import check_session_id
 from trajserve.sessions.manager import SessionBusy, SessionManager
 from trajserve.structured import StructuredOutput
 
+log = logging.getLogger("trajserve.server")
+
 
 def calls_format_for(tok, tool_call_parser: str) -> str:
     """The model's tool-call format (server/tool_calls.py): from its chat
@@ -46,6 +49,7 @@ class ServerState:
         self.metrics, self.sessions = metrics, sessions
         self.calls_format = calls_format
         self.store = responses.ResponseStore()  # /v1/responses with store: true
+        self._said_tools = False  # tools a template cannot show: logged once
 
     def model_card(self, name: str) -> dict:
         card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
@@ -186,18 +190,18 @@ class ServerState:
                 return None
         return await self.aengine.call(turn)
 
-    def end_session(self, sess, final: RequestOutput | None, req, message: dict | None = None) -> None:
+    def end_session(self, sess, final: RequestOutput | None, req) -> None:
         """The turn ended (final None: it never ran). A conversation's turn
         without an explicit pause pauses on what its reply waits for: its
-        first tool call, or the human (message: the reply's message as the
-        chat API returns it, content and tool_calls; None: parsed here)."""
+        first tool call (a chat's reply parsed as its API returns it), or the
+        human (a completion's)."""
         if sess is None:
             return
         wait, tool, decision = req.tool_wait_s, req.tool, req.tool_decision
         if sess.origin != "session_id" and (wait, tool, decision) == (None, None, None) \
                 and final is not None and final.finished:
-            if message is None and isinstance(req, ChatCompletionRequest):
-                message = chat_message(final.outputs[0], req, self.calls_format)["message"]
+            message = chat_message(final.outputs[0], req, self.calls_format)["message"] \
+                if isinstance(req, ChatCompletionRequest) else None
             tool = inferred_tool(message)
         self.aengine.submit(lambda _: self.sessions.after_turn(
             sess, final.prompt_token_ids if final else [], final, wait, tool, decision))
@@ -219,6 +223,14 @@ class ServerState:
 
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:
         return render_chat(self.tok, req)
+
+    def tools_not_shown(self, req: ChatCompletionRequest) -> str | None:
+        """Why the request's tools do not reach the model (its chat template
+        renders none and --tool-prompt is off), or None."""
+        if not req.tools or self.tok.shows_tools:
+            return None
+        return (f"the model's chat template renders no tools: its {len(req.tools)} tool definitions were not "
+                "shown to the model (the server's --tool-prompt hermes writes them into the system message)")
 
     async def open_chat(self, req: ChatCompletionRequest, request: Request, room_checked: bool = True
                         ) -> AsyncIterator[RequestOutput]:
@@ -245,6 +257,9 @@ class ServerState:
             forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
                                                                 req.forced_tool, req.parallel_tool_calls is not False))
         ids = self.render_chat(req)
+        if not self._said_tools and self.tools_not_shown(req) is not None:  # once, not per request
+            self._said_tools = True
+            log.warning("%s (said once here; each such reply says it in tools_not_shown)", self.tools_not_shown(req))
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
         # n > 1: no more than the pool holds for all n at once (the engine refuses more).
         default_max = max(1, self.engine.max_model_len - len(ids))

@@ -149,3 +149,17 @@ class DraftProposer:
                 "mean_accepted_length": 1 + acc / self.num_drafts if self.num_drafts else None,
                 # the measured step cost the length rule reads: rows -> ms
                 "step_ms": {r: round(1e3 * self.cost.times[r], 3) for r in self.cost.rows}}
+
+
+def resolve_speculative(choice: str, c_kernels: bool) -> tuple[str, str]:
+    """What --speculative runs, and why. auto drafts where verification
+    cannot change a token: on the C kernels a row computed in a verify chunk
+    is the same bits as the same row decoded (docs/architecture.md), so
+    greedy and seeded output are those of plain decoding; torch's kernels
+    promise no such thing."""
+    if choice != "auto":
+        return choice, "--speculative"
+    if c_kernels:
+        return "ngram", ("auto: drafts from the context, verified on the C kernels, whose verified rows are "
+                         "the same bits as decode steps")
+    return "off", "auto: the torch path does not compute a verified row the same bits as a decode step"

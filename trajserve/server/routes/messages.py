@@ -17,6 +17,8 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: anthropic.MessagesRequest, request: Request, st: ServerState = Depends(server_state)):
     req = translated(body.to_chat)
+    notes = {k: v for k, v in (("ignored_tools", body.ignored_tools), ("tools_not_shown", st.tools_not_shown(req)))
+             if v}
     try:
         outs = Tap(await st.open_chat(req, request, room_checked=False))
     except APIError as e:
@@ -25,10 +27,10 @@ async def messages(body: anthropic.MessagesRequest, request: Request, st: Server
         raise
     if req.stream:
         chunks = oai.chat_chunks(outs, "", 0, body.model, req, st.tok, st.calls_format)
-        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens, body.ignored_tools),
+        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens, notes),
                              lambda e: sse_event("error", anthropic.error_body(500, e)))
     final = await streams.last(outs)
     if final is None:
         return Response(status_code=499)
     return anthropic.message(final, oai.chat_message(final.outputs[0], req, st.calls_format), body.model,
-                             body.max_tokens, body.ignored_tools)
+                             body.max_tokens, notes)

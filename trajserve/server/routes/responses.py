@@ -19,7 +19,7 @@ async def create_response(body: responses.ResponsesRequest, request: Request, st
     history = st.stored(body.previous_response_id, "previous_response_id")[1] \
         if body.previous_response_id is not None else []
     req = translated(body.to_chat, history)
-    shell = responses.Shell(body, body.model or st.served_model_name)
+    shell = responses.Shell(body, body.model or st.served_model_name, st.tools_not_shown(req))
     try:
         outs = Tap(await st.open_chat(req, request))
     except APIError as e:  # in this API's words: max_output_tokens, input

@@ -17,9 +17,10 @@ and an id holds no client text (nor a path). Under one key a harness makes
 calls beside its main loop (a title, a topic check: another system
 prompt); each line of calls is a lineage of its own, so a side call does
 not overwrite the main loop's history: a request continues the lineage
-whose last prompt's head it starts with (its first half, at most
-LINEAGE_TOKENS tokens), else opens a free one (LINEAGES per key; with none
-free it runs without a session).
+whose last prompt's head it shares (its first half, at most LINEAGE_TOKENS
+tokens; SAME_HEAD of those tokens: a date changed in the system prompt
+keeps the lineage, another system prompt does not), else opens a free one
+(LINEAGES per key; with none free it runs without a session).
 
 A turn of an inferred conversation pauses when its reply ends: on the
 reply's first tool call, the wait estimated from that tool's history (the
@@ -33,11 +34,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from collections.abc import Mapping
 
 KEY_MAX = 1024  # characters of a client's conversation key (prompt_cache_key, ...)
 LINEAGE_TOKENS = 256  # the prompt's leading tokens that tell a harness's side calls from its main loop
 LINEAGES = 4  # lines of calls under one key (a main loop and its side calls)
+SAME_HEAD = 0.9  # the share of a lineage's head tokens a prompt's head holds to continue it
 REPLY_WAIT = "(reply)"  # the wait estimator's name for a human reading a finished reply: no tool has it
 _SESSION_IN_USER_ID = re.compile(r"session_([0-9A-Za-z-]{1,128})")
 
@@ -70,10 +73,10 @@ def conversation_id(key: str, origin: str, cache_salt: str | None, lora: str | N
 def lineage(sessions: Mapping[str, object], base: str, prompt: list[int]) -> str | None:
     """The session id, under base (conversation_id), this prompt is a turn
     of: the lineage whose last prompt's head (its first half, at most
-    LINEAGE_TOKENS tokens) it starts with, else a free one; None when that
-    lineage has a turn running (the harness's calls in parallel run without
-    a session) or none is free."""
-    free = None
+    LINEAGE_TOKENS tokens) it shares best, SAME_HEAD of its tokens at least,
+    else a free one; None when that lineage has a turn running (the
+    harness's calls in parallel run without a session) or none is free."""
+    free, best, best_share = None, None, SAME_HEAD
     for i in range(LINEAGES):
         sid = f"{base}-{i}"
         s = sessions.get(sid)
@@ -82,10 +85,14 @@ def lineage(sessions: Mapping[str, object], base: str, prompt: list[int]) -> str
             continue
         last = s.last_output.prompt_token_ids if s.last_output is not None else s.history
         # The head of the last prompt, not all of it: a short prompt's end
-        # (the reply's header, a reminder a harness moves) may change.
+        # (the reply's header, a reminder a harness moves) may change. Its
+        # tokens as a multiset: a field that changed length shifts the rest.
         head = min(LINEAGE_TOKENS, max(1, len(last) // 2))
-        if list(prompt[:head]) == list(last[:head]):
-            return None if s.in_flight else sid
+        share = sum((Counter(last[:head]) & Counter(prompt[:head])).values()) / head
+        if share >= best_share:
+            best, best_share = s, share
+    if best is not None:
+        return None if best.in_flight else best.session_id
     return free
 
 

@@ -13,6 +13,7 @@ from trajserve.outputs import RequestOutput
 from trajserve.server import log_guard
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+BREAK_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)  # token positions
 
 # snapshot key -> (metric name, help, kind)
 GAUGES = {
@@ -212,8 +213,22 @@ class ServerMetrics:
         self.cached_tokens = Counter("trajserve_cached_prompt_tokens", "prompt tokens served from the prefix cache",
                                      registry=r)
         self.generation_tokens = Counter("trajserve_generation_tokens", "generated tokens", registry=r)
+        # Where conversations' prompts left their previous context, and what it cost (server/prefix_break.py).
+        self.break_position = Histogram("trajserve_prefix_break_position_tokens",
+                                        "where a turn's prompt first differs from its session's previous context",
+                                        buckets=BREAK_BUCKETS, registry=r)
+        self.breaks = Counter("trajserve_prefix_breaks", "turns whose prompt broke the session's prefix, by cause",
+                              ["cause"], registry=r)
+        self.break_lost = Counter("trajserve_prefix_break_lost_tokens",
+                                  "tokens prefilled again because a turn's prompt broke the prefix, by cause",
+                                  ["cause"], registry=r)
         r.register(_SnapshotCollector(snapshot, bytes_per_block))
         r.register(LogCollector())
+
+    def observe_break(self, b) -> None:
+        self.break_position.observe(b.position)
+        self.breaks.labels(b.cause).inc()
+        self.break_lost.labels(b.cause).inc(b.lost_tokens)
 
     def observe(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -79,6 +79,9 @@ class _Common(BaseModel):
     # The conversation another API's fields named (origin, key): Responses'
     # client_metadata, Messages' metadata.user_id (set by their translation).
     _conversation: tuple[str, str] | None = PrivateAttr(default=None)
+    # What the server says about the request beside the reply (tools it
+    # could not show, a prefix break): extension fields of the reply.
+    _notes: dict = PrivateAttr(default_factory=dict)
     # Agent / tenant extensions.
     cache_salt: str | None = Field(default=None, description="requests share cached KV only within one salt")
     session_id: str | None = Field(default=None, description="pins a trajectory (or header X-Session-Id)")
@@ -95,6 +98,13 @@ class _Common(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+
+    def note(self, field: str, value) -> None:
+        self._notes[field] = value
+
+    @property
+    def notes(self) -> dict:
+        return dict(self._notes)
 
     def conversation(self) -> tuple[str, str] | None:
         """(origin, key) of the conversation the request names without a

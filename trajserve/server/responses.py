@@ -361,13 +361,14 @@ def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instr
 class Shell:
     """The response object's fields that echo the request."""
 
-    def __init__(self, body: ResponsesRequest, model: str, tools_not_shown: str | None = None) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, notes: dict | None = None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.custom = body.custom_tools
         self.namespaced = body.namespaced
-        # What the request asked and did not get: hosted tools, tools the template cannot show.
-        self.notes = {k: v for k, v in (("ignored_tools", body.client_tools()[1]),
-                                        ("tools_not_shown", tools_not_shown)) if v}
+        # What the request asked and did not get (hosted tools; notes: tools the
+        # template cannot show, a prefix break), extension fields of the response.
+        ignored = body.client_tools()[1]
+        self.notes = {**({"ignored_tools": ignored} if ignored else {}), **(notes or {})}
         self.created_at = int(time.time())
         self.fields = {
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -23,6 +25,7 @@ from trajserve.server.conversations import conversation_id, inferred_tool, linea
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.openai_format import chat_message
+from trajserve.server.prefix_break import TurnShape, diagnose
 from trajserve.server.protocol import ChatCompletionRequest
 from trajserve.server.tool_calls import FORMATS, forced_schema, format_for_template
 from trajserve.sessions.ids import check_session_id
@@ -30,6 +33,15 @@ from trajserve.sessions.manager import SessionBusy, SessionManager
 from trajserve.structured import StructuredOutput
 
 log = logging.getLogger("trajserve.server")
+TURN_RECORDS = 4096  # sessions whose turns are compared (the least recently active go first)
+BREAKS_KEPT = 16  # a session's latest prefix breaks, on GET /v1/sessions/{id}
+
+
+@dataclass
+class TurnRecord:
+    shape: TurnShape | None = None
+    turns: int = 0
+    breaks: deque = field(default_factory=lambda: deque(maxlen=BREAKS_KEPT))
 
 
 def calls_format_for(tok, tool_call_parser: str) -> str:
@@ -50,6 +62,8 @@ class ServerState:
         self.calls_format = calls_format
         self.store = responses.ResponseStore()  # /v1/responses with store: true
         self._said_tools = False  # tools a template cannot show: logged once
+        # Each session's last turn shape and its prefix breaks (server/prefix_break.py), the most recent last.
+        self.turns: OrderedDict[str, TurnRecord] = OrderedDict()
 
     def model_card(self, name: str) -> dict:
         card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "trajserve",
@@ -173,9 +187,9 @@ class ServerState:
     async def _inferred_session(self, req, n_prompts: int, lora: str | None, prompt: list[int] | None):
         named = req.conversation()
         if named is None or self.sessions is None or req.n != 1 or n_prompts != 1 or prompt is None:
-            for field in ("tool_wait_s", "tool_decision"):
-                if getattr(req, field) is not None:
-                    raise APIError(400, f"{field} needs a session_id (field or X-Session-Id header)", param=field)
+            for name in ("tool_wait_s", "tool_decision"):
+                if getattr(req, name) is not None:
+                    raise APIError(400, f"{name} needs a session_id (field or X-Session-Id header)", param=name)
             return None
         origin, key = named
         base = conversation_id(key, origin, req.cache_salt, lora)
@@ -224,6 +238,26 @@ class ServerState:
     def render_chat(self, req: ChatCompletionRequest) -> list[int]:
         return render_chat(self.tok, req)
 
+    def _diagnose(self, sess, req: ChatCompletionRequest, ids: list[int]) -> None:
+        """Where this turn's prompt leaves the session's previous context, and
+        why (server/prefix_break.py): noted on the reply, kept with the
+        session's turns, counted in /metrics. The session's turn is in flight:
+        its history is this request's to read."""
+        shape = TurnShape.of(len(ids), [m.model_dump(exclude_none=True) for m in req.messages],
+                             [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
+        record = self.turns.pop(sess.session_id, None) or TurnRecord()
+        self.turns[sess.session_id] = record  # the most recent last
+        while len(self.turns) > TURN_RECORDS:
+            self.turns.popitem(last=False)
+        if record.shape is not None and sess.history:
+            hit = diagnose(record.turns, sess.history, record.shape, ids, shape,
+                           lambda t: self.tok.decode(t, skip_special_tokens=False))
+            if hit is not None:
+                record.breaks.append(hit)
+                self.metrics.observe_break(hit)
+                req.note("prefix_break", hit.as_dict())
+        record.shape, record.turns = shape, record.turns + 1
+
     def tools_not_shown(self, req: ChatCompletionRequest) -> str | None:
         """Why the request's tools do not reach the model (its chat template
         renders none and --tool-prompt is off), or None."""
@@ -257,9 +291,11 @@ class ServerState:
             forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
                                                                 req.forced_tool, req.parallel_tool_calls is not False))
         ids = self.render_chat(req)
-        if not self._said_tools and self.tools_not_shown(req) is not None:  # once, not per request
-            self._said_tools = True
-            log.warning("%s (said once here; each such reply says it in tools_not_shown)", self.tools_not_shown(req))
+        if (not_shown := self.tools_not_shown(req)) is not None:
+            req.note("tools_not_shown", not_shown)
+            if not self._said_tools:  # once, not per request
+                self._said_tools = True
+                log.warning("%s (said once here; each such reply says it in tools_not_shown)", not_shown)
         # Without max_tokens a reply may fill the context, as OpenAI's API allows.
         # n > 1: no more than the pool holds for all n at once (the engine refuses more).
         default_max = max(1, self.engine.max_model_len - len(ids))
@@ -275,6 +311,8 @@ class ServerState:
                 raise
             raise await self._tool_schema_error(req.tools, e) from None
         sess = await self.begin_session(req, request, lora=lora, prompt=ids)
+        if sess is not None:
+            self._diagnose(sess, req, ids)
         try:
             outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora)
         except APIError:

@@ -34,7 +34,7 @@ import itertools
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from trajserve.kv.scope import CacheScope
@@ -51,6 +51,9 @@ from trajserve.sessions.wait_estimator import WaitEstimator
 log = logging.getLogger("trajserve")
 class SessionBusy(RuntimeError):
     """A second turn of a session arrived while one is still running."""
+
+
+TURNS_KEPT = 64  # a session's latest turns whose hit rates describe() lists
 
 
 class SessionState(enum.Enum):
@@ -75,6 +78,8 @@ class Session:
     last_output: RequestOutput | None = None
     prompt_tokens: int = 0  # over all turns, for the session's hit rate
     cached_tokens: int = 0
+    # (prompt tokens, cached tokens) of the latest turns: H_prefix turn by turn (eq. 2)
+    turn_hits: deque = field(default_factory=lambda: deque(maxlen=TURNS_KEPT))
     in_flight: bool = False
     last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
     expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
@@ -320,6 +325,7 @@ class SessionManager:
         s.last_output = out
         s.prompt_tokens += len(out.prompt_token_ids)
         s.cached_tokens += out.num_cached_tokens
+        s.turn_hits.append((len(out.prompt_token_ids), out.num_cached_tokens))
         if out.metrics.ttft:
             self.machine.observe_prefill(len(out.prompt_token_ids) - out.num_cached_tokens, out.metrics.ttft)
 
@@ -337,6 +343,8 @@ class SessionManager:
                 "blocks_by_tier": s.table.counts() if s.table is not None else None,
                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "turn_hits": [{"prompt_tokens": p, "cached_tokens": c, "hit_rate": c / p if p else 0.0}
+                              for p, c in s.turn_hits],
                 "waiting_for": s.tool if s.state is SessionState.PAUSED else None,
                 "decision": None if s.decision is None else {
                     "decision": s.decision.decision.value, "reason": s.decision.reason,

@@ -31,6 +31,4 @@ async def chat(req: ChatCompletionRequest, request: Request, st: ServerState = D
             "choices": choices, "usage": oai.usage([final])}
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = oai.prompt_logprobs(final, st.tok, req.prompt_logprobs)  # vLLM's place
-    if (note := st.tools_not_shown(req)) is not None:
-        body["tools_not_shown"] = note
-    return body
+    return {**body, **req.notes}

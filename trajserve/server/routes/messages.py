@@ -17,14 +17,13 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: anthropic.MessagesRequest, request: Request, st: ServerState = Depends(server_state)):
     req = translated(body.to_chat)
-    notes = {k: v for k, v in (("ignored_tools", body.ignored_tools), ("tools_not_shown", st.tools_not_shown(req)))
-             if v}
     try:
         outs = Tap(await st.open_chat(req, request, room_checked=False))
     except APIError as e:
         if e.code == "context_length_exceeded":  # in Anthropic's words (error path: rendered again)
             e.message = anthropic.too_long(len(st.render_chat(req)), st.engine.max_model_len, e.message)
         raise
+    notes = {**({"ignored_tools": body.ignored_tools} if body.ignored_tools else {}), **req.notes}
     if req.stream:
         chunks = oai.chat_chunks(outs, "", 0, body.model, req, st.tok, st.calls_format)
         return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens, notes),

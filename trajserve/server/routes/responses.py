@@ -19,13 +19,13 @@ async def create_response(body: responses.ResponsesRequest, request: Request, st
     history = st.stored(body.previous_response_id, "previous_response_id")[1] \
         if body.previous_response_id is not None else []
     req = translated(body.to_chat, history)
-    shell = responses.Shell(body, body.model or st.served_model_name, st.tools_not_shown(req))
     try:
         outs = Tap(await st.open_chat(req, request))
     except APIError as e:  # in this API's words: max_output_tokens, input
         e.message = e.message.replace("max_tokens", "max_output_tokens")
         e.param = {"max_tokens": "max_output_tokens", "messages": "input"}.get(e.param, e.param)
         raise
+    shell = responses.Shell(body, body.model or st.served_model_name, req.notes)
 
     def keep(resp: dict) -> None:
         if body.store:

@@ -26,7 +26,11 @@ async def session_list(cache_salt: str | None = Query(default=None, max_length=2
 
 @router.get("/v1/sessions/{session_id}")
 async def session_info(session_id: str, st: ServerState = Depends(server_state)):
-    return await st.aengine.call(lambda _: st.sessions.describe(st.get_session(session_id)))
+    """The session's state and hit rates, with its latest prefix breaks
+    (server/prefix_break.py: where a turn's prompt left the context, why)."""
+    info = await st.aengine.call(lambda _: st.sessions.describe(st.get_session(session_id)))
+    record = st.turns.get(session_id)
+    return {**info, "prefix_breaks": [b.as_dict() for b in record.breaks] if record is not None else []}
 
 
 @router.delete("/v1/sessions/{session_id}")

@@ -222,6 +222,9 @@ class ServerMetrics:
         self.break_lost = Counter("trajserve_prefix_break_lost_tokens",
                                   "tokens prefilled again because a turn's prompt broke the prefix, by cause",
                                   ["cause"], registry=r)
+        self.hints = Counter("trajserve_hints", "other engines' hints read (server/hints.py), by envelope, hint "
+                             "and outcome: applied, not_applied, no_session, unknown", ["source", "hint", "outcome"],
+                             registry=r)
         r.register(_SnapshotCollector(snapshot, bytes_per_block))
         r.register(LogCollector())
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool
 
 from trajserve.sampling import SamplingParams
 from trajserve.server.conversations import KEY_MAX
+from trajserve.server.hints import KvHints, NvExt
 from trajserve.server.tool_calls import hermes_text
 from trajserve.structured import StructuredOutput
 
@@ -82,6 +83,11 @@ class _Common(BaseModel):
     # What the server says about the request beside the reply (tools it
     # could not show, a prefix break): extension fields of the reply.
     _notes: dict = PrivateAttr(default_factory=dict)
+    # The pause other engines' hints ask for (server/hints.py), read when the turn begins.
+    _hinted_pause: dict = PrivateAttr(default_factory=dict)
+    # Other engines' hint envelopes (server/hints.py): vLLM's kv_hints, Dynamo's nvext.
+    kv_hints: KvHints | None = None
+    nvext: NvExt | None = None
     # Agent / tenant extensions.
     cache_salt: str | None = Field(default=None, description="requests share cached KV only within one salt")
     session_id: str | None = Field(default=None, description="pins a trajectory (or header X-Session-Id)")
@@ -99,6 +105,14 @@ class _Common(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @property
+    def hinted_pause(self) -> dict:
+        return self._hinted_pause
+
+    @hinted_pause.setter
+    def hinted_pause(self, pause: dict) -> None:
+        self._hinted_pause = dict(pause)
+
     def note(self, field: str, value) -> None:
         self._notes[field] = value
 
@@ -111,7 +125,11 @@ class _Common(BaseModel):
         session_id, or None (server/conversations.py)."""
         if self._conversation is not None:
             return self._conversation
-        return ("prompt_cache_key", self.prompt_cache_key) if self.prompt_cache_key else None
+        if self.prompt_cache_key:
+            return "prompt_cache_key", self.prompt_cache_key
+        context = self.nvext.agent_context if self.nvext is not None else None
+        trajectory = context.trajectory() if context is not None else None
+        return ("nvext.agent_context", trajectory) if trajectory else None
 
     @property
     def structured_given(self) -> bool:

@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.outputs import RequestOutput
 from trajserve.server.conversations import KEY_MAX
+from trajserve.server.hints import KvHints, NvExt
 from trajserve.server.protocol import ChatCompletionRequest, PauseTier
 from trajserve.server.tap import Tap, sse_event
 
@@ -136,6 +137,8 @@ class ResponsesRequest(BaseModel):
     client_metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     user: str | None = None
+    kv_hints: KvHints | None = None  # other engines' hint envelopes (server/hints.py)
+    nvext: NvExt | None = None
     # extensions, as on the chat endpoint
     top_k: int | None = None
     seed: int | None = None
@@ -232,7 +235,7 @@ class ResponsesRequest(BaseModel):
                 "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
                 "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
-                "tool_decision": self.tool_decision}
+                "tool_decision": self.tool_decision, "kv_hints": self.kv_hints, "nvext": self.nvext}
         shown, left_out = self.client_tools()
         for t in left_out:
             if t["type"] not in _said and len(_said) < 64:  # once per type (a bounded set)

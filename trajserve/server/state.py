@@ -23,6 +23,7 @@ from trajserve.server import responses, streams
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.conversations import conversation_id, inferred_tool, lineage
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
+from trajserve.server.hints import pause_from_hints
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.openai_format import chat_message
 from trajserve.server.prefix_break import TurnShape, diagnose
@@ -204,14 +205,29 @@ class ServerState:
                 return None
         return await self.aengine.call(turn)
 
+    def _read_hints(self, req, sess) -> None:
+        """Other engines' hint envelopes (server/hints.py): the pause they ask
+        for, kept for the turn's end; each hint counted."""
+        if req.kv_hints is None and req.nvext is None:
+            return
+        pause, seen = pause_from_hints(req.kv_hints, req.nvext)
+        for source, hint, outcome in seen:
+            self.metrics.hints.labels(source, hint, "no_session" if outcome == "applied" and sess is None
+                                      else outcome).inc()
+        req.hinted_pause = pause
+
     def end_session(self, sess, final: RequestOutput | None, req) -> None:
-        """The turn ended (final None: it never ran). A conversation's turn
-        without an explicit pause pauses on what its reply waits for: its
-        first tool call (a chat's reply parsed as its API returns it), or the
-        human (a completion's)."""
+        """The turn ended (final None: it never ran). Its pause is the
+        request's own (tool_wait_s, tool, tool_decision), else the hints'
+        (server/hints.py); a conversation's turn with neither pauses on
+        what its reply waits for: its first tool call (a chat's reply parsed
+        as its API returns it), or the human (a completion's)."""
         if sess is None:
             return
-        wait, tool, decision = req.tool_wait_s, req.tool, req.tool_decision
+        hinted = req.hinted_pause
+        wait = req.tool_wait_s if req.tool_wait_s is not None else hinted.get("wait")
+        tool = req.tool if req.tool is not None else hinted.get("tool")
+        decision = req.tool_decision if req.tool_decision is not None else hinted.get("decision")
         if sess.origin != "session_id" and (wait, tool, decision) == (None, None, None) \
                 and final is not None and final.finished:
             message = chat_message(final.outputs[0], req, self.calls_format)["message"] \
@@ -313,6 +329,7 @@ class ServerState:
         sess = await self.begin_session(req, request, lora=lora, prompt=ids)
         if sess is not None:
             self._diagnose(sess, req, ids)
+        self._read_hints(req, sess)
         try:
             outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora)
         except APIError:

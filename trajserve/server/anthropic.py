@@ -30,22 +30,24 @@ of events:
                                     here write no thinking, and edits are
                                     not applied
 
-Usage counts as Anthropic's does: `input_tokens` is the prompt's tokens
-that were computed, `cache_read_input_tokens` those the prefix cache
-served (every computed block is cached on its own). Images and documents
-are refused by name: the models served here read text.
+Usage counts as Anthropic's does (server/cache_breakpoints.py): with
+`cache_control` marks, reads and writes up to the last mark (split 5m / 1h)
+and input past it; without, `cache_read_input_tokens` is every prompt token
+the prefix cache served (every computed block is cached on its own).
+Images and documents are refused by name: the models served here read text.
 """
 from __future__ import annotations
 
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.outputs import CompletionOutput, RequestOutput
+from trajserve.server import cache_breakpoints
 from trajserve.server.conversations import KEY_MAX, claude_code_session
 from trajserve.server.protocol import ChatCompletionRequest, PauseTier
 from trajserve.server.tap import Tap, sse_event
@@ -200,6 +202,23 @@ class CountTokensRequest(BaseModel):
             req._conversation = ("metadata.user_id", sid)
         return req
 
+    def cache_marks(self) -> list[tuple[int, str]]:
+        """Its cache_control marks as (chat messages through the mark, ttl):
+        a tool's or a system block's mark ends with the system message
+        (server/cache_breakpoints.py)."""
+        def ttl(blocks) -> str | None:
+            found = [b.cache_control.ttl or "5m" for b in blocks if b.cache_control is not None]
+            return ("1h" if "1h" in found else "5m") if found else None
+        marks, n = [], 1 if self.system else 0
+        for t in (ttl(self.tools or []), ttl(self.system if isinstance(self.system, list) else [])):
+            if t is not None:
+                marks.append((n, t))
+        for m in self.messages:
+            n += len(_chat_messages(m, ""))
+            if not isinstance(m.content, str) and (t := ttl(m.content)) is not None:
+                marks.append((n, t))
+        return marks
+
     @property
     def ignored_tools(self) -> list[dict]:
         """Tools of Anthropic's own types, left out: {index, type}."""
@@ -301,11 +320,12 @@ def too_long(prompt_tokens: int, max_model_len: int, detail: str) -> str:
     return f"prompt is too long: {prompt_tokens} tokens; {detail}"  # it is the KV pool that is short
 
 
-def usage(final: RequestOutput | None, output_tokens: int) -> dict:
-    prompt = len(final.prompt_token_ids) if final else 0
+def usage(final: RequestOutput | None, output_tokens: int, marks: Callable[[list[int]], list] | None = None) -> dict:
+    """Anthropic's usage fields (server/cache_breakpoints.py); marks: the
+    request's cache_control marks' positions for its prompt ids."""
+    prompt = list(final.prompt_token_ids) if final else []
     cached = final.num_cached_tokens if final else 0
-    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": output_tokens}
+    return cache_breakpoints.usage(len(prompt), cached, marks(prompt) if marks and prompt else [], output_tokens)
 
 
 def stop_reason(c: CompletionOutput, called: bool, max_tokens: int) -> tuple[str, str | None]:
@@ -327,7 +347,8 @@ def _tool_use(call: dict) -> dict:
             "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
 
 
-def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int, notes: dict | None = None) -> dict:
+def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int, notes: dict | None = None,
+            marks: Callable[[list[int]], list] | None = None) -> dict:
     """The reply as a message; chat_message: what the chat endpoint would
     return for the choice (content and tool_calls); notes: fields that say
     what the request asked and did not get (ignored_tools, tools_not_shown)."""
@@ -338,11 +359,11 @@ def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: in
     reason, seq = stop_reason(c, bool(calls), max_tokens)
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": seq,
-            "usage": usage(final, len(c.token_ids)), **(notes or {})}
+            "usage": usage(final, len(c.token_ids), marks), **(notes or {})}
 
 
 async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: int,
-                 notes: dict | None = None) -> AsyncIterator[str]:
+                 notes: dict | None = None, marks: Callable[[list[int]], list] | None = None) -> AsyncIterator[str]:
     """The chat endpoint's stream chunks (one choice) as Anthropic's
     server-sent events: message_start, per block content_block_start /
     _delta / _stop (text as it comes; a tool call whole, its input as one
@@ -356,7 +377,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
             started = True
             yield sse_event("message_start", {"message": {
                 "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model,
-                "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(tap.last, 0),
+                "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage(tap.last, 0, marks),
                 **(notes or {})}})
             yield sse_event("ping", {})
         delta = chunk["choices"][0]["delta"]
@@ -386,5 +407,5 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
     c = tap.last.outputs[0]
     reason, seq = stop_reason(c, called, max_tokens)
     yield sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                  "usage": usage(tap.last, len(c.token_ids))})
+                                  "usage": usage(tap.last, len(c.token_ids), marks)})
     yield sse_event("message_stop", {})

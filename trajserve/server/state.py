@@ -346,9 +346,11 @@ class ServerState:
         return got
 
 
-def render_chat(tok, req: ChatCompletionRequest) -> list[int]:
+def render_chat(tok, req: ChatCompletionRequest, upto: int | None = None) -> list[int]:
     """The prompt ids for a chat request through the model's template (also
-    what the cluster's front end hashes to route it: cluster/route_key.py)."""
+    what the cluster's front end hashes to route it: cluster/route_key.py).
+    upto: only its first `upto` messages, as history (no reply prompt): the
+    tokens a prefix of the conversation renders to."""
     # A template that does not render tool_calls (SmolLM2's) gets them as text.
     calls_as_text = "tool_calls" not in (tok.chat_template or "")
     try:
@@ -357,9 +359,10 @@ def render_chat(tok, req: ChatCompletionRequest) -> list[int]:
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     try:
-        return tok.encode_chat([m.as_template_dict(calls_as_text) for m in req.messages],
-                               add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message,
+        messages = req.messages if upto is None else req.messages[:upto]
+        return tok.encode_chat([m.as_template_dict(calls_as_text) for m in messages],
+                               add_generation_prompt=req.add_generation_prompt and upto is None,
+                               continue_final_message=req.continue_final_message and upto is None,
                                **({"tools": [t.model_dump(exclude_none=True) for t in req.tools]}
                                   if req.tools else {}))
     except Exception as e:  # noqa: BLE001 - template errors (raise_exception in jinja) are the client's

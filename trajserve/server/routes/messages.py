@@ -5,10 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from trajserve.server import anthropic, streams
+from trajserve.server import anthropic, cache_breakpoints, streams
 from trajserve.server import openai_format as oai
 from trajserve.server.errors import APIError, translated
-from trajserve.server.state import ServerState, server_state
+from trajserve.server.state import ServerState, render_chat, server_state
 from trajserve.server.tap import Tap, sse_event
 
 router = APIRouter()
@@ -24,12 +24,18 @@ async def messages(body: anthropic.MessagesRequest, request: Request, st: Server
             e.message = anthropic.too_long(len(st.render_chat(req)), st.engine.max_model_len, e.message)
         raise
     notes = {**({"ignored_tools": body.ignored_tools} if body.ignored_tools else {}), **req.notes}
+    cache_marks, placed = body.cache_marks(), []
+
+    def marks(prompt: list[int]) -> list:  # where the cache_control marks fall in the prompt's tokens (once)
+        if not placed:
+            placed.append(cache_breakpoints.positions(cache_marks, lambda n: render_chat(st.tok, req, n), prompt))
+        return placed[0]
     if req.stream:
         chunks = oai.chat_chunks(outs, "", 0, body.model, req, st.tok, st.calls_format)
-        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens, notes),
+        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens, notes, marks),
                              lambda e: sse_event("error", anthropic.error_body(500, e)))
     final = await streams.last(outs)
     if final is None:
         return Response(status_code=499)
     return anthropic.message(final, oai.chat_message(final.outputs[0], req, st.calls_format), body.model,
-                             body.max_tokens, notes)
+                             body.max_tokens, notes, marks)

@@ -108,6 +108,21 @@ def claude_body(**kw) -> dict:
             **kw}
 
 
+def test_claude_codes_mid_conversation_system_message(s):
+    """Claude Code 2.1's first request: a user message, then a system one
+    (its beta mid-conversation-system), adaptive thinking, an effort."""
+    s["reply"] = "ok"
+    body = claude_body(thinking={"type": "adaptive"}, output_config={"effort": "high"}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "List the files."}]},
+        {"role": "system", "content": "Agent types available: explore, review."}])
+    r = s["http"].post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    prompt = s["tok"].decode(s["prompts"][-1], skip_special_tokens=False)
+    assert prompt.index("List the files.") < prompt.index("Agent types available") < prompt.rindex("assistant")
+    bad = claude_body(messages=[{"role": "system", "content": [{"type": "image", "source": {}}]}])
+    assert s["http"].post("/v1/messages", json=bad).status_code == 400
+
+
 def test_a_claude_code_request_is_served(s):
     s["reply"] = "Listing."
     r = s["http"].post("/v1/messages", json=claude_body(), headers={

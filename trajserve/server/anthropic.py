@@ -6,7 +6,8 @@ already serves (same template, tool-call parsing, forced tool_choice,
 sessions and prefix cache), and the reply back into a message or its stream
 of events:
 
-    system                       -> a system message first
+    system                       -> a system message first (a system message
+                                    among the messages stays where it is)
     text blocks                  -> the message's content (joined by "\\n")
     assistant tool_use blocks    -> the assistant message's tool_calls
     user tool_result blocks      -> tool messages, in order
@@ -89,7 +90,8 @@ class Block(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["user", "assistant"]
+    # "system" mid-conversation: Claude Code sends one (beta mid-conversation-system).
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -280,6 +282,8 @@ def _check_results_answer_uses(m: Message, prev: Message | None, where: str) -> 
 def _chat_messages(m: Message, where: str) -> list[dict]:
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
+    if m.role == "system":  # text only, as the top-level system
+        return [{"role": "system", "content": _text(m.content, where)}]
     out, text = [], []
     if m.role == "assistant":
         calls = []

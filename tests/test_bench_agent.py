@@ -113,6 +113,25 @@ def test_bench_tool_waits_small_run_with_trace_waits():
     assert by["keep"]["stall_drops"] == 0
 
 
+def test_bench_tool_waits_over_the_messages_api():
+    """Agents speaking Anthropic's Messages API over HTTP: the same greedy
+    replies whether conversations are left to LRU, inferred from
+    metadata.user_id, or sent as sessions; only the last two pause."""
+    r = trajserve("bench", "agent", "--tool-waits", "--api", "messages", "--json", "--dtype", "float32",
+                  "--trajectories", "2", "--turns", "2", "--preamble-tokens", "64", "--tool-min-tokens", "10",
+                  "--tool-max-tokens", "30", "--reply-tokens", "64", "--wait-trace", "claude-code",
+                  "--wait-scale", "0.002", "--pool-fraction", "0.5", timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["api"] == "messages" and res["replies_identical_across_modes"]
+    by = {x["mode"]: x for x in res["results"]}
+    assert set(by) == {"lru", "inferred", "explicit"}
+    assert not by["lru"]["decisions"]  # no conversation named: nothing pauses
+    # Each agent's two tool_use replies pause its session; inferred, its last reply too (for the human).
+    assert sum(by["explicit"]["decisions"].values()) == 2 * 2 and sum(by["inferred"]["decisions"].values()) == 2 * 3
+    assert all(x["makespan_s"] > 0 and x["ttft_resumed_p50_ms"] > 0 for x in by.values())
+
+
 def test_bench_resume_small_run():
     """`trajserve bench resume`: every mode gives the same first token; the
     host reload is counted as copied, the kept state copies nothing, and

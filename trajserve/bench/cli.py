@@ -45,7 +45,9 @@ def agent_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 def _agent(args: argparse.Namespace) -> int:
     agent_defaults(args)
-    if args.tool_waits:
+    if args.tool_waits and args.api == "messages":
+        from trajserve.bench.agent_harness import run
+    elif args.tool_waits:
         from trajserve.bench.agent_waits import run
     else:
         from trajserve.bench.agent import run
@@ -125,6 +127,11 @@ def add_bench_parser(sub) -> None:
     a.add_argument("--wait-cap", type=float, default=300.0,
                    help="--wait-trace: longest trace gap kept, in trace seconds (longer ones are human breaks)")
     a.add_argument("--policies", default="keep,drop,host,policy", help="--tool-waits: policies to compare")
+    a.add_argument("--api", choices=("engine", "messages"), default="engine",
+                   help="--tool-waits: drive the engine in process (the policies), or agents speaking Anthropic's "
+                   "Messages API over HTTP with no trajserve field (--modes: lru, inferred, explicit)")
+    a.add_argument("--modes", default="lru,inferred,explicit",
+                   help="--api messages: how agents name their conversations (bench/agent_harness.py)")
     a.add_argument("--uncached-trajectories", type=int, default=2,
                    help="trajectories re-run in pairs: each request with the cache, then with it emptied, "
                    "back to back (the TTFT ratio)")

@@ -15,8 +15,8 @@ from trajserve.server.prefix_break import TurnShape, diagnose
 
 TOOL = {"type": "function", "function": {"name": "run", "description": "Run a command", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}, "timeout": {"type": "integer"}}}}}
-GREP = {"type": "function", "function": {"name": "grep", "description": "Search files",
-                                         "parameters": {"type": "object", "properties": {"pattern": {"type": "string"}}}}}
+GREP = {"type": "function", "function": {"name": "grep", "description": "Search files", "parameters": {
+    "type": "object", "properties": {"pattern": {"type": "string"}}}}}
 SYSTEM = "You are a coding agent in a repository of Python files. Keep answers short. Today is 2026-12-03 09:14:07."
 
 

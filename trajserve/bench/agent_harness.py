@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from trajserve.bench.agent_waits import WAIT_MIX, trace_gaps
+from trajserve.bench.agent_waits import draw_waits
 from trajserve.bench.agent_workload import preamble, task, tool_result
 from trajserve.bench.common import command_line, machine_info
 from trajserve.kv.block_table import blocks_for
@@ -41,14 +41,7 @@ MODES = ("lru", "inferred", "explicit")
 def build_workload(tok, args, rng: random.Random) -> tuple[str, list[list[tuple[str, str, float]]]]:
     """The system prompt, and per agent its turns: (tool, tool output text,
     wait in seconds); every agent has the same waits in its own order."""
-    gaps = trace_gaps(args)
-    waits = []
-    for _ in range(args.turns):
-        if gaps is None:
-            tool = rng.choice(list(WAIT_MIX))
-            waits.append((tool, rng.uniform(*WAIT_MIX[tool])))
-        else:
-            waits.append(("tool", rng.choice(gaps)))
+    waits = draw_waits(args, rng)
     agents = []
     for _ in range(args.trajectories):
         order = rng.sample(waits, len(waits))
@@ -143,7 +136,7 @@ def run_mode(engine, workload, mode: str, args) -> dict:
 
     engine.kv.clear_cache()
     app = build_app(engine, ServerConfig(served_model_names=("m",), sessions=SessionConfig(
-        host_bytes=args.host_bytes, idle_ttl_s=3600.0, max_sessions=4096)))
+        host_bytes=args.host_bytes, idle_ttl_s=3600.0, max_sessions=4096, idle_keep_factor=args.idle_keep_factor)))
     app.state.engine.start()
     server = _Server(app)
     system, agents = workload

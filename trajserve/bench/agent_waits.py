@@ -76,11 +76,8 @@ def trace_gaps(args) -> list[float] | None:
     return gaps
 
 
-def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[tuple[list[int], str, float]]]]:
-    """Every agent gets the same tool waits in its own order: no one agent's
-    chain of long waits sets the makespan by itself (throughput would then
-    measure that agent's luck, not the engine)."""
-    pre = preamble(tok, args.preamble_tokens)
+def draw_waits(args, rng: random.Random) -> list[tuple[str, float]]:
+    """--turns (tool, wait in trace or mix seconds): the waits every agent gets, in its own order."""
     gaps = trace_gaps(args)
     waits = []
     for _ in range(args.turns):
@@ -90,6 +87,15 @@ def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[
         else:
             # The trace names no tools: the policy learns one global wait history.
             waits.append(("tool", rng.choice(gaps)))
+    return waits
+
+
+def build_workload(tok, args, rng: random.Random) -> tuple[list[int], list[list[tuple[list[int], str, float]]]]:
+    """Every agent gets the same tool waits in its own order: no one agent's
+    chain of long waits sets the makespan by itself (throughput would then
+    measure that agent's luck, not the engine)."""
+    pre = preamble(tok, args.preamble_tokens)
+    waits = draw_waits(args, rng)
     trajs = []
     for i in range(args.trajectories):
         turns = []

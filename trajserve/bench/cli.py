@@ -7,6 +7,7 @@ import argparse
 from trajserve.bench.kv_emulation import EMULATIONS
 from trajserve.config import KV_CACHE_DTYPES, QUANTIZATIONS
 from trajserve.engine.options import add_engine_args
+from trajserve.sessions.config import SessionConfig
 
 
 def _throughput(args: argparse.Namespace) -> int:
@@ -130,6 +131,8 @@ def add_bench_parser(sub) -> None:
     a.add_argument("--api", choices=("engine", "messages"), default="engine",
                    help="--tool-waits: drive the engine in process (the policies), or agents speaking Anthropic's "
                    "Messages API over HTTP with no trajserve field (--modes: lru, inferred, explicit)")
+    a.add_argument("--idle-keep-factor", type=float, default=SessionConfig.idle_keep_factor, metavar="PHI",
+                   help="--api messages: the server's keep allowance at an empty pool (serve --idle-keep-factor)")
     a.add_argument("--modes", default="lru,inferred,explicit",
                    help="--api messages: how agents name their conversations (bench/agent_harness.py)")
     a.add_argument("--uncached-trajectories", type=int, default=2,

@@ -31,6 +31,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "resume; 0: never")
     s.add_argument("--max-sessions", type=int, default=DEFAULT.sessions.max_sessions,
                    help="open session records; one more closes the least recently active (0: no limit)")
+    s.add_argument("--idle-keep-factor", type=float, default=DEFAULT.sessions.idle_keep_factor, metavar="PHI",
+                   help="a paused session's state stays on the device while its expected wait is under PHI host "
+                        "round trips at an empty pool (one at the admission ceiling): the keep policy's "
+                        "allowance (sessions/keep_policy.py)")
     s.add_argument("--tool-call-parser", choices=("auto", *FORMATS), default=DEFAULT.tool_call_parser,
                    help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
                         "for Qwen, Llama 3's JSON form)")

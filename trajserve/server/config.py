@@ -53,7 +53,8 @@ class ServerConfig:
         return cls(served_model_names=tuple(args.served_model_name or ()), max_waiting=args.max_waiting,
                    max_body_bytes=args.max_body_bytes, api_keys=tuple(keys) if keys is not None else None,
                    allowed_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
-                   sessions=SessionConfig(idle_ttl_s=args.session_ttl or None, max_sessions=args.max_sessions or None))
+                   sessions=SessionConfig(idle_ttl_s=args.session_ttl or None, max_sessions=args.max_sessions or None,
+                                          idle_keep_factor=args.idle_keep_factor))
 
 
 DEFAULT = ServerConfig()

@@ -23,6 +23,11 @@ class SessionConfig:
     # state on the device.
     prefetch_fraction: float = 0.8
     overlap_reload: bool = True  # a resumed turn's reload runs behind its prefill
+    # The keep policy's empty-pool allowance (sessions/keep_policy.py phi0):
+    # at an empty pool a paused state stays on the device while its expected
+    # wait is under this many host round trips; the allowance falls to one
+    # round trip at the admission ceiling.
+    idle_keep_factor: float = 10.0
     idle_ttl_s: float | None = None  # no turn, pause or resume for this long: closed (None: never)
     max_sessions: int | None = None  # opening one more closes the least recently active (None: no limit)
 
@@ -31,6 +36,8 @@ class SessionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not 1 <= self.idle_keep_factor <= 1e6:
+            raise ValueError(f"idle_keep_factor must be in [1, 1e6], got {self.idle_keep_factor}")
         if not 0 <= self.prefetch_fraction <= 1:
             raise ValueError(f"prefetch_fraction must be in [0, 1], got {self.prefetch_fraction}")
         if self.idle_ttl_s is not None and not 0 < self.idle_ttl_s < math.inf:

@@ -153,7 +153,8 @@ class SessionManager:
         self.engine = engine
         # The policy's ceiling is the scheduler's: one tau_high for admission and keeping.
         # The engine's rates: what this manager measures also prices preemption.
-        self.policy = policy or KeepPolicy(engine.rates, admission_ceiling=engine.config.scheduler.admission_ceiling)
+        self.policy = policy or KeepPolicy(engine.rates, admission_ceiling=engine.config.scheduler.admission_ceiling,
+                                           idle_keep_factor=config.idle_keep_factor)
         self.waits = waits or WaitEstimator()
         self.stats = SessionStats()
         self.offload = SessionOffload(engine, self.policy.rates, self.stats, config.host_bytes, config.disk_dir,

@@ -60,7 +60,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 log = logging.getLogger("trajserve.server")
-_said: set[str] = set()  # tool types logged as left out (once each)
+_said: set[str] = set()  # Anthropic-typed tools left out: said once
 
 
 def error_body(status: int, message: str) -> dict:
@@ -172,11 +172,10 @@ class CountTokensRequest(BaseModel):
         body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision, **sampling}
-        for t in self.ignored_tools:
-            if t["type"] not in _said and len(_said) < 64:  # once per type (a bounded set)
-                _said.add(t["type"])
-                log.info("messages: tool type %r left out of the prompt (Anthropic's own tools are not run "
-                         "here; the reply names it in ignored_tools)", t["type"][:64])
+        if self.ignored_tools and not _said:  # once; the types are the client's text, kept out of the log
+            _said.add("said")
+            log.info("messages: tools of Anthropic's own types left out of the prompt (they are not run here; "
+                     "the reply names them in ignored_tools)")
         shown = [t for t in self.tools or [] if t.type in (None, "custom")]
         if shown:
             body["tools"] = [{"type": "function", "function": {
@@ -201,7 +200,7 @@ class CountTokensRequest(BaseModel):
         req = ChatCompletionRequest.model_validate(body)
         sid = claude_code_session(self.metadata.user_id if self.metadata is not None else None)
         if sid is not None:
-            req._conversation = ("metadata.user_id", sid)
+            req.name_conversation("metadata.user_id", sid)
         return req
 
     def cache_marks(self) -> list[tuple[int, str]]:

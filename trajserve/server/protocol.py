@@ -116,6 +116,10 @@ class _Common(BaseModel):
     def note(self, field: str, value) -> None:
         self._notes[field] = value
 
+    def name_conversation(self, origin: str, key: str) -> None:
+        """The conversation another API's own field names (its translation says so)."""
+        self._conversation = (origin, key)
+
     @property
     def notes(self) -> dict:
         return dict(self._notes)

@@ -33,9 +33,6 @@ of events:
     text.format                  -> response_format (json_schema / json_object)
     max_output_tokens            -> max_tokens (a reply cut there is
                                     status "incomplete", reason max_output_tokens)
-
-A conversation continued by previous_response_id renders to the same tokens
-it had, so the prefix cache serves it: only the new input is computed.
     prompt_cache_key, client_metadata.session_id
                                  -> the conversation a turn belongs to: it
                                     pauses and resumes as a session
@@ -44,6 +41,8 @@ it had, so the prefix cache serves it: only the new input is computed.
     safety_identifier, user      -> accepted (no reasoning items are made:
                                     the models served here write none)
 
+A conversation continued by previous_response_id renders to the same tokens
+it had, so the prefix cache serves it: only the new input is computed.
 Images and files are refused by name: the models served here read text and
 call the client's function and custom tools. A custom tool's grammar
 (`format`) is not enforced on its input.
@@ -98,6 +97,10 @@ class NamedFunction(BaseModel):
 CUSTOM_PARAMETERS = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"],
                      "additionalProperties": False}
 CLIENT_TOOLS = ("function", "custom")  # what the model can call and the client runs
+# OpenAI's hosted tool types, named in the log when left out (any other type
+# is logged as "another type": no client string reaches the log).
+HOSTED = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+          "image_generation", "mcp", "local_shell", "tool_search")
 _said: set[str] = set()  # hosted tool types logged as left out (once each)
 
 
@@ -238,10 +241,11 @@ class ResponsesRequest(BaseModel):
                 "tool_decision": self.tool_decision, "kv_hints": self.kv_hints, "nvext": self.nvext}
         shown, left_out = self.client_tools()
         for t in left_out:
-            if t["type"] not in _said and len(_said) < 64:  # once per type (a bounded set)
-                _said.add(t["type"])
-                log.info("responses: hosted tool type %r left out of the prompt (this server runs no hosted tools; "
-                         "the response names it in ignored_tools)", t["type"][:64])
+            kind = t["type"] if t["type"] in HOSTED else "another type"
+            if kind not in _said:  # once per type
+                _said.add(kind)
+                log.info("responses: hosted tool (%s) left out of the prompt (this server runs no hosted tools; "
+                         "the response names it in ignored_tools)", kind)
         if shown:
             body["tools"] = [{"type": "function", "function": {
                 "name": name, "description": t.description,
@@ -262,7 +266,7 @@ class ResponsesRequest(BaseModel):
         req = ChatCompletionRequest.model_validate(body)
         sid = (self.client_metadata or {}).get("session_id")
         if self.prompt_cache_key is None and sid:  # Codex names its thread here too
-            req._conversation = ("client_metadata.session_id", sid[:KEY_MAX])
+            req.name_conversation("client_metadata.session_id", sid[:KEY_MAX])
         return req
 
 

@@ -109,6 +109,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from trajserve.commands.doctor import run
+
+    return run(args)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from trajserve.bench.calibrate import run
 
@@ -145,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure this machine's engine; write a hardware profile for simulate")
     add_calibrate_parser(c)
     c.set_defaults(func=cmd_calibrate)
+    from trajserve.commands.doctor import add_doctor_parser  # imports no torch
+    d = sub.add_parser("doctor", help="why a harness's requests miss the prefix cache: breaks in a request log")
+    add_doctor_parser(d)
+    d.set_defaults(func=cmd_doctor)
     _show_defaults(p)
     return p
 

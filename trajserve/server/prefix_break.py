@@ -8,6 +8,7 @@ reply): where it first differs, every later token is prefilled again. For
 each turn of a session (explicit or inferred, server/conversations.py) the
 server compares the two and names the break:
 
+    turn             the turn's index in its session, from 0
     position         the first token where the prompt leaves the previous context
     lost_tokens      the tokens past it that the cache held and must be computed again
     cause            volatile_field   a date, time, id or hash early in the prompt changed

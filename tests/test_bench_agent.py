@@ -123,12 +123,14 @@ def test_bench_tool_waits_over_the_messages_api():
                   "--wait-scale", "0.002", "--pool-fraction", "0.5", timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert res["api"] == "messages" and res["replies_identical_across_modes"]
+    assert res["api"] == "messages" and res["replies_identical_across_modes"] and res["rounds"] == 2
     by = {x["mode"]: x for x in res["results"]}
     assert set(by) == {"lru", "inferred", "explicit"}
     assert not by["lru"]["decisions"]  # no conversation named: nothing pauses
-    # Each agent's two tool_use replies pause its session; inferred, its last reply too (for the human).
-    assert sum(by["explicit"]["decisions"].values()) == 2 * 2 and sum(by["inferred"]["decisions"].values()) == 2 * 3
+    # Each agent's two tool_use replies pause its session; inferred, its last reply too (for the human); two rounds.
+    assert sum(by["explicit"]["decisions"].values()) == 2 * 2 * 2
+    assert sum(by["inferred"]["decisions"].values()) == 2 * 3 * 2
+    assert all(len(x["throughput_per_round"]) == 2 for x in by.values())
     assert all(x["makespan_s"] > 0 and x["ttft_resumed_p50_ms"] > 0 for x in by.values())
 
 

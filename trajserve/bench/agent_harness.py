@@ -160,12 +160,27 @@ def run_mode(engine, workload, mode: str, args) -> dict:
         server.close()
         app.state.engine.shutdown()
         app.state.sessions.shutdown()
-    resumed = [t for turn, t in out["ttft"] if turn > 0 and t is not None]
-    q = statistics.quantiles(resumed, n=100) if len(resumed) >= 2 else resumed * 99
     return {"mode": mode, "makespan_s": makespan, "throughput_tok_s": out["tokens"] / makespan,
-            "ttft_resumed_p50_ms": statistics.median(resumed) * 1e3, "ttft_resumed_p99_ms": q[98] * 1e3,
+            "resumed_ttft_s": [t for turn, t in out["ttft"] if turn > 0 and t is not None],
             "decisions": sessions["keep_decisions"], "recomputed_tokens": sessions["recomputed_tokens"],
             "preemptions": engine.scheduler.num_preemptions - preempt0, "replies": out["replies"]}
+
+
+def _merge(mode: str, runs: list[dict]) -> dict:
+    """A mode's rounds: medians of makespan and throughput, TTFT over every
+    round's resumed turns, decisions and recomputation summed."""
+    ttft = [t for r in runs for t in r["resumed_ttft_s"]]
+    q = statistics.quantiles(ttft, n=100) if len(ttft) >= 2 else ttft * 99
+    decisions: dict = {}
+    for r in runs:
+        for k, v in r["decisions"].items():
+            decisions[k] = decisions.get(k, 0) + v
+    return {"mode": mode, "rounds": len(runs), "makespan_s": statistics.median(r["makespan_s"] for r in runs),
+            "throughput_tok_s": statistics.median(r["throughput_tok_s"] for r in runs),
+            "throughput_per_round": [r["throughput_tok_s"] for r in runs],
+            "ttft_resumed_p50_ms": statistics.median(ttft) * 1e3, "ttft_resumed_p99_ms": q[98] * 1e3,
+            "decisions": decisions, "recomputed_tokens": sum(r["recomputed_tokens"] for r in runs),
+            "preemptions": sum(r["preemptions"] for r in runs)}
 
 
 def run(args) -> int:
@@ -176,19 +191,23 @@ def run(args) -> int:
         args.num_blocks = int(args.trajectories * blocks_for(per_agent, args.block_size) * args.pool_fraction)
     engine = LLM.from_args(args).engine
     workload = build_workload(engine.tokenizer, args, random.Random(args.seed))
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     modes = args.modes.split(",")
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"unknown modes {bad}; choose from {', '.join(MODES)}")
-    results = []
-    for m in modes:
-        results.append(run_mode(engine, workload, m, args))
-        print(f"{m}: makespan {results[-1]['makespan_s']:.1f} s", file=sys.stderr)
-    same = all(r["replies"] == results[0]["replies"] for r in results)
-    for r in results:
-        del r["replies"]
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rnd in range(args.rounds):  # alternated: a mode's place in the order is not its result
+        for m in modes if rnd % 2 == 0 else list(reversed(modes)):
+            runs[m].append(run_mode(engine, workload, m, args))
+            print(f"round {rnd + 1} {m}: makespan {runs[m][-1]['makespan_s']:.1f} s", file=sys.stderr)
+    first = runs[modes[0]][0]["replies"]
+    same = all(r["replies"] == first for rs in runs.values() for r in rs)
+    results = [_merge(m, runs[m]) for m in modes]
     by = {r["mode"]: r for r in results}
-    res = {"command": command_line(), "machine": machine_info(), "api": "messages", "agents": args.trajectories,
+    res = {"command": command_line(), "machine": machine_info(), "api": "messages", "rounds": args.rounds,
+           "agents": args.trajectories,
            "turns": args.turns + 1, "wait_scale": args.wait_scale, "wait_source": args.wait_trace or "mix",
            "num_blocks": engine.num_blocks, "replies_identical_across_modes": same, "results": results}
     if {"lru", "inferred", "explicit"} <= by.keys():
@@ -199,7 +218,8 @@ def run(args) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(f"\n{res['command']}\n{args.trajectories} agents x {args.turns + 1} turns over /v1/messages, waits "
-          f"x{args.wait_scale} ({res['wait_source']}), pool {engine.num_blocks} blocks\n")
+          f"x{args.wait_scale} ({res['wait_source']}), pool {engine.num_blocks} blocks, {args.rounds} rounds in "
+          "alternated order (medians; TTFT over every round)\n")
     print(f"{'mode':>9} {'makespan':>9} {'tok/s':>7} {'TTFT p50':>9} {'p99':>8} {'recomp':>7} {'preempt':>7}  "
           "decisions")
     for r in results:

@@ -133,6 +133,8 @@ def add_bench_parser(sub) -> None:
                    "Messages API over HTTP with no trajserve field (--modes: lru, inferred, explicit)")
     a.add_argument("--idle-keep-factor", type=float, default=SessionConfig.idle_keep_factor, metavar="PHI",
                    help="--api messages: the server's keep allowance at an empty pool (serve --idle-keep-factor)")
+    a.add_argument("--rounds", type=int, default=2,
+                   help="--api messages: runs of every mode, the order reversed every other round")
     a.add_argument("--modes", default="lru,inferred,explicit",
                    help="--api messages: how agents name their conversations (bench/agent_harness.py)")
     a.add_argument("--uncached-trajectories", type=int, default=2,

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from trajserve.bench.agent_workload import preamble, task, tool_result
 from trajserve.bench.common import command_line, machine_info
 from trajserve.kv.block_table import blocks_for
+from trajserve.server.prefix_break import common_prefix
 from trajserve.sampling import SamplingParams
 from trajserve.sessions.keep_policy import Decision
 from trajserve.sessions.config import SessionConfig
@@ -272,8 +273,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _common_prefix(seqs: list[list[int]]) -> int:
-    n = min(map(len, seqs))
-    for i in range(n):
-        if any(q[i] != seqs[0][i] for q in seqs[1:]):
-            return i
-    return n
+    return min((common_prefix(seqs[0], q) for q in seqs[1:]), default=len(seqs[0]))

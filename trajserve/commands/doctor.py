@@ -104,7 +104,7 @@ def diagnose_log(lines, tok) -> dict:
                 for sid, c in conversations.items() if sid.startswith(base)}
         sid = lineage(seen, base, ids) or f"{base}-overflow"
         conv = conversations.setdefault(sid, _Conversation(sid, named[0]))
-        shape = TurnShape.of(len(ids), [m.model_dump(exclude_none=True) for m in req.messages],
+        shape = TurnShape.of(len(ids), req.messages,
                              [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
         turn = {"line": n, "api": api, "prompt_tokens": len(ids), "reusable_tokens": 0}
         if conv.last is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 CAUSES = ("volatile_field", "tools_changed", "reserialized", "compaction", "system_prompt", "other")
@@ -57,8 +57,11 @@ class TurnShape:
     tools: str            # digest of the tools with keys sorted: what they mean
 
     @classmethod
-    def of(cls, prompt_tokens: int, messages: list[dict], tools: list[dict] | None) -> TurnShape:
+    def of(cls, prompt_tokens: int, messages: Sequence, tools: list[dict] | None) -> TurnShape:
+        """messages: dicts, or the request's ChatMessages (only the first is read)."""
         first = messages[0] if messages else {}
+        if not isinstance(first, dict):
+            first = first.model_dump(exclude_none=True)
         system = first.get("content") if first.get("role") in ("system", "developer") else ""
         return cls(prompt_tokens, len(messages), _digest(json.dumps(system, sort_keys=True)),
                    _digest(json.dumps(tools or [])), _digest(json.dumps(tools or [], sort_keys=True)))

@@ -41,7 +41,6 @@ BREAKS_KEPT = 16  # a session's latest prefix breaks, on GET /v1/sessions/{id}
 @dataclass
 class TurnRecord:
     shape: TurnShape | None = None
-    turns: int = 0
     breaks: deque = field(default_factory=lambda: deque(maxlen=BREAKS_KEPT))
 
 
@@ -259,20 +258,20 @@ class ServerState:
         why (server/prefix_break.py): noted on the reply, kept with the
         session's turns, counted in /metrics. The session's turn is in flight:
         its history is this request's to read."""
-        shape = TurnShape.of(len(ids), [m.model_dump(exclude_none=True) for m in req.messages],
+        shape = TurnShape.of(len(ids), req.messages,
                              [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
         record = self.turns.pop(sess.session_id, None) or TurnRecord()
         self.turns[sess.session_id] = record  # the most recent last
         while len(self.turns) > TURN_RECORDS:
             self.turns.popitem(last=False)
         if record.shape is not None and sess.history:
-            hit = diagnose(record.turns, sess.history, record.shape, ids, shape,
+            hit = diagnose(sess.turns, sess.history, record.shape, ids, shape,  # turns finished: this one's index
                            lambda t: self.tok.decode(t, skip_special_tokens=False))
             if hit is not None:
                 record.breaks.append(hit)
                 self.metrics.observe_break(hit)
                 req.note("prefix_break", hit.as_dict())
-        record.shape, record.turns = shape, record.turns + 1
+        record.shape = shape
 
     def tools_not_shown(self, req: ChatCompletionRequest) -> str | None:
         """Why the request's tools do not reach the model (its chat template

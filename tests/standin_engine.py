@@ -11,7 +11,7 @@ from trajserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from trajserve.engine.engine import StepStats
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.step_hooks import StepHooks
-from trajserve.kv.block_format import BlockLayout
+from trajserve.kv.tiers import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.copy_engine import CopyEngine

@@ -32,11 +32,7 @@ def _pool(g, nb, hkv, bs, d):
 
 def _prefill(K, q, kc, vc, table, ctx, amx: bool) -> torch.Tensor:
     out = torch.empty_like(q)
-    was, K.amx = K.amx, amx
-    try:
-        K.prefill_attention(q, kc, vc, table, ctx, q.shape[-1] ** -0.5, out)
-    finally:
-        K.amx = was
+    K.with_paths(amx=amx).prefill_attention(q, kc, vc, table, ctx, q.shape[-1] ** -0.5, out)
     return out
 
 
@@ -45,14 +41,10 @@ def _decodes(K, q, kc, vc, table, ctx, amx: bool | None = None) -> torch.Tensor:
     tiles or not; None: as K stands)."""
     n, nb = q.shape[0], table.shape[0]
     out = torch.empty_like(q)
-    was = K.amx
-    K.amx = was if amx is None else amx
-    try:
-        K.decode_attention(q, kc, vc, table.repeat(n), torch.arange(n, dtype=torch.int64) * nb,
-                           torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64), torch.arange(n, dtype=torch.int64),
-                           q.shape[-1] ** -0.5, out)
-    finally:
-        K.amx = was
+    K = K if amx is None else K.with_paths(amx=amx)
+    K.decode_attention(q, kc, vc, table.repeat(n), torch.arange(n, dtype=torch.int64) * nb,
+                       torch.arange(ctx - n + 1, ctx + 1, dtype=torch.int64), torch.arange(n, dtype=torch.int64),
+                       q.shape[-1] ** -0.5, out)
     return out
 
 
@@ -171,11 +163,7 @@ def test_amx_int8_products_give_the_vector_kernels_bits(m, blocks, n, fmt, bias,
     res = torch.randn(m, n, generator=g)
     outs = []
     for amx in (True, False):
-        K.amx_int8 = amx
-        try:
-            outs.append(K.qlinear(x, w, b, res.clone() if acc else None))
-        finally:
-            K.amx_int8 = True
+        outs.append(K.with_paths(amx_int8=amx).qlinear(x, w, b, res.clone() if acc else None))
     assert torch.equal(outs[0], outs[1])
 
 
@@ -185,9 +173,7 @@ def test_rows_wider_than_the_tile_path_takes_run_on_the_vector_kernel():
     g = torch.Generator().manual_seed(9)
     x = torch.randn(20, 32 * 300, generator=g)  # 300 blocks a row: over the 256 the tiles' repacking holds
     w = QuantizedWeight.quantize(torch.randn(24, 32 * 300, generator=g), "q4_1").pack()
-    K.amx_int8 = False
-    want = K.qlinear(x, w)
-    K.amx_int8 = True
+    want = K.with_paths(amx_int8=False).qlinear(x, w)
     assert torch.equal(K.qlinear(x, w), want)
 
 
@@ -197,9 +183,7 @@ def test_amx_int8_gate_up_gives_the_vector_kernels_bits():
     g = torch.Generator().manual_seed(5)
     x = torch.randn(45, 96, generator=g)
     gate, up = (QuantizedWeight.quantize(torch.randn(40, 96, generator=g), "q4_1").pack() for _ in range(2))
-    K.amx_int8 = False
-    want = K.qgate_up_silu(x, gate, up)
-    K.amx_int8 = True
+    want = K.with_paths(amx_int8=False).qgate_up_silu(x, gate, up)
     assert torch.equal(K.qgate_up_silu(x, gate, up), want)
 
 
@@ -215,23 +199,18 @@ def test_amx_is_used_only_where_it_runs_and_gives_the_same_bits(monkeypatch, cap
     assert not amx_check.amx_usable(K, no_amx) and not amx_check.amx_int8_usable(K, no_amx, ["q8_0"])
     if not AMX:
         return
-    real = K.prefill_attention
+    real = cpu_kernels.CpuKernels.prefill_attention
 
-    def off_by_one_bit(q, kc, vc, table, ctx, scale, out):
-        real(q, kc, vc, table, ctx, scale, out)
-        if K.amx:
+    def off_by_one_bit(self, q, kc, vc, table, ctx, scale, out):
+        real(self, q, kc, vc, table, ctx, scale, out)
+        if self.amx:
             out.view(torch.int32)[0, 0, 0] ^= 1
 
-    monkeypatch.setattr(K, "prefill_attention", off_by_one_bit)
-    was = K.amx_kv_quant
-    try:
-        with caplog.at_level("WARNING"):
-            assert not amx_check.amx_usable(K, cpu_kernels.cpu_flags())
-            # a quantized pool's tile path whose bits differ from the bf16 kernel's stays off too
-            K.amx = True
-            assert not amx_check.amx_kv_quant_usable(K)
-    finally:
-        K.amx, K.amx_kv_quant = True, was  # the shared instance, as load() left it
+    monkeypatch.setattr(cpu_kernels.CpuKernels, "prefill_attention", off_by_one_bit)
+    with caplog.at_level("WARNING"):
+        assert not amx_check.amx_usable(K, cpu_kernels.cpu_flags())
+        # a quantized pool's tile path whose bits differ from the bf16 kernel's stays off too
+        assert not amx_check.amx_kv_quant_usable(K.with_paths(amx=True, amx_kv_quant=False))
     assert "differs from the vector decode kernel" in caplog.text
     assert "quantized KV pools stay on the vector kernel" in caplog.text
 
@@ -241,7 +220,7 @@ def test_kv_dtype_resolution():
 
     class Kern(cpu_kernels.CpuKernels):
         def __init__(self, amx):
-            self.amx = self.amx_kv_quant = amx
+            self.paths = cpu_kernels.KernelPaths(amx=amx, amx_kv_quant=amx)
 
     f32, bf16 = torch.float32, torch.bfloat16
 

@@ -18,12 +18,11 @@ from test_prefix_cache_engine import run
 
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
-from trajserve.kv import block_format as fmt
-from trajserve.kv.block_format import BlockIdentity, BlockLayout, BlockRejected
+from trajserve.kv import tiers as fmt
 from trajserve.kv.dir_lock import LOCK_NAME, DirInUse, DirLock, ScratchDir, sweep_orphans
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.kv.scope import CacheScope
-from trajserve.kv.tiers import DiskKVStore
+from trajserve.kv.tiers import BlockIdentity, BlockLayout, BlockRejected, DiskKVStore
 
 B = 4
 

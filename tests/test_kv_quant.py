@@ -32,10 +32,7 @@ def KP(K, request):
     kernels (what CPUs without AMX run)."""
     if request.param == "tiles" and not K.amx_kv_quant:
         pytest.skip("this CPU or build runs no AMX tiles for quantized pools")
-    was = K.amx_kv_quant
-    K.amx_kv_quant = request.param == "tiles"
-    yield K
-    K.amx_kv_quant = was
+    return K.with_paths(amx_kv_quant=request.param == "tiles")
 
 
 def _g(seed: int) -> torch.Generator:

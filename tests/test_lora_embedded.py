@@ -104,9 +104,12 @@ def test_bf16_adapters_on_avx512_bf16_dot_products(tmp_path, hf_gguf_model):
         logp = peft(torch.tensor([ids])).logits[0].float().log_softmax(-1)
         want = peft.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     ref = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-    eng.model.kernels.lora_dp = False  # the same adapter on the vector path: float rows, float intermediate
-    vector = run_requests(eng, jobs[:1])[0]
-    eng.model.kernels.lora_dp = True
+    eng.close()
+    eng = LLMEngine(EngineConfig(dtype="float32", quantization="none", lora_modules=(("h", str(tmp_path / "h")),),
+                                 cache=CacheConfig(num_blocks=256, kv_cache_dtype="float32"),
+                                 kernel_paths_off=("lora_dp",)))
+    assert not eng.model.kernels.lora_dp
+    vector = run_requests(eng, jobs[:1])[0]  # the same adapter on the vector path: float rows, float intermediate
     eng.close()
     theirs = torch.tensor([vector.prompt_logprobs[i][0] for i in range(1, len(ids))])
     for n, mod in peft.named_modules():  # PEFT running the adapter as loaded from a bf16 file: in bf16

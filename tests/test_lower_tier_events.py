@@ -10,7 +10,7 @@ import random
 import torch
 
 from trajserve.cluster.directory import KVEvent, PrefixDirectory
-from trajserve.kv.block_format import namespace_digest
+from trajserve.kv.tiers import namespace_digest
 from trajserve.kv.lower_tiers import LowerTiers
 
 

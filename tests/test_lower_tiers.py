@@ -22,10 +22,9 @@ from test_prefix_cache_engine import run
 from trajserve.config import CacheConfig, EngineConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.kv.cache_manager import KVCacheManager
-from trajserve.kv.block_format import BlockLayout, namespace_digest
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.kv.scope import CacheScope
-from trajserve.kv.tiers import DISK_HEADER_BYTES
+from trajserve.kv.tiers import DISK_HEADER_BYTES, BlockLayout, namespace_digest
 
 B = 4
 LAYOUT = BlockLayout.of(b"token-pool", torch.long, (B,))

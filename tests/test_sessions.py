@@ -243,7 +243,7 @@ def test_calibration_on_a_full_disk_tier_tries_no_round_trip(engine_f32, tmp_pat
     instead of failing a round trip it has no room for."""
     import torch
 
-    from trajserve.kv.block_format import BlockIdentity, digest
+    from trajserve.kv.tiers import BlockIdentity, digest
 
     engine_f32.kv.clear_cache()
     layout = engine_f32.block_layout

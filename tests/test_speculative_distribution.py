@@ -92,8 +92,7 @@ def sample_triples(model_dir: Path, proposer) -> Counter:
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=64,
                                     cache=CacheConfig(num_blocks=1200, block_size=4),
                                     scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096,
-                                                              max_prefill_chunk=4096)))
-    engine.scheduler.proposer = proposer
+                                                              max_prefill_chunk=4096)), proposer)
     counts: Counter = Counter()
     for start in range(0, N, 1000):
         ids = [engine.add_request(PROMPT, SamplingParams(seed=s, **SP)) for s in range(start, start + 1000)]
@@ -153,7 +152,7 @@ def test_speculation_keeps_the_distribution_and_a_wrong_rule_does_not(tiny, targ
     assert prop.num_draft_tokens >= N and 0.2 < prop.num_accepted_tokens / prop.num_draft_tokens < 0.9
     assert chi_square_p(counts, probs) > 1e-3
 
-    import trajserve.engine.model_executor as mx
+    import trajserve.engine.model_runner as mx
     monkeypatch.setattr(mx, "verify_drafts", wrong_verify)
     wrong = sample_triples(model_dir, TableDrafts(best))
     assert chi_square_p(wrong, probs) < 1e-6

@@ -12,12 +12,11 @@ so rejection and rollback at every position are exercised.
 """
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
 
-from test_engine_invariance import _prompts, assert_pool_clean, drain, run_outputs, sched_config
+from test_engine_invariance import _prompts, assert_pool_clean, drain, run_outputs
 from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.sampling import SamplingParams
@@ -64,39 +63,43 @@ def lookup() -> DraftProposer:
     return DraftProposer(SpecConfig("ngram", 8, adaptive=False))
 
 
-@contextlib.contextmanager
-def speculation(engine: LLMEngine, proposer: DraftProposer | None):
-    old = engine.scheduler.proposer
-    engine.scheduler.proposer = proposer
-    try:
-        yield proposer
-    finally:
-        engine.scheduler.proposer = old
+def engine_with(proposer: DraftProposer | None, num_blocks: int = 512, **sched) -> LLMEngine:
+    """The embedded model in float32 (engine_f32's configuration) drafting
+    with `proposer`, passed in at construction (None: speculation off)."""
+    return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=num_blocks),
+                                  scheduler=SchedulerConfig(speculative="off", **sched)), proposer)
 
 
 PROPOSERS = {"lookup": lookup, "random": RandomDrafts}
 
 
 @pytest.fixture(scope="module")
-def prompts(engine_f32):
-    tok = engine_f32.tokenizer
+def prompts(plain):
+    tok = plain.tokenizer
     return [copy_prompt(tok), copy_prompt(tok, 4, 1)] + [p for p in _prompts(tok) if len(p) < 300]
 
 
 @pytest.fixture(scope="module")
-def reference(engine_f32, prompts):
+def plain():
+    engine = engine_with(None)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(plain, prompts):
     """Each prompt alone, no speculation."""
-    with speculation(engine_f32, None):
-        return [run_outputs(engine_f32, [p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    return [run_outputs(plain, [p], GREEDY)[0].outputs[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize("kind", PROPOSERS)
 @pytest.mark.parametrize("chunk", [7, 64, 512])
-def test_greedy_tokens_are_unchanged_across_chunks_and_batching(engine_f32, prompts, reference, kind, chunk):
+def test_greedy_tokens_are_unchanged_across_chunks_and_batching(prompts, reference, kind, chunk):
     idx = [i for i, p in enumerate(prompts) if chunk > 7 or len(p) < 150]
-    with sched_config(engine_f32, max_prefill_chunk=chunk, max_num_batched_tokens=max(chunk, 16)), \
-            speculation(engine_f32, PROPOSERS[kind]()) as prop:
-        got = [o.outputs[0].token_ids for o in run_outputs(engine_f32, [prompts[i] for i in idx], GREEDY)]
+    prop = PROPOSERS[kind]()
+    engine = engine_with(prop, max_prefill_chunk=chunk, max_num_batched_tokens=max(chunk, 16))
+    got = [o.outputs[0].token_ids for o in run_outputs(engine, [prompts[i] for i in idx], GREEDY)]
+    engine.close()
     assert got == [reference[i] for i in idx]
     assert prop.num_draft_tokens > 0
     if kind == "lookup":  # every step drafts 8 where a match exists: the copies' drafts are accepted
@@ -106,49 +109,46 @@ def test_greedy_tokens_are_unchanged_across_chunks_and_batching(engine_f32, prom
 def test_small_pool_preemption_and_rollback(prompts, reference):
     """A pool too small for the batch: requests are preempted and
     recomputed while others verify drafts; rolled-back blocks return."""
-    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=20),
-                                    scheduler=SchedulerConfig(admission_ceiling=1.0)))
+    engine = engine_with(RandomDrafts(seed=3), num_blocks=20, admission_ceiling=1.0)
     assert sum(len(p) + GREEDY.max_tokens for p in prompts[:4]) > engine.kv.token_capacity
-    with speculation(engine, RandomDrafts(seed=3)):
-        got = [o.outputs[0].token_ids for o in run_outputs(engine, prompts[:4], GREEDY)]
+    got = [o.outputs[0].token_ids for o in run_outputs(engine, prompts[:4], GREEDY)]
     assert engine.scheduler.num_preemptions > 0
     assert got == reference[:4]
 
 
-def test_fork_children_continue_identically(engine_f32, prompts):
+def test_fork_children_continue_identically(prompts):
     def forked(proposer):
-        with speculation(engine_f32, proposer):
-            rid = engine_f32.add_request(prompts[0], GREEDY)
-            results: dict = {}
-            for _ in range(6):
-                engine_f32.step()
-            kids = engine_f32.fork(rid, 2)
-            drain(engine_f32, results)
-            out = [results[i].outputs[0].token_ids for i in [rid] + kids]
-            assert_pool_clean(engine_f32)
-            return out
+        engine = engine_with(proposer)
+        rid = engine.add_request(prompts[0], GREEDY)
+        results: dict = {}
+        for _ in range(6):
+            engine.step()
+        kids = engine.fork(rid, 2)
+        drain(engine, results)
+        out = [results[i].outputs[0].token_ids for i in [rid] + kids]
+        assert_pool_clean(engine)
+        engine.close()
+        return out
 
-    engine_f32.kv.clear_cache()
     want = forked(None)
     assert forked(RandomDrafts(seed=5)) == want
     assert forked(lookup()) == want
 
 
 @pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
-def test_session_pause_to_each_tier(engine_f32, tmp_path, decision):
+def test_session_pause_to_each_tier(tmp_path, decision):
     from test_sessions import two_turns
     from trajserve.sessions.config import SessionConfig
     from trajserve.sessions.manager import SessionManager
 
     def turns(proposer, sub):
-        engine_f32.kv.clear_cache()
-        mgr = SessionManager(engine_f32, SessionConfig(disk_dir=str(tmp_path / sub)))
+        engine = engine_with(proposer)
+        mgr = SessionManager(engine, SessionConfig(disk_dir=str(tmp_path / sub)))
         try:
-            with speculation(engine_f32, proposer):
-                first, second, _ = two_turns(mgr, "Repeat the word 'pytest' five times.", pause=decision)
+            first, second, _ = two_turns(mgr, "Repeat the word 'pytest' five times.", pause=decision)
         finally:
             mgr.shutdown()
-            engine_f32.kv.clear_cache()
+            engine.close()
         return first.outputs[0].token_ids, second.outputs[0].token_ids
 
     prop = RandomDrafts(seed=7)
@@ -156,8 +156,8 @@ def test_session_pause_to_each_tier(engine_f32, tmp_path, decision):
     assert prop.num_draft_tokens > 0
 
 
-def test_structured_output_stop_strings_and_logprobs(engine_f32, prompts):
-    tok = engine_f32.tokenizer
+def test_structured_output_stop_strings_and_logprobs(plain, prompts):
+    tok = plain.tokenizer
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "line": {"type": "string"}},
               "required": ["city", "line"]}
     json_prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": (
@@ -175,9 +175,9 @@ def test_structured_output_stop_strings_and_logprobs(engine_f32, prompts):
     ]
 
     def run(proposer):
-        with speculation(engine_f32, proposer):
-            return run_outputs(engine_f32, [p for p, _ in cases[:1]], cases[0][1]) + [
-                run_outputs(engine_f32, [p], sp)[0] for p, sp in cases[1:]]
+        engine = engine_with(proposer) if proposer is not None else plain
+        return run_outputs(engine, [p for p, _ in cases[:1]], cases[0][1]) + [
+            run_outputs(engine, [p], sp)[0] for p, sp in cases[1:]]
 
     want = run(None)
     prop = lookup()
@@ -195,14 +195,14 @@ def test_structured_output_stop_strings_and_logprobs(engine_f32, prompts):
     assert prop.num_accepted_tokens > 0
 
 
-def test_seeded_sampling_gives_the_same_text(engine_f32, prompts):
+def test_seeded_sampling_gives_the_same_text(plain, prompts):
     """One draw per output token from the same distribution in the same
     order: with bit-identical logits a seed gives the same sample."""
     sps = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=s) for s in (1, 2, 3)]
 
     def run(proposer):
-        with speculation(engine_f32, proposer):
-            return [run_outputs(engine_f32, [prompts[0]], sp)[0].outputs[0].token_ids for sp in sps]
+        engine = engine_with(proposer) if proposer is not None else plain
+        return [run_outputs(engine, [prompts[0]], sp)[0].outputs[0].token_ids for sp in sps]
 
     prop = lookup()
     assert run(prop) == run(None)
@@ -213,51 +213,50 @@ def test_random_soak_leaves_pool_and_tree_as_they_were(prompts):
     """Requests of every kind with aborts, forks and a small pool, drafts
     mostly wrong: nothing leaks (refcounts match the tables and the tree,
     and every block is free once the cache is cleared)."""
-    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=28),
-                                    scheduler=SchedulerConfig(admission_ceiling=1.0)))
+    prop = RandomDrafts(seed=11)
+    engine = engine_with(prop, num_blocks=28, admission_ceiling=1.0)
     rng = random.Random(11)
-    with speculation(engine, RandomDrafts(seed=11)) as prop:
-        live: list[str] = []
-        for step in range(250):
-            if rng.random() < 0.4 and len(live) < 10:
-                sp = SamplingParams(max_tokens=rng.randint(1, 80), temperature=rng.choice([0, 0.7]),
-                                    seed=rng.randint(0, 99), stop=rng.choice([[], ["the"]]))
-                live.append(engine.add_request(rng.choice(prompts[:4]), sp))
-            if live and rng.random() < 0.03:
-                engine.abort_request(live.pop(rng.randrange(len(live))))
-            if live and rng.random() < 0.03 and live[-1] in engine.groups:
-                try:
-                    live.extend(engine.fork(live[-1], 1))
-                except ValueError:
-                    pass
-            for out in engine.step():
-                if out.finished and out.request_id in live:
-                    live.remove(out.request_id)
-        drain(engine, {})
+    live: list[str] = []
+    for step in range(250):
+        if rng.random() < 0.4 and len(live) < 10:
+            sp = SamplingParams(max_tokens=rng.randint(1, 80), temperature=rng.choice([0, 0.7]),
+                                seed=rng.randint(0, 99), stop=rng.choice([[], ["the"]]))
+            live.append(engine.add_request(rng.choice(prompts[:4]), sp))
+        if live and rng.random() < 0.03:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        if live and rng.random() < 0.03 and live[-1] in engine.groups:
+            try:
+                live.extend(engine.fork(live[-1], 1))
+            except ValueError:
+                pass
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+    drain(engine, {})
     assert_pool_clean(engine)
     assert engine.scheduler.num_preemptions > 0 and prop.num_accepted_tokens > 0
     assert prop.num_draft_tokens > 2 * prop.num_accepted_tokens  # mostly rejected: rollbacks ran
 
 
-def test_suffix_source_drafts_from_finished_requests_of_the_same_salt_only(engine_f32):
+def test_suffix_source_drafts_from_finished_requests_of_the_same_salt_only(plain):
     """An agent re-sends a turn (a retry, a sibling branch): with `suffix`
     the second request drafts from the first's finished tokens and accepts
     most of them; under another cache_salt it gets nothing from them. The
     text is the same either way."""
-    tok = engine_f32.tokenizer
+    tok = plain.tokenizer
     prompt = tok.encode_chat([{"role": "user", "content": "Write a short story about a lighthouse keeper."}])
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 
     def second_request(method, salt):
         prop = DraftProposer(SpecConfig(method, 8, adaptive=False))
-        with speculation(engine_f32, prop):
-            engine_f32.kv.clear_cache()
-            first = engine_f32.add_request(prompt, sp, cache_salt="a")
-            results: dict = {}
-            drain(engine_f32, results)
-            before = prop.num_accepted_tokens, prop.num_draft_tokens
-            second = engine_f32.add_request(prompt, sp, cache_salt=salt)
-            drain(engine_f32, results)
+        engine = engine_with(prop)
+        first = engine.add_request(prompt, sp, cache_salt="a")
+        results: dict = {}
+        drain(engine, results)
+        before = prop.num_accepted_tokens, prop.num_draft_tokens
+        second = engine.add_request(prompt, sp, cache_salt=salt)
+        drain(engine, results)
+        engine.close()
         acc, drafted = prop.num_accepted_tokens - before[0], prop.num_draft_tokens - before[1]
         return results[first].outputs[0].token_ids, results[second].outputs[0].token_ids, acc, drafted
 

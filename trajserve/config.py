@@ -15,6 +15,9 @@ FLAGS = {"num_threads": "--threads"}
 # --quantization's values (model/quant.py target_format says what each does);
 # here because the option table and validation load no torch.
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
+# The C kernels' optional paths (model/cpu_kernels.py KernelPaths), and
+# "lora": adapters' products on the kernels at all (else torch matmuls).
+KERNEL_PATHS = ("amx", "amx_kv_quant", "amx_int8", "lora_dp", "lora")
 # --kv-cache-dtype's values (engine/dtype.py resolve_kv_dtype says what auto becomes).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
 # --rope-scaling's values: stretch a model's RoPE past its trained context (model/rope.py).
@@ -134,6 +137,9 @@ class EngineConfig:
     num_threads: int | None = None
     # float32 on the CPU: the C kernels of model/cpu_kernels.c (else torch only)
     cpu_kernels: bool = True
+    # Paths of the C kernels left off although this CPU runs them (KERNEL_PATHS):
+    # what the comparisons in the benches and tests run beside the default.
+    kernel_paths_off: tuple[str, ...] = ()
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # LoRA adapters (trajserve/lora/): on with enable_lora, lora_modules or
@@ -173,6 +179,8 @@ class EngineConfig:
         check(self.quantization in QUANTIZATIONS, "quantization", "one of " + ", ".join(QUANTIZATIONS),
               self.quantization)
         count("max_model_len", self.max_model_len, allow_none=True)
+        check(isinstance(self.kernel_paths_off, tuple) and set(self.kernel_paths_off) <= set(KERNEL_PATHS),
+              "kernel_paths_off", "a tuple of " + ", ".join(KERNEL_PATHS), self.kernel_paths_off)
         check(self.tool_prompt in (None, *TOOL_PROMPTS), "tool_prompt", "one of " + ", ".join(TOOL_PROMPTS),
               self.tool_prompt)
         check(self.rope_scaling in (None, *ROPE_SCALINGS), "rope_scaling", "one of " + ", ".join(ROPE_SCALINGS),

@@ -119,31 +119,33 @@ def run(args: argparse.Namespace) -> int:
     # Speculation off: one row per request per decode step.
     sc = dataclasses.replace(cfg.scheduler, max_loras=max(cfg.scheduler.max_loras, args.adapters),
                              max_num_seqs=max(cfg.scheduler.max_num_seqs, args.requests), speculative="off")
-    engine = LLMEngine(dataclasses.replace(cfg, enable_lora=True, max_lora_rank=max(cfg.max_lora_rank, args.rank),
-                                           scheduler=sc))
+    cfg = dataclasses.replace(cfg, enable_lora=True, max_lora_rank=max(cfg.max_lora_rank, args.rank), scheduler=sc)
+    engine = LLMEngine(cfg)
     tmp = tempfile.TemporaryDirectory(prefix="trajserve-bench-lora-")
     names = [f"ad{i}" for i in range(args.adapters + 1)]  # one more than resident: the on-demand case
     for i, name in enumerate(names):
         write_adapter(Path(tmp.name) / name, engine.model_config, args.rank, targets, i, args.adapter_dtype)
-        engine.lora.load(name, Path(tmp.name) / name)
     tok = engine.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": f"Request {i}: write about the number {i * 37 % 101} "
                                  f"and the color of the sea at dawn, in detail."}]) for i in range(args.requests)]
     cases = {"base": [None] * args.requests,
              "lora": [names[i % args.adapters] for i in range(args.requests)]}
+    # The comparisons run on engines built with a path off (--kernel-paths-off), beside the default one.
+    engines = {"base": engine, "lora": engine}
     cases["lora-torch"] = cases["lora"]
+    engines["lora-torch"] = LLMEngine(dataclasses.replace(cfg, kernel_paths_off=("lora",)))
     kernels = engine.model.kernels
-    dp = kernels is not None and kernels.lora_dp
-    if dp:  # bf16 adapters run on AVX512-BF16 dot products here: the vector path beside them
+    if kernels is not None and kernels.lora_dp:  # bf16 adapters run on AVX512-BF16 dot products here
         cases["lora-vector"] = cases["lora"]
+        engines["lora-vector"] = LLMEngine(dataclasses.replace(cfg, kernel_paths_off=("lora_dp",)))
+    for e in set(engines.values()):
+        for name in names:
+            e.lora.load(name, Path(tmp.name) / name)
     rows = {c: {"wall": [], "step": [], "prefill": [], "outs": None} for c in cases}
     for r in range(args.rounds):
         order = list(cases) if r % 2 == 0 else list(reversed(cases))
         for c in order:
-            engine.runner.lora_kernels = c != "lora-torch"
-            if dp:
-                kernels.lora_dp = c != "lora-vector"
-            wall, steps, prefill, outs = _pass(engine, prompts, cases[c], f"{c}-{r}", args.max_tokens)
+            wall, steps, prefill, outs = _pass(engines[c], prompts, cases[c], f"{c}-{r}", args.max_tokens)
             row = rows[c]
             row["wall"].append(wall)
             row["step"].append(statistics.median(steps))
@@ -152,9 +154,8 @@ def run(args: argparse.Namespace) -> int:
                 row["outs"] = outs
             elif row["outs"] != outs:
                 row["outs"] = "differ"
-    engine.runner.lora_kernels = True
-    if dp:
-        kernels.lora_dp = True
+    for e in set(engines.values()) - {engine}:
+        e.close()
     base = rows["base"]
     out_cases = []
     for c, row in rows.items():

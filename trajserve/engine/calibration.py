@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from trajserve.kv.block_format import BlockIdentity, digest
 from trajserve.kv.cost_rates import CostRates
+from trajserve.kv.tiers import BlockIdentity, digest
 from trajserve.sampling import SamplingParams
 
 log = logging.getLogger("trajserve")

@@ -5,7 +5,7 @@
 The scheduler (engine/scheduler.py) decides what runs and owns every
 request's state, n > 1 forks included; an Executor turns a SchedulerOutput
 into one token per sampled row. The engine's executor runs the model and
-the sampler (engine/model_executor.py); the simulator's puts the cost
+the sampler (engine/model_runner.py); the simulator's puts the cost
 model there (sim/executor.py) and spends virtual time. LLMEngine.step()
 (with its step hooks and output processing) and the simulator's loop both
 step an EngineCore, so what one schedules the other schedules the same way.

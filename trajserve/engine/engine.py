@@ -2,7 +2,7 @@
 
 step(): the step hooks (engine/step_hooks.py: a session manager's
 housekeeping) around EngineCore.step (engine/core.py: schedule -> the model
-executor, engine/model_executor.py -> update), then engine/output_processor.py
+executor, engine/model_runner.py -> update), then engine/output_processor.py
 turns the sampled tokens into RequestOutputs. This module builds the pieces
 (model, KV pool, tiers, scheduler, sampler) from an EngineConfig and owns the
 request API: add, fork, abort, validation.
@@ -27,17 +27,16 @@ from trajserve.engine.core import EngineCore, StepStats
 from trajserve.engine.dtype import resolve_dtype, resolve_kv_dtype, resolve_quantization
 from trajserve.engine.invalidation import scopes_of_salt, stale_prefix
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
-from trajserve.engine.model_executor import ModelExecutor
-from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
+from trajserve.engine.model_runner import ModelExecutor, ModelRunner, allocate_kv_pool
 from trajserve.engine.output_processor import OutputProcessor, RequestGroup
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.step_hooks import StepHooks
-from trajserve.kv.block_format import BlockLayout
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.kv.preemption import PreemptionPricer
+from trajserve.kv.tiers import BlockLayout
 from trajserve.lora.manager import LoRAManager
 from trajserve.lora.slots import LoRASlots
 from trajserve.model.fingerprint import model_fingerprint
@@ -57,15 +56,16 @@ log = logging.getLogger("trajserve")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, proposer: DraftProposer | None = None) -> None:
         """Resolve what `auto` means here, load the model, build the rest
-        around it: each step reads only what the ones before settled."""
+        around it: each step reads only what the ones before settled. proposer:
+        drafts in place of --speculative's (the tests' adversarial ones)."""
         self.config = config = config or EngineConfig()
         config.validate()
         why: dict[str, str] = {}  # each resolved choice's reason, for the start-up line
         self._resolve(config, why)
         self._load(config, why)
-        self._build(config, why)
+        self._build(config, why, proposer)
 
     def _resolve(self, config: EngineConfig, why: dict[str, str]) -> None:
         """Device, threads, dtype, quantization, tokenizer and chat template."""
@@ -112,10 +112,10 @@ class LLMEngine:
                              f"stretch it, at a cost in quality)")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.model = LlamaModel(mc, weights, self.max_model_len, self.dtype, self.device,
-                                use_cpu_kernels=config.cpu_kernels)
+                                use_cpu_kernels=config.cpu_kernels, kernel_paths_off=config.kernel_paths_off)
         del weights
 
-    def _build(self, config: EngineConfig, why: dict[str, str]) -> None:
+    def _build(self, config: EngineConfig, why: dict[str, str], proposer: DraftProposer | None) -> None:
         """The KV pool and its manager, tiers, adapters, runner, scheduler,
         sampler and the step's core, around the loaded model."""
         mc = self.model_config
@@ -131,10 +131,10 @@ class LLMEngine:
         kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
                                      mc.head_dim, self.kv_format, self.device)
         self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None  # adapters
-        self.runner = ModelRunner(self.model, kv_caches, cc.block_size,
-                                  self.lora.slots if self.lora is not None else None)
+        self.runner = ModelRunner(self.model, kv_caches, cc.block_size, self.lora.slots if self.lora else None,
+                                  lora_kernels="lora" not in config.kernel_paths_off)
         self.block_bytes = bytes_per_block(mc, cc.block_size, self.kv_format)  # a block's KV, every layer
-        # What every block written to disk says it is (kv/block_format.py).
+        # What every block written to disk says it is (kv/tiers.py).
         formats = self.model.weight_formats()
         quantized = sorted(f for f in formats if f in QUANT_FORMATS)
         # A stretched RoPE stores other keys: blocks on disk must not pass for the unstretched model's.
@@ -157,8 +157,11 @@ class LLMEngine:
                                       lambda n: n * block_bytes <= host.byte_cap)
         sc = config.scheduler
         self.speculative, why["speculative"] = resolve_speculative(sc.speculative, self.model.kernels is not None)
-        self.proposer = None if self.speculative == "off" else DraftProposer(
-            SpecConfig(self.speculative, sc.num_speculative_tokens))
+        if proposer is not None:
+            self.speculative, why["speculative"] = proposer.config.method, "a proposer passed to the engine"
+        elif self.speculative != "off":
+            proposer = DraftProposer(SpecConfig(self.speculative, sc.num_speculative_tokens))
+        self.proposer = proposer
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs

@@ -1,23 +1,37 @@
-"""ModelRunner: the executor that runs a SchedulerOutput on the real model.
+"""A SchedulerOutput run on the real model: the engine's Executor (engine/core.py).
 
-It owns the KV tensors (one K and one V pool per layer, each
+    SchedulerOutput ─► ModelRunner.prepare (token layout, slots, copies)
+                    ─► ModelRunner.run (LlamaModel.forward over the paged KV)
+                    ─► prompt logprobs (rows of prompt tokens that asked for them)
+                    ─► Sampler.sample (one row per sampled sequence) ─► ExecutorOutput
+
+ModelRunner owns the KV tensors (one K and one V pool per layer, each
 [num_blocks, kv_heads, block_size, head_dim]) and turns the scheduler's
-token/block description into flat tensors. The bookkeeping is numpy on the
-host, one device copy per tensor per step.
+token/block description into flat tensors; the bookkeeping is numpy on the
+host, one device copy per tensor per step. ModelExecutor puts the sampler
+after it.
+
+A prompt with n > 1 samples is prefilled once: the row that ends its prefill
+is sampled once more for each of its other sequences (the scheduler forks
+them off it in update), so each draws its own first token from the same logits.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from trajserve.engine.scheduler import SchedulerOutput
+from trajserve.engine.core import ExecutorOutput, StepStats
+from trajserve.engine.scheduler import Scheduler, SchedulerOutput
 from trajserve.kv.copy_engine import CopyEngine, CopyJob, gather_blocks
 from trajserve.lora.rows import LoRARows
 from trajserve.lora.slots import LoRASlots
 from trajserve.model.attention import AttentionMetadata, PrefillSeq
 from trajserve.model.llama import LlamaModel
+from trajserve.model.sampler import RowContext, Sampler, token_logprobs
+from trajserve.speculative.verify import verify_drafts
 
 
 @dataclass(slots=True)
@@ -62,7 +76,7 @@ def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_h
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, lora: LoRASlots | None = None) -> None:
+                 block_size: int, lora: LoRASlots | None = None, lora_kernels: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -71,7 +85,7 @@ class ModelRunner:
         # Background device <-> host copies (swaps of paused sessions).
         self.copy = CopyEngine(kv_caches)
         self.lora = lora  # the resident adapters (lora/slots.py), when LoRA is on
-        self.lora_kernels = True  # False: adapters' products as torch matmuls (bench lora's comparison)
+        self.lora_kernels = lora_kernels  # False: adapters' products as torch matmuls (--kernel-paths-off lora)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
@@ -226,3 +240,67 @@ class ModelRunner:
         return self.model.forward(batch.input_ids, batch.positions, batch.meta, self.kv_caches,
                                   batch.sample_rows, self.copy.layer_barrier(batch.loads), batch.sample_meta,
                                   batch.lora)
+
+
+class ModelExecutor:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler) -> None:
+        self.runner, self.sampler, self.scheduler = runner, sampler, scheduler
+        self._cuda = runner.device.type == "cuda"
+
+    def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
+        t1 = time.perf_counter()
+        batch = self.runner.prepare(sched)
+        t2 = time.perf_counter()
+        logits = self.runner.run(batch)
+        if self._cuda:
+            torch.cuda.synchronize(self.runner.device)
+        t3 = time.perf_counter()
+        if batch.prompt_spans:
+            self._prompt_logprobs(batch.prompt_spans, logits)
+            logits = logits[batch.sample_pick]
+        by_id = {c.request.request_id: c.request for c in sched.chunks}
+        ids = batch.sample_ids
+        first = batch.sample_first
+        if first is not None:  # drafted sequences have 1 + k rows: round 0 samples each one's first
+            all_logits, logits = logits, logits[first]
+        if self.scheduler.pending_samples:
+            logits, ids = self._with_samples(sched, logits, ids, by_id)
+        params = [by_id[r].sampling_params for r in ids]
+        contexts = [RowContext(by_id[r].all_token_ids, by_id[r].num_prompt_tokens, by_id[r].matcher)
+                    if p.adjusts_logits or by_id[r].matcher is not None else None for r, p in zip(ids, params)]
+        tokens, logprobs = self.sampler.sample(logits, ids, params, contexts)
+        accepted = accepted_lps = None
+        if first is not None:
+            accepted, accepted_lps = verify_drafts(self.sampler, all_logits, first, ids, by_id, batch.drafts,
+                                                   tokens, logprobs)
+        t4 = time.perf_counter()
+        return ExecutorOutput(ids, tokens, logprobs, accepted=accepted, accepted_logprobs=accepted_lps,
+                              stats=StepStats(prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3))
+
+    @staticmethod
+    def _prompt_logprobs(spans: list[tuple], logits: torch.Tensor) -> None:
+        """Each prompt row's logits score the prompt token after it (its
+        logprob, top-k and rank), filed at that token's position."""
+        for req, first, start, n in spans:
+            end = start + 1 + n
+            req.prompt_logprobs[start + 1:end] = token_logprobs(
+                logits[first:first + n].cpu(), req.all_token_ids[start + 1:end],
+                req.sampling_params.prompt_logprobs, with_rank=True)
+            if end == req.num_prompt_tokens:
+                req.prompt_logprobs_done = True
+
+    def _with_samples(self, sched: SchedulerOutput, logits: torch.Tensor, ids: list[str],
+                      by_id: dict) -> tuple[torch.Tensor, list[str]]:
+        """n > 1: rows for the sequences that fork off a prefill ending now,
+        each a copy of its parent's row, sampled with the child's own
+        parameters (seed) and constraint; its tokens so far are the prompt."""
+        rows, out_ids = list(range(len(ids))), list(ids)
+        chunks = {c.request.request_id: c for c in sched.chunks}
+        for i, rid in enumerate(ids):
+            for child in self.scheduler.samples_of(chunks[rid]):
+                by_id[child.request_id] = child
+                rows.append(i)
+                out_ids.append(child.request_id)
+        if len(rows) == len(ids):
+            return logits, ids
+        return logits[rows], out_ids

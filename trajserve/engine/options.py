@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import (KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, ROPE_SCALINGS, SPECULATIVE, TOOL_PROMPTS,
+from trajserve.config import (KERNEL_PATHS, KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, ROPE_SCALINGS, SPECULATIVE, TOOL_PROMPTS,
                               CacheConfig, EngineConfig, SchedulerConfig)
 from trajserve.units import parse_bytes
 
@@ -138,6 +138,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_threads", "num_threads", "--threads", "torch CPU threads (default: torch's)", type=int),
     Option("cpu_kernels", "cpu_kernels", "--no-cpu-kernels",
            "float32 on the CPU: torch ops only, not the C kernels built on first use"),
+    Option("kernel_paths_off", "kernel_paths_off", "--kernel-paths-off",
+           "leave these paths of the C kernels off although this CPU runs them (for comparisons): amx (bf16 "
+           "attention on tiles), amx_kv_quant (q8_0 / q4_0 pools' attention on tiles), amx_int8 (quantized "
+           "products on tiles), lora_dp (bf16 adapters on AVX512-BF16), lora (adapters on the kernels at all)",
+           choices=KERNEL_PATHS, nargs="+"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -174,6 +179,7 @@ def engine_config(**options) -> EngineConfig:
         part, _, name = o.field.rpartition(".")
         parts[part][name] = value
     parts[""]["lora_modules"] = lora_pairs(parts[""]["lora_modules"])
+    parts[""]["kernel_paths_off"] = tuple(parts[""]["kernel_paths_off"] or ())
     return EngineConfig(**parts[""], cache=CacheConfig(**parts["cache"]),
                         scheduler=SchedulerConfig(**parts["scheduler"]))
 

@@ -24,7 +24,7 @@ block is never evicted by LRU (its room was reserved before its copy began);
 when the last hold goes it is an ordinary tier block, which a match can
 promote, or is forgotten when the session has it back on the device.
 
-Disk blocks carry their identity and a checksum (kv/block_format.py): a
+Disk blocks carry their identity and a checksum (kv/tiers.py): a
 block that is damaged or is not the one asked for (another namespace,
 hash, model or layout) is reported missing, so the match stops there and
 the rest of the prompt is recomputed -- never served corrupt or mislabelled.
@@ -58,10 +58,9 @@ from dataclasses import dataclass
 
 import torch
 
-from trajserve.kv.block_format import BlockIdentity, BlockLayout, namespace_digest
 from trajserve.kv.dir_lock import ScratchDir, sweep_orphans
 from trajserve.kv.tier_holds import SessionHolds
-from trajserve.kv.tiers import DiskKVStore, HostKVStore
+from trajserve.kv.tiers import BlockIdentity, BlockLayout, DiskKVStore, HostKVStore, namespace_digest
 
 log = logging.getLogger("trajserve")
 

@@ -1,7 +1,7 @@
 """The load-time checks of the AMX paths, run by cpu_kernels.load() on a
-CpuKernels (passed in: this module imports nothing of the kernels'): each
-path is used only where this CPU runs it and it gives the bits of the path
-it stands in for."""
+CpuKernels (passed in: this module imports nothing of the kernels'; a path is
+tried on a twin with it on, `with_paths`): each path is used only where this
+CPU runs it and it gives the bits of the path it stands in for."""
 from __future__ import annotations
 
 import logging
@@ -42,9 +42,8 @@ def amx_usable(k, flags: frozenset[str]) -> bool:
     kv = _bf16_pool(rng, 9, 2, 16, 64)
     q = torch.from_numpy(rng.standard_normal((40, 6, 64), dtype=np.float32))
     table = torch.tensor([4, 0, 7, 2, 8, 1, 3], dtype=torch.int64)
-    k.amx = True
-    tiles, tile_decodes = _chunk_and_its_decodes(k, kv, q, table, 100)
-    k.amx = False
+    tiles, tile_decodes = _chunk_and_its_decodes(k.with_paths(amx=True), kv, q, table, 100)
+    k = k.with_paths(amx=False)
     decodes = torch.empty_like(q)
     k.prefill_attention(q, kv[0], kv[1], table, 100, 0.125, decodes)
     if not (torch.equal(tiles, decodes) and torch.equal(tile_decodes, decodes)):
@@ -69,11 +68,10 @@ def amx_kv_quant_usable(k) -> bool:
     ok = True
     for name in ("q8_0", "q4_0"):
         rows = store_rows(x, FORMATS[name])
-        k.amx_kv_quant = True
-        tiles, tile_decodes = _chunk_and_its_decodes(k, rows, q, table, 100)
+        tiled = k.with_paths(amx_kv_quant=True)
+        tiles, tile_decodes = _chunk_and_its_decodes(tiled, rows, q, table, 100)
         short = torch.empty_like(q[:3])
-        k.prefill_attention(q[-3:], rows[0], rows[1], table, 100, 0.125, short)
-        k.amx_kv_quant = False
+        tiled.prefill_attention(q[-3:], rows[0], rows[1], table, 100, 0.125, short)
         dequantize = dequantize_q8_0 if name == "q8_0" else dequantize_q4_0
         values = dequantize(rows, 64).to(torch.bfloat16)  # the rotated values, as bf16
         bf16 = torch.empty_like(q)
@@ -97,10 +95,8 @@ def amx_int8_usable(k, flags: frozenset[str], formats) -> bool:
     w = torch.from_numpy(rng.standard_normal((40, 96), dtype=np.float32))
     for fmt in formats:
         q = QuantizedWeight.quantize(w, fmt).pack()
-        k.amx_int8 = True
-        tiles = k.qlinear(x, q)
-        k.amx_int8 = False
-        if not torch.equal(tiles, k.qlinear(x, q)):
+        tiles = k.with_paths(amx_int8=True).qlinear(x, q)
+        if not torch.equal(tiles, k.with_paths(amx_int8=False).qlinear(x, q)):
             log.warning("CPU kernels: the AMX-INT8 %s product differs from the vector kernel's bits; "
                         "quantized products stay on the vector kernel", fmt.upper())
             return False

@@ -368,13 +368,13 @@ static const int64_t ONE_BLOCK[1] = {0};
  * ms against 2.54 this way. */
 __attribute__((target("avx512bf16"))) static inline __attribute__((always_inline)) void row_bf16(
     const uint8_t *row, const int fmt, int64_t d, uint16_t *out) {
-    const uint16_t *scales = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    const uint16_t *scales = (const uint16_t *)(row + (fmt == TS_Q8_0 ? d : d / 2));
     for (int64_t g = 0; g < d / 32; g++) {  // dequantize_kv_row's exact values, 16 lanes at a time
         uint16_t h;
         memcpy(&h, scales + g, 2);
         const __m512 sc = _mm512_set1_ps(_cvtsh_ss(h));
         __m512 lo, hi;  // values 0 .. 15 and 16 .. 31 of the group
-        if (fmt == KV_Q8_0) {
+        if (fmt == TS_Q8_0) {
             lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * g))));
             hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 32 * g + 16))));
         } else {
@@ -389,8 +389,8 @@ __attribute__((target("avx512bf16"))) static inline __attribute__((always_inline
 }
 
 /* Requires ts_amx_init() == 1, d % 32 == 0, d <= 256, n <= ctx, and for
- * KV_BF16 bs % 16 == 0 (tiles load 16 keys straight from a block).
- * kv_fmt KV_BF16, or KV_Q8_0 / KV_Q4_0 (any bs): the context's K rows are first
+ * TS_BF16 bs % 16 == 0 (tiles load 16 keys straight from a block).
+ * kv_fmt TS_BF16, or TS_Q8_0 / TS_Q4_0 (any bs): the context's K rows are first
  * read into a bf16 buffer laid out as one pool block per kv head, V into
  * V^T as for bf16 (each row_bf16), and the queries rotated (kv_rows.h).
  * Returns the number of tasks that found no memory (outputs not written). */
@@ -399,7 +399,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
     const void *v_pool, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out, int64_t ldo,
     int kv_fmt, int nthreads) {
     const int64_t ctxp = (ctx + KB - 1) / KB * KB, nqb = (n + AQ - 1) / AQ, rb = kv_row_bytes(kv_fmt, d);
-    const int quant = kv_fmt != KV_BF16;
+    const int quant = kv_fmt != TS_BF16;
     const uint16_t *k_cache = k_pool, *v_cache = v_pool;
     const int64_t *ktable = table, kbs = quant ? ctxp : bs;
     uint16_t *vt = aligned_alloc(64, sizeof(uint16_t) * hkv * d * ctxp);
@@ -480,7 +480,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribut
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_pool, const void *v_pool, const int fmt,
     int64_t bs, const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
     const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
-    const int quant = fmt != KV_BF16;
+    const int quant = fmt != TS_BF16;
     const uint16_t *k_cache = k_pool, *v_cache = v_pool;
     uint16_t kq[KB * 256] __attribute__((aligned(64)));  /* a quantized key block's K and V rows as bf16 */
     uint16_t vq[KB * 256] __attribute__((aligned(64)));
@@ -585,15 +585,15 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_a
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_pool, const void *v_pool, int fmt, int64_t bs,
     const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
     switch (fmt) {
-        case KV_Q8_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, KV_Q8_0, bs, table, ctx, h, scale, out); break;
-        case KV_Q4_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, KV_Q4_0, bs, table, ctx, h, scale, out); break;
-        default: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, KV_BF16, bs, table, ctx, h, scale, out);
+        case TS_Q8_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_Q8_0, bs, table, ctx, h, scale, out); break;
+        case TS_Q4_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_Q4_0, bs, table, ctx, h, scale, out); break;
+        default: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_BF16, bs, table, ctx, h, scale, out);
     }
 }
 
 /* As ts_decode_attention_bf16, on tiles. Requires ts_amx_init() == 1,
- * d % 32 == 0, d <= 256, hq / hkv <= 16, and for KV_BF16 bs % 16 == 0.
- * kv_fmt: KV_BF16, or KV_Q8_0 / KV_Q4_0 (any bs: each key block's rows read
+ * d % 32 == 0, d <= 256, hq / hkv <= 16, and for TS_BF16 bs % 16 == 0.
+ * kv_fmt: TS_BF16, or TS_Q8_0 / TS_Q4_0 (any bs: each key block's rows read
  * as bf16 one by one, amx_decode_task). */
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention_amx(
     const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,

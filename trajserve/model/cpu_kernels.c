@@ -460,11 +460,11 @@ void ts_rms_norm(const float *x, int64_t m, int64_t d, int64_t ldx, const float 
  * Quantizing does kv_quant.py's float32 operations in its order (no FMA
  * contraction: -ffp-contract=off), so both write the same bytes. */
 static void quantize_kv_row(const float *x, int64_t d, int fmt, uint8_t *row) {
-    uint16_t *scales = (uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    uint16_t *scales = (uint16_t *)(row + (fmt == TS_Q8_0 ? d : d / 2));
     for (int64_t g = 0; g < d / 32; g++) {
         const float *xg = x + 32 * g;
         float amax = 0.0f, peak = 0.0f;
-        if (fmt == KV_Q8_0) {  // the largest magnitude (a max: any order gives it)
+        if (fmt == TS_Q8_0) {  // the largest magnitude (a max: any order gives it)
             const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
             __m256 m = _mm256_setzero_ps();
             for (int j = 0; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xg + j), abs));
@@ -477,11 +477,11 @@ static void quantize_kv_row(const float *x, int64_t d, int fmt, uint8_t *row) {
                 if (a > amax) amax = a, peak = xg[j];  // the first value of largest magnitude
             }
         }
-        const float dq = fmt == KV_Q8_0 ? amax / 127.0f : peak / -8.0f;
+        const float dq = fmt == TS_Q8_0 ? amax / 127.0f : peak / -8.0f;
         const float inv = dq != 0.0f ? 1.0f / dq : 0.0f;
         const uint16_t h = _cvtss_sh(dq, _MM_FROUND_TO_NEAREST_INT);
         memcpy(scales + g, &h, 2);
-        if (fmt == KV_Q8_0) {
+        if (fmt == TS_Q8_0) {
             for (int j = 0; j < 32; j += 8) {  // half to even, as torch.round; clamped to +-127
                 __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xg + j), _mm256_set1_ps(inv)),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -528,7 +528,7 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
         for (int64_t h = 0; h < hkv; h++) {
             const int64_t off = (base + h * bs) * d;
             const float *k = row + (hq + h) * d, *v = row + (hq + hkv + h) * d;
-            if (kv_fmt == KV_Q8_0 || kv_fmt == KV_Q4_0) {  // quantized rows: bytes, not values
+            if (kv_fmt == TS_Q8_0 || kv_fmt == TS_Q4_0) {  // quantized rows: bytes, not values
                 const int64_t rb = kv_row_bytes(kv_fmt, d);
                 float rk[256], rv[256];  // rotated copies: qkv's k must stay as computed (d <= 256)
                 memcpy(rk, k, d * sizeof(float));
@@ -537,7 +537,7 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
                 rotate32(rv, d);
                 quantize_kv_row(rk, d, kv_fmt, (uint8_t *)k_cache + (base + h * bs) * rb);
                 quantize_kv_row(rv, d, kv_fmt, (uint8_t *)v_cache + (base + h * bs) * rb);
-            } else if (kv_fmt == KV_BF16) {  // a bf16 pool (attention_bf16.c): K and V rounded once, here
+            } else if (kv_fmt == TS_BF16) {  // a bf16 pool (attention_bf16.c): K and V rounded once, here
                 for (int64_t e = 0; e < d; e += 8) {
                     bf16_store8((uint16_t *)k_cache + off + e, _mm256_loadu_ps(k + e));
                     bf16_store8((uint16_t *)v_cache + off + e, _mm256_loadu_ps(v + e));
@@ -619,7 +619,7 @@ typedef __m256 qvec;
  * is sc: dequantize_kv_row's operations for those lanes, in registers. */
 static inline __attribute__((always_inline)) __m256 dequant8(const uint8_t *row, const int fmt, int64_t e0,
                                                              float sc) {
-    if (fmt == KV_Q8_0)
+    if (fmt == TS_Q8_0)
         return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + e0)))),
                              _mm256_set1_ps(sc));
     const int64_t j = e0 % 32;  // q4_0: byte 16 g + j holds values j (low nibble) and j + 16 (high) of group g
@@ -632,7 +632,7 @@ static inline __attribute__((always_inline)) __m256 dequant8(const uint8_t *row,
 
 /* The float16 scales of a quantized row as floats. */
 static inline void row_scales(const uint8_t *row, const int fmt, int64_t d, float *sc) {
-    const uint16_t *h = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    const uint16_t *h = (const uint16_t *)(row + (fmt == TS_Q8_0 ? d : d / 2));
     for (int64_t g = 0; g < d / 32; g++) {
         uint16_t x;
         memcpy(&x, h + g, 2);
@@ -654,7 +654,7 @@ static inline __attribute__((always_inline)) void decode_heads(
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, const int fmt,
     int64_t bs, const int64_t *table, int64_t ctx, int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
     const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
-    const int quant = fmt == KV_Q8_0 || fmt == KV_Q4_0;
+    const int quant = fmt == TS_Q8_0 || fmt == TS_Q4_0;
     float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
     float ksc[8][8];  // a quantized pool's K row scales (d <= 256: 8 groups)
     float vq[KB * 256];  // its V rows of the key block, dequantized once (every head of the run reads them)
@@ -723,13 +723,13 @@ static void decode_heads_any(const float *q, int64_t hq, int64_t hkv, int64_t d,
                              const void *v_cache, int fmt, int64_t bs, const int64_t *table, int64_t ctx, int64_t h,
                              int64_t j0, int64_t nh, float scale, float *out) {
     switch (fmt) {  // a constant format in each copy: the quantized branches fold away
-        case KV_Q8_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, KV_Q8_0, bs, table, ctx, h, j0, nh, scale, out); break;
-        case KV_Q4_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, KV_Q4_0, bs, table, ctx, h, j0, nh, scale, out); break;
-        default: decode_heads(q, hq, hkv, d, k_cache, v_cache, KV_F32, bs, table, ctx, h, j0, nh, scale, out);
+        case TS_Q8_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q8_0, bs, table, ctx, h, j0, nh, scale, out); break;
+        case TS_Q4_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q4_0, bs, table, ctx, h, j0, nh, scale, out); break;
+        default: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_F32, bs, table, ctx, h, j0, nh, scale, out);
     }
 }
 
-/* A float32 pool (kv_fmt KV_F32) or a quantized one (KV_Q8_0, KV_Q4_0: rows
+/* A float32 pool (kv_fmt TS_F32) or a quantized one (TS_Q8_0, TS_Q4_0: rows
  * dequantized as they are read, the float32 pool's operations after that,
  * on the rotated query, the output rotated back: decode_heads). A CPU with
  * AMX runs quantized pools on attention_bf16.c's tiles instead. */
@@ -756,7 +756,7 @@ void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                          const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
                          const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
     ts_decode_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, tables, table_start, ctx, rows, scale, out,
-                          ldo, KV_F32, nthreads);
+                          ldo, TS_F32, nthreads);
 }
 
 /* Paged prefill attention for one sequence's chunk of n query tokens over
@@ -876,7 +876,7 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
                            const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
                            int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
     const int64_t group = hq / hkv, nqb = (n + QB - 1) / QB, rb = kv_row_bytes(kv_fmt, d);
-    const int quant = kv_fmt == KV_Q8_0 || kv_fmt == KV_Q4_0;
+    const int quant = kv_fmt == TS_Q8_0 || kv_fmt == TS_Q4_0;
     int failed = 0;
     // Later query blocks see more keys: hand them out first (dynamic schedule).
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads) reduction(+ : failed)
@@ -991,7 +991,7 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
 int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                          const float *k_cache, const float *v_cache, int64_t bs, const int64_t *table,
                          int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
-    return ts_prefill_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, table, ctx, scale, out, ldo, KV_F32,
+    return ts_prefill_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, table, ctx, scale, out, ldo, TS_F32,
                                   nthreads);
 }
 

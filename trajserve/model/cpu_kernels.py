@@ -31,6 +31,7 @@ beside a kernel like beside a torch op.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -38,12 +39,14 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from trajserve.model.amx_check import amx_int8_usable, amx_kv_quant_usable, amx_usable
+from trajserve.model.formats import CODES
 from trajserve.model.lora_check import lora_dp_usable
 from trajserve.model.quant import PANEL, QuantizedWeight
 
@@ -51,7 +54,7 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c", _DIR / "attention_bf16.c"]
-HEADERS = [_DIR / "simd_math.h", _DIR / "kv_rows.h"]
+HEADERS = [_DIR / "simd_math.h", _DIR / "kv_rows.h", _DIR / "formats.h"]
 # -ffp-contract=off: an expression rounds the same way in both builds (the
 # compiler may not fuse a * b + c into an FMA in one and not the other).
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -93,7 +96,7 @@ _RETURNS_INT = ("ts_lora_rows", "ts_prefill_attention", "ts_prefill_attention_q"
 # pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
 # queries (a shorter chunk runs as decodes, which need no V^T copy of the context).
 AMX_MIN_QUERIES = 4
-_FMT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # quant_kernels.c's FMT_* codes
+_WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # the formats quant_kernels.c runs as stored
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, pad; int8 q[32]
 
 
@@ -171,6 +174,15 @@ def _known_answer(k: CpuKernels) -> str | None:
     return None
 
 
+def _checked_paths(k: CpuKernels) -> dict[str, bool]:
+    """The optional paths this CPU runs and whose checks pass (model/amx_check.py,
+    model/lora_check.py), each checked on a twin of `k` with it on."""
+    flags = cpu_flags()
+    amx = amx_usable(k, flags)
+    return {"amx": amx, "amx_kv_quant": amx and amx_kv_quant_usable(k.with_paths(amx=True)),
+            "amx_int8": amx_int8_usable(k, flags, _WEIGHT_FORMATS), "lora_dp": lora_dp_usable(k, flags)}
+
+
 @functools.cache
 def load(isa: str | None = None) -> CpuKernels | None:
     """The kernels for `isa` (None: TRAJSERVE_CPU_ISA or the best this CPU
@@ -194,12 +206,7 @@ def load(isa: str | None = None) -> CpuKernels | None:
             continue
         failed = _known_answer(kernels)
         if failed is None:
-            flags = cpu_flags()
-            kernels.amx = amx_usable(kernels, flags)
-            kernels.amx_kv_quant = kernels.amx and amx_kv_quant_usable(kernels)
-            kernels.amx_int8 = amx_int8_usable(kernels, flags, _FMT_CODES)
-            kernels.lora_dp = lora_dp_usable(kernels, flags)
-            return kernels
+            return kernels.with_paths(**_checked_paths(kernels))
         log.warning("CPU kernels (%s) off: the %s failed its known-answer check", candidate, failed)
     return None
 
@@ -238,8 +245,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _pool_format(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> int:
-    """The pool's kv_fmt code (cpu_kernels.c): 0 float32, 1 bfloat16
-    (attention_bf16.c), 2 q8_0, 3 q4_0 (model/kv_quant.py)."""
+    """The pool's format code (formats.h): float32, bfloat16
+    (attention_bf16.c), q8_0 or q4_0 rows (model/kv_quant.py)."""
     from trajserve.model.kv_quant import pool_format
 
     if k_cache.dtype != v_cache.dtype or k_cache.shape != v_cache.shape or \
@@ -263,24 +270,54 @@ def _check_index(*ts: torch.Tensor) -> None:
             raise TypeError(f"index tensors must be contiguous int64, got {t.dtype}")
 
 
+@dataclass(frozen=True, slots=True)
+class KernelPaths:
+    """The optional paths of a build, each on only where this CPU runs it and
+    load()'s check found it gives the bits of the path it stands in for."""
+    amx: bool = False           # attention over a bf16 pool on AMX-BF16 tiles
+    amx_kv_quant: bool = False  # q8_0 / q4_0 pools' attention on the same tiles (rows read as bf16)
+    amx_int8: bool = False      # quantized products of >= 16 rows on AMX-INT8 tiles
+    lora_dp: bool = False       # bf16 adapters' products on AVX512-BF16 dot products
+
+
 class CpuKernels:
     """Thin, checked wrappers. Every tensor is float32 on the CPU; matrices
     need a unit stride along their last dimension (row strides are passed)."""
 
-    def __init__(self, lib: ctypes.CDLL, isa: str = "avx2") -> None:
+    def __init__(self, lib: ctypes.CDLL, isa: str = "avx2", paths: KernelPaths = KernelPaths()) -> None:
         for name, args in _SIGNATURES.items():
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = ctypes.c_int if name in _RETURNS_INT else None
         self.lib = lib
         self.isa = isa
-        # AMX tiles (set by load() after their checks): the attention over a
-        # bf16 pool (AMX-BF16), quantized products of >= 16 rows (AMX-INT8).
-        self.amx = False
-        self.amx_kv_quant = False  # q8_0 / q4_0 pools' attention on the same tiles (rows read as bf16)
-        self.amx_int8 = False
-        self.lora_dp = False  # bf16 adapters' products on AVX512-BF16 (set by load() after its check)
+        self.paths = paths
         # The integer dot product the build compiled (1 AVX2, 2 AVX512-VNNI).
         self.dot_product = {1: "avx2 vpmaddubsw", 2: "avx512 vpdpbusd"}[lib.ts_quant_isa()]
+
+    def with_paths(self, **paths: bool) -> CpuKernels:
+        """A twin over the same library with these paths set: load() turns
+        on what its checks passed, the checks try a path on a twin first."""
+        return CpuKernels(self.lib, self.isa, dataclasses.replace(self.paths, **paths))
+
+    def without(self, *names: str) -> CpuKernels:
+        """A twin with these paths off (--kernel-paths-off)."""
+        return self.with_paths(**{n: False for n in names if n in KernelPaths.__dataclass_fields__})
+
+    @property
+    def amx(self) -> bool:
+        return self.paths.amx
+
+    @property
+    def amx_kv_quant(self) -> bool:
+        return self.paths.amx_kv_quant
+
+    @property
+    def amx_int8(self) -> bool:
+        return self.paths.amx_int8
+
+    @property
+    def lora_dp(self) -> bool:
+        return self.paths.lora_dp
 
     def amx_attention(self, head_dim: int, block_size: int) -> bool:
         """Whether a bf16 pool's prefill runs on AMX tiles for this shape."""
@@ -406,7 +443,7 @@ class CpuKernels:
         acc = out is not None
         if out is None:
             out = torch.empty((m, n), dtype=torch.float32)
-        if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), _FMT_CODES[w.fmt], n,
+        if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), CODES[w.fmt], n,
                                _ptr(bias), out.data_ptr(), out.stride(0), int(acc), int(self.amx_int8),
                                self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
@@ -422,7 +459,7 @@ class CpuKernels:
         _check_pre(pre, m, inter)
         out = torch.empty((m, inter), dtype=torch.float32)
         if self.lib.ts_qgate_up_silu(x.data_ptr(), m, k, x.stride(0), gate.data.data_ptr(), up.data.data_ptr(),
-                                     _FMT_CODES[gate.fmt], inter, out.data_ptr(), out.stride(0), _ptr(pre),
+                                     CODES[gate.fmt], inter, out.data_ptr(), out.stride(0), _ptr(pre),
                                      0 if pre is None else pre.stride(0), int(self.amx_int8), self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
@@ -434,7 +471,7 @@ class CpuKernels:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= n):
             raise IndexError(f"row ids must lie in [0, {n})")
         out = torch.empty((ids.shape[0], k), dtype=torch.float32)
-        self.lib.ts_dequant_rows(w.data.data_ptr(), _FMT_CODES[w.fmt], k, ids.data_ptr(), ids.shape[0],
+        self.lib.ts_dequant_rows(w.data.data_ptr(), CODES[w.fmt], k, ids.data_ptr(), ids.shape[0],
                                  out.data_ptr(), k)
         return out
 

@@ -54,6 +54,8 @@ from typing import Callable
 
 import torch
 
+from trajserve.model.formats import CODES
+
 GROUP = 32
 MAX_HEAD_DIM = 256  # the C kernels rotate a row in a buffer of this many values
 
@@ -63,7 +65,7 @@ class KVFormat:
     name: str  # --kv-cache-dtype's value
     storage: torch.dtype  # the pool tensor's dtype
     plan_name: str  # trajserve.plan.kv_format's name for its bytes per value
-    code: int  # the C kernels' kv_fmt (cpu_kernels.c)
+    code: int  # the C kernels' format code (formats.h)
 
     @property
     def quantized(self) -> bool:
@@ -71,7 +73,7 @@ class KVFormat:
 
     @property
     def disk_name(self) -> str:
-        """The name a disk block's header gives its rows (kv/block_format.py):
+        """The name a disk block's header gives its rows (kv/tiers.py):
         quantized rows say they hold rotated groups, so a block written before
         rows were rotated is refused as another layout, never read as one."""
         return f"{self.name}+h{GROUP}" if self.quantized else self.name
@@ -96,10 +98,10 @@ class KVFormat:
 
 
 FORMATS: dict[str, KVFormat] = {
-    "float32": KVFormat("float32", torch.float32, "fp32", 0),
-    "bfloat16": KVFormat("bfloat16", torch.bfloat16, "bf16", 1),
-    "q8_0": KVFormat("q8_0", torch.uint8, "q8_0", 2),
-    "q4_0": KVFormat("q4_0", torch.uint8, "q4_0", 3),
+    "float32": KVFormat("float32", torch.float32, "fp32", CODES["float32"]),
+    "bfloat16": KVFormat("bfloat16", torch.bfloat16, "bf16", CODES["bfloat16"]),
+    "q8_0": KVFormat("q8_0", torch.uint8, "q8_0", CODES["q8_0"]),
+    "q4_0": KVFormat("q4_0", torch.uint8, "q4_0", CODES["q4_0"]),
 }
 
 

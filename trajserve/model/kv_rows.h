@@ -1,5 +1,5 @@
 /* Quantized K/V pool rows (q8_0 / q4_0), shared by cpu_kernels.c and
- * attention_bf16.c: the format codes, a row's bytes, the rotation of its
+ * attention_bf16.c: a row's bytes, the rotation of its
  * groups, and a row read back as float32.
  *
  * A q8_0 / q4_0 pool row (model/kv_quant.py has the layout and the torch
@@ -12,10 +12,11 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_Q8_0 = 2, KV_Q4_0 = 3 };
+#include "formats.h"
+
 
 static inline int64_t kv_row_bytes(int fmt, int64_t d) {
-    return fmt == KV_Q8_0 ? d + d / 16 : fmt == KV_Q4_0 ? d / 2 + d / 16 : fmt == KV_BF16 ? 2 * d : 4 * d;
+    return fmt == TS_Q8_0 ? d + d / 16 : fmt == TS_Q4_0 ? d / 2 + d / 16 : fmt == TS_BF16 ? 2 * d : 4 * d;
 }
 
 /* H x for each group of 32 values of x[0 .. d) in place (d % 32 == 0): the
@@ -59,13 +60,13 @@ static inline void unrotate32(float *x, int64_t d) {
 
 /* One pool row's d values as float32 (exact). */
 static inline void dequantize_kv_row(const uint8_t *row, int64_t d, int fmt, float *out) {
-    const uint16_t *scales = (const uint16_t *)(row + (fmt == KV_Q8_0 ? d : d / 2));
+    const uint16_t *scales = (const uint16_t *)(row + (fmt == TS_Q8_0 ? d : d / 2));
     for (int64_t g = 0; g < d / 32; g++) {
         uint16_t h;
         memcpy(&h, scales + g, 2);
         const __m256 sc = _mm256_set1_ps(_cvtsh_ss(h));
         float *o = out + 32 * g;
-        if (fmt == KV_Q8_0) {
+        if (fmt == TS_Q8_0) {
             for (int j = 0; j < 32; j += 8)
                 _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                           _mm_loadl_epi64((const __m128i *)(row + 32 * g + j)))), sc));

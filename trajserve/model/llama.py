@@ -37,7 +37,8 @@ class Layer:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_len: int,
-                 dtype: torch.dtype, device: torch.device | str, use_cpu_kernels: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device | str, use_cpu_kernels: bool = True,
+                 kernel_paths_off: tuple[str, ...] = ()) -> None:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -57,6 +58,8 @@ class LlamaModel:
         if (use_cpu_kernels and self.device.type == "cpu" and dtype == torch.float32
                 and c.head_dim % 8 == 0 and c.head_dim <= 256):
             self.kernels = cpu_kernels.load()
+            if self.kernels is not None and kernel_paths_off:
+                self.kernels = self.kernels.without(*kernel_paths_off)
 
         def quantized(*names: str) -> list[QuantizedWeight] | None:
             """The matrices as stored, if the kernels can run them together.

@@ -43,11 +43,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "formats.h"
 #include "simd_math.h"
 
 #define QK 32
 #define PANEL 16
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_1 = 2 };
 
 /* An input row's block: scale d, the codes' sum and s = d * sum, the codes. */
 typedef struct {
@@ -58,7 +58,7 @@ typedef struct {
 
 /* Bytes of one block of one panel (16 rows). */
 static inline int64_t panel_block_bytes(const int fmt) {
-    return fmt == FMT_Q8_0 ? 32 + 512 : fmt == FMT_Q4_0 ? 32 + 256 : 64 + 256;
+    return fmt == TS_Q8_0 ? 32 + 512 : fmt == TS_Q4_0 ? 32 + 256 : 64 + 256;
 }
 
 /* Which integer dot product this build runs: 1 AVX2, 2 AVX512-VNNI. */
@@ -122,17 +122,17 @@ static inline int32_t dword(const int8_t *q, int g) {
 static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
                                                         const int nr, const int fmt, float *o) {
     const int64_t pb = panel_block_bytes(fmt);
-    const int offset = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;
+    const int offset = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : 0;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[QTILE_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel + b * pb;
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32);
+        const uint8_t *codes = blk + (fmt == TS_Q4_1 ? 64 : 32);
         __m512i isum[QTILE_ROWS];
         for (int i = 0; i < nr; i++) isum[i] = _mm512_setzero_si512();
-        if (fmt == FMT_Q8_0) {
+        if (fmt == TS_Q8_0) {
             for (int g = 0; g < 8; g++) {
                 const __m512i c = _mm512_loadu_si512(codes + 64 * g);
                 for (int i = 0; i < nr; i++)
@@ -152,7 +152,7 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
             const block_q8x *xb = x + i * nb + b;
             if (offset) isum[i] = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(offset * xb->sum));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[i]);
-            if (fmt == FMT_Q4_1) {
+            if (fmt == TS_Q4_1) {
                 const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
                 acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[i]);
             }
@@ -173,16 +173,16 @@ static inline __m256i madd_us(__m256i u, __m256i s) {
 static inline __attribute__((always_inline)) void qtile_half(const uint8_t *panel, int64_t nb, const block_q8x *x,
                                                              const int nr, const int fmt, const int h, float *o) {
     const int64_t pb = panel_block_bytes(fmt);
-    const int offset = fmt == FMT_Q4_0 ? 8 : 0;  // Q8_0's +128 is undone on the codes
+    const int offset = fmt == TS_Q4_0 ? 8 : 0;  // Q8_0's +128 is undone on the codes
     const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[QTILE_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel + b * pb;
-        const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32) + 32 * h;
+        const uint8_t *codes = blk + (fmt == TS_Q4_1 ? 64 : 32) + 32 * h;
         __m256i isum[QTILE_ROWS];
         for (int i = 0; i < nr; i++) isum[i] = _mm256_setzero_si256();
-        if (fmt == FMT_Q8_0) {
+        if (fmt == TS_Q8_0) {
             for (int g = 0; g < 8; g++) {
                 const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + 64 * g)), flip);
                 const __m256i a = _mm256_abs_epi8(q);
@@ -213,7 +213,7 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
             const block_q8x *xb = x + i * nb + b;
             if (offset) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(offset * xb->sum));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
-            if (fmt == FMT_Q4_1) {
+            if (fmt == TS_Q4_1) {
                 const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
                 acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
             }
@@ -238,9 +238,9 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
         default: qtile(panel, nb, x, QTILE_ROWS, FMT, o); break; \
     }
     switch (fmt) {
-        case FMT_Q8_0: QTILE_NR(FMT_Q8_0) break;
-        case FMT_Q4_0: QTILE_NR(FMT_Q4_0) break;
-        default: QTILE_NR(FMT_Q4_1) break;
+        case TS_Q8_0: QTILE_NR(TS_Q8_0) break;
+        case TS_Q4_0: QTILE_NR(TS_Q4_0) break;
+        default: QTILE_NR(TS_Q4_1) break;
     }
 #undef QTILE_NR
 }
@@ -366,12 +366,12 @@ static void unpack_panel(const uint8_t *panel, int64_t nb, int fmt, uint8_t *cod
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel + b * pb;
         _mm512_storeu_ps(dw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
-        if (fmt == FMT_Q4_1) _mm512_storeu_ps(mw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))));
+        if (fmt == TS_Q4_1) _mm512_storeu_ps(mw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))));
         uint8_t *cb = codes + b * 512;
-        if (fmt == FMT_Q8_0) {
+        if (fmt == TS_Q8_0) {
             memcpy(cb, blk + 32, 512);
         } else {  // group g's low nibbles are k = 4g + t, its high nibbles k = 16 + 4g + t
-            const uint8_t *c = blk + (fmt == FMT_Q4_1 ? 64 : 32);
+            const uint8_t *c = blk + (fmt == TS_Q4_1 ? 64 : 32);
             for (int g = 0; g < 4; g++) {
                 const __m512i v = _mm512_loadu_si512(c + 64 * g);
                 _mm512_storeu_si512(cb + 64 * g, _mm512_and_si512(v, low));
@@ -437,15 +437,15 @@ static void amx_quantize_tile(const float *x, int64_t m, int64_t k, int64_t ldx,
         __m512i isum = _mm512_load_si512(c_ + i * PANEL);                                      \
         if (offset_) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset_ * xb_->sum[i]));  \
         a##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv_, _mm512_set1_ps(xb_->d[i])), a##i); \
-        if (fmt == FMT_Q4_1) a##i = _mm512_fmadd_ps(mwv_, _mm512_set1_ps(xb_->s[i]), a##i);    \
+        if (fmt == TS_Q4_1) a##i = _mm512_fmadd_ps(mwv_, _mm512_set1_ps(xb_->s[i]), a##i);    \
     }
 #define AMX_SCALE(xb, c, dw, mw)                                                               \
     {                                                                                          \
         const amx_block *xb_ = (xb);                                                           \
         const int32_t *c_ = (c);                                                               \
-        const int offset_ = fmt == FMT_Q8_0 ? 128 : fmt == FMT_Q4_0 ? 8 : 0;                   \
+        const int offset_ = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : 0;                   \
         const __m512 dwv_ = _mm512_loadu_ps(dw);                                               \
-        const __m512 mwv_ = fmt == FMT_Q4_1 ? _mm512_loadu_ps(mw) : _mm512_setzero_ps();       \
+        const __m512 mwv_ = fmt == TS_Q4_1 ? _mm512_loadu_ps(mw) : _mm512_setzero_ps();       \
         AMX_ACC(AMX_SCALE_ROW)                                                                 \
     }
 
@@ -491,9 +491,9 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_rows(const amx_bloc
 static void amx_rows_any(const amx_block *x, int64_t nb, const uint8_t *codes, const float *dw, const float *mw,
                          int fmt, float *o) {
     switch (fmt) {  // a constant format inside: the offset and Q4_1 tests fold away
-        case FMT_Q8_0: amx_rows(x, nb, codes, dw, mw, FMT_Q8_0, o); break;
-        case FMT_Q4_0: amx_rows(x, nb, codes, dw, mw, FMT_Q4_0, o); break;
-        default: amx_rows(x, nb, codes, dw, mw, FMT_Q4_1, o);
+        case TS_Q8_0: amx_rows(x, nb, codes, dw, mw, TS_Q8_0, o); break;
+        case TS_Q4_0: amx_rows(x, nb, codes, dw, mw, TS_Q4_0, o); break;
+        default: amx_rows(x, nb, codes, dw, mw, TS_Q4_1, o);
     }
 }
 
@@ -593,13 +593,13 @@ void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int6
             const uint8_t *blk = panel + b * pb;
             const float d = f16(blk + 2 * r);
             float *ob = o + b * QK;
-            if (fmt == FMT_Q8_0) {
+            if (fmt == TS_Q8_0) {
                 const uint8_t *codes = blk + 32;
                 for (int j = 0; j < QK; j++) ob[j] = d * (float)((int)codes[64 * (j / 4) + 4 * r + j % 4] - 128);
             } else {
-                const uint8_t *codes = blk + (fmt == FMT_Q4_1 ? 64 : 32);
-                const float mn = fmt == FMT_Q4_1 ? f16(blk + 32 + 2 * r) : 0.0f;
-                const int o4 = fmt == FMT_Q4_1 ? 0 : 8;
+                const uint8_t *codes = blk + (fmt == TS_Q4_1 ? 64 : 32);
+                const float mn = fmt == TS_Q4_1 ? f16(blk + 32 + 2 * r) : 0.0f;
+                const int o4 = fmt == TS_Q4_1 ? 0 : 8;
                 for (int j = 0; j < QK / 2; j++) {
                     const uint8_t byte = codes[64 * (j / 4) + 4 * r + j % 4];
                     ob[j] = d * (float)((byte & 0x0F) - o4) + mn;

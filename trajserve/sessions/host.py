@@ -8,7 +8,7 @@ from typing import Protocol
 
 from trajserve.config import EngineConfig
 from trajserve.engine.step_hooks import StepHooks
-from trajserve.kv.block_format import BlockLayout
+from trajserve.kv.tiers import BlockLayout
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers

@@ -7,7 +7,7 @@ decisions out on the engine's hardware (spec "异步分页换入换出", "分层
           device blocks while it stays pinned; when the host copy lands the
           session's tiered block table is remapped to the tier, the device
           frames are freed, and a disk save goes on to the writer thread
-          (identity + checksum per block, kv/block_format.py)
+          (identity + checksum per block, kv/tiers.py)
     load  resume: the saved blocks are read (a disk block passes its checks
           before anyone can hit it) and join the tree at once, while their KV
           streams in under the turn's prefill (the forward waits per layer);
@@ -35,13 +35,12 @@ from dataclasses import dataclass
 import torch
 
 from trajserve.engine.calibration import calibrate_rates
-from trajserve.kv.block_format import namespace_digest
 from trajserve.kv.copy_engine import CopyJob
 from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.kv.radix_cache import MatchResult, RadixNode
 from trajserve.kv.tiered_table import Tier, TieredBlockTable
-from trajserve.kv.tiers import DISK_HEADER_BYTES
+from trajserve.kv.tiers import DISK_HEADER_BYTES, namespace_digest
 from trajserve.sessions.host import EngineHost
 from trajserve.sessions.keep_policy import Decision
 from trajserve.sessions.pause_machine import PausedRecord, Residency

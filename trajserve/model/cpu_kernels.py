@@ -303,21 +303,11 @@ class CpuKernels:
         """A twin with these paths off (--kernel-paths-off)."""
         return self.with_paths(**{n: False for n in names if n in KernelPaths.__dataclass_fields__})
 
-    @property
-    def amx(self) -> bool:
-        return self.paths.amx
-
-    @property
-    def amx_kv_quant(self) -> bool:
-        return self.paths.amx_kv_quant
-
-    @property
-    def amx_int8(self) -> bool:
-        return self.paths.amx_int8
-
-    @property
-    def lora_dp(self) -> bool:
-        return self.paths.lora_dp
+    def __getattr__(self, name: str):
+        """The optional paths read as attributes (kernels.amx, kernels.lora_dp)."""
+        if name in KernelPaths.__dataclass_fields__:
+            return getattr(self.paths, name)
+        raise AttributeError(name)
 
     def amx_attention(self, head_dim: int, block_size: int) -> bool:
         """Whether a bf16 pool's prefill runs on AMX tiles for this shape."""

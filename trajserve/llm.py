@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -23,17 +23,19 @@ Messages = list[dict]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **options) -> None:
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 prompt_logits: Callable | None = None, **options) -> None:
         """LLM(model, **options) with the engine's options as keywords
         (engine/options.py: dtype, num_blocks, block_size, host_cache='4GiB',
         disk_cache, disk_cache_dir, max_model_len, chat_template -- a Jinja
         template's text or a file's path in place of the model's own, ...),
-        or LLM(config=EngineConfig(...))."""
+        or LLM(config=EngineConfig(...)). prompt_logits: an observer of the
+        prompt rows' logits (engine/model_runner.py ModelExecutor)."""
         if config is None:
             config = engine_config(model=model, **options)
         elif model is not None or options:
             raise TypeError("LLM takes a config or the engine's options as keywords, not both")
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, prompt_logits=prompt_logits)
         self.tokenizer = self.engine.tokenizer
         self._sessions = None
 

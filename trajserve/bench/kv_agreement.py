@@ -64,28 +64,26 @@ def prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-class _Capture:
+class Capture:
     """The full next-token log-distributions of one teacher-forced request:
-    wraps the executor's prompt-logprob step (which sees every prompt row's
-    logits) and keeps the rows at positions [first, first + TOKENS)."""
+    the engine's observer of prompt rows (built into it: LLM(prompt_logits=)),
+    keeping the rows at positions [first, first + TOKENS) of the request it
+    was last pointed at."""
 
-    def __init__(self, engine, first: int) -> None:
-        self.executor, self.first, self.rows = engine.core.executor, first, {}
-        self._orig = self.executor._prompt_logprobs
+    def __init__(self) -> None:
+        self.first, self.rows = None, {}
 
-    def __enter__(self):
-        def hook(spans, logits):
-            for _req, row0, start, n in spans:
-                for i in range(n):
-                    if self.first <= start + i < self.first + TOKENS:
-                        self.rows[start + i] = logits[row0 + i].float().log_softmax(-1)
-            self._orig(spans, logits)
+    def __call__(self, spans: list[tuple], logits) -> None:
+        if self.first is None:
+            return
+        for _req, row0, start, n in spans:
+            for i in range(n):
+                if self.first <= start + i < self.first + TOKENS:
+                    self.rows[start + i] = logits[row0 + i].float().log_softmax(-1)
 
-        self.executor._prompt_logprobs = hook
+    def at(self, first: int) -> Capture:
+        self.first, self.rows = first, {}
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.executor._prompt_logprobs = self._orig
 
 
 def _continuations(llm, ids: list[list[int]]) -> list[list[int]]:
@@ -95,7 +93,7 @@ def _continuations(llm, ids: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(ids, sp, use_tqdm=False)]
 
 
-def _distributions(llm, prompt: list[int], continuation: list[int]):
+def _distributions(llm, capture: Capture, prompt: list[int], continuation: list[int]):
     """[TOKENS, vocab] log-probabilities of the next token after prompt +
     continuation[:j], for j < TOKENS (the last prompt position first): the
     whole continuation goes in as prompt, whose rows then score it."""
@@ -104,9 +102,10 @@ def _distributions(llm, prompt: list[int], continuation: list[int]):
     from trajserve.sampling import SamplingParams
 
     llm.engine.kv.clear_cache()  # scored from scratch: no prefix from the run before
-    with _Capture(llm.engine, len(prompt) - 1) as cap:
-        llm.generate([prompt + continuation], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
-                     use_tqdm=False)
+    cap = capture.at(len(prompt) - 1)
+    llm.generate([prompt + continuation], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                 use_tqdm=False)
+    cap.first = None
     return torch.stack([cap.rows[p] for p in range(len(prompt) - 1, len(prompt) - 1 + TOKENS)])
 
 
@@ -118,9 +117,11 @@ def run(args: argparse.Namespace) -> int:
     common = dict(model=args.model, num_blocks=args.num_blocks or 1024, dtype="float32",
                   quantization=args.quantization)
     emulation = getattr(args, "emulate", None)
-    tested = LLM(kv_cache_dtype="float32" if emulation else args.kv_cache_dtype, **common)
+    seen = {"tested": Capture(), "ref": Capture()}
+    tested = LLM(kv_cache_dtype="float32" if emulation else args.kv_cache_dtype, prompt_logits=seen["tested"],
+                 **common)
     store = emulated(tested, emulation) if emulation else None
-    ref = LLM(kv_cache_dtype="float32", **common)
+    ref = LLM(kv_cache_dtype="float32", prompt_logits=seen["ref"], **common)
     ids = prompts(tested.engine.tokenizer)[: args.prompts]
     b = _continuations(ref, ids)
     if store is None:
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         same = identical_prefix(x, y, TOKENS)
         if store is not None:
             store.full_from = len(p) - RECENT
-        lp, lq = _distributions(ref, p, y), _distributions(tested, p, y)
+        lp, lq = _distributions(ref, seen["ref"], p, y), _distributions(tested, seen["tested"], p, y)
         kl = (lp.exp() * (lp - lq)).sum(-1)  # KL(p_float32 || p_format) at each position
         # Where the continuations part: how far float32 itself put its token above the one the format chose
         # (log-probability gap under float32; a near tie flips under any perturbation).

@@ -1,11 +1,10 @@
 """LLMEngine: requests in, RequestOutputs out, over one EngineCore.
 
-step(): the step hooks (engine/step_hooks.py: a session manager's
-housekeeping) around EngineCore.step (engine/core.py: schedule -> the model
-executor, engine/model_runner.py -> update), then engine/output_processor.py
-turns the sampled tokens into RequestOutputs. This module builds the pieces
-(model, KV pool, tiers, scheduler, sampler) from an EngineConfig and owns the
-request API: add, fork, abort, validation.
+step(): the step hooks (engine/step_hooks.py: a session manager's housekeeping) around
+EngineCore.step (engine/core.py: schedule -> the model executor, engine/model_runner.py ->
+update), then engine/output_processor.py turns the sampled tokens into RequestOutputs. This
+module builds the pieces (model, KV pool, tiers, scheduler, sampler) from an EngineConfig and
+owns the request API: add, fork, abort, validation.
 
 The engine is single-threaded and synchronous; callers (LLM, the server)
 add requests and call step() until nothing is left. Only copies of paused
@@ -18,6 +17,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -56,16 +56,17 @@ log = logging.getLogger("trajserve")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, proposer: DraftProposer | None = None) -> None:
-        """Resolve what `auto` means here, load the model, build the rest
-        around it: each step reads only what the ones before settled. proposer:
-        drafts in place of --speculative's (the tests' adversarial ones)."""
+    def __init__(self, config: EngineConfig | None = None, proposer: DraftProposer | None = None,
+                 prompt_logits: Callable | None = None) -> None:
+        """Resolve what `auto` means here, load the model, build the rest around it: each step reads
+        only what the ones before settled. proposer: drafts in place of --speculative's (the tests'
+        adversarial ones); prompt_logits: the executor's observer (engine/model_runner.py)."""
         self.config = config = config or EngineConfig()
         config.validate()
         why: dict[str, str] = {}  # each resolved choice's reason, for the start-up line
         self._resolve(config, why)
         self._load(config, why)
-        self._build(config, why, proposer)
+        self._build(config, why, proposer, prompt_logits)
 
     def _resolve(self, config: EngineConfig, why: dict[str, str]) -> None:
         """Device, threads, dtype, quantization, tokenizer and chat template."""
@@ -115,9 +116,9 @@ class LLMEngine:
                                 use_cpu_kernels=config.cpu_kernels, kernel_paths_off=config.kernel_paths_off)
         del weights
 
-    def _build(self, config: EngineConfig, why: dict[str, str], proposer: DraftProposer | None) -> None:
-        """The KV pool and its manager, tiers, adapters, runner, scheduler,
-        sampler and the step's core, around the loaded model."""
+    def _build(self, config: EngineConfig, why: dict[str, str], proposer: DraftProposer | None,
+               prompt_logits: Callable | None) -> None:
+        """The KV pool and its manager, tiers, adapters, runner, scheduler, sampler and the step's core."""
         mc = self.model_config
         cc = config.cache
         # kv_format: what a pool row is (model/kv_quant.py); kv_dtype: the pool tensors' dtype (uint8 for q8_0 / q4_0).
@@ -170,7 +171,7 @@ class LLMEngine:
         # Groups, detokenizers, stop strings, latency samples (output_processor.py).
         self.outputs = OutputProcessor(lambda seq: self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED),
                                        self.sampler.release)
-        self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler))
+        self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler, prompt_logits))
         self._ids = itertools.count()
         self.last_step = StepStats()
         m_token = self.kv_format.bytes_per_token(mc)
@@ -410,8 +411,7 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One engine step: schedule -> execute -> sample -> update, inside
-        the registered step hooks (engine/step_hooks.py)."""
+        """One step: schedule -> execute -> sample -> update, inside the step hooks (engine/step_hooks.py)."""
         return self.step_hooks.around(self._step)
 
     def _step(self) -> list[RequestOutput]:

@@ -18,6 +18,7 @@ them off it in update), so each draws its own first token from the same logits.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -243,8 +244,14 @@ class ModelRunner:
 
 
 class ModelExecutor:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, scheduler: Scheduler,
+                 prompt_logits: Callable[[list[tuple], torch.Tensor], None] | None = None) -> None:
+        """prompt_logits: shown every step's prompt rows (spans as in
+        PreparedBatch.prompt_spans, and their float32 logits) before they
+        become prompt logprobs: the full distributions bench kv-agreement
+        compares."""
         self.runner, self.sampler, self.scheduler = runner, sampler, scheduler
+        self.prompt_logits = prompt_logits
         self._cuda = runner.device.type == "cuda"
 
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
@@ -256,6 +263,8 @@ class ModelExecutor:
             torch.cuda.synchronize(self.runner.device)
         t3 = time.perf_counter()
         if batch.prompt_spans:
+            if self.prompt_logits is not None:
+                self.prompt_logits(batch.prompt_spans, logits)
             self._prompt_logprobs(batch.prompt_spans, logits)
             logits = logits[batch.sample_pick]
         by_id = {c.request.request_id: c.request for c in sched.chunks}

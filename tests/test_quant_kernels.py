@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
+from kquant import random_q4_k
 from trajserve.model import cpu_kernels
-from trajserve.model.quant import (QUANT_FORMATS, QuantizedWeight, input_quantization_bound, quantize_input_rows,
-                                   target_format)
+from trajserve.model.quant import (QUANT_FORMATS, STORED_FORMATS, QuantizedWeight, input_quantization_bound,
+                                   quantize_input_rows, target_format)
 
 ISAS = cpu_kernels.supported_isas()  # what this CPU runs; never a build it cannot
 BUILDS = {isa: cpu_kernels.load(isa) for isa in ISAS}
@@ -47,17 +48,20 @@ def test_every_build_the_cpu_runs_loads_and_names_its_dot_product():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("fmt", STORED_FORMATS)
 @settings(max_examples=25, deadline=None)
 @given(m=st.integers(1, 130), blocks=st.integers(1, 12), n=st.integers(1, 70), bias=st.booleans(),
        acc=st.booleans(), seed=st.integers(0, 2**16))
 def test_quantized_linear_within_its_bounds(fmt, m, blocks, n, bias, acc, seed):
-    """Any row count (tiles, row blocks, remainders), any width in blocks,
-    any output count (a partial last panel), a row stride that is not k."""
+    """Any row count (tiles, row blocks, remainders), any width in blocks
+    (Q4_K: in super-blocks of 8, their bytes either quantized from Gaussian
+    rows or random), any output count (a partial last panel), a row stride
+    that is not k."""
     g = _g(seed)
-    k = 32 * blocks
+    k = 256 * (1 + blocks // 4) if fmt == "q4_k" else 32 * blocks
     x = torch.randn(m, k + 5, generator=g)[:, 5:]
-    w = QuantizedWeight.quantize(torch.randn(n, k, generator=g), fmt)
+    w = (random_q4_k(n, k, seed, wild=bool(seed % 2)) if fmt == "q4_k" else
+         QuantizedWeight.quantize(torch.randn(n, k, generator=g), fmt))
     panels = w.pack()
     b = torch.randn(n, generator=g) if bias else None
     same_inputs = w.reference_product(x) + (b if bias else 0)
@@ -109,16 +113,21 @@ def test_input_blocks_are_the_documented_rounding():
 
 
 @needs_kernels
-@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("fmt", STORED_FORMATS)
 def test_a_row_does_not_depend_on_its_batch_the_threads_or_the_build(fmt):
     """Each output is the same integer block sums and the same float steps in
-    one order, however rows are tiled: bit-identical, in every build."""
+    one order, however rows are tiled: bit-identical, in every build (Q4_K,
+    which has no tile path, also with the AMX-INT8 switch on)."""
     g = _g(11)
-    x = torch.randn(67, 192, generator=g)
-    w = QuantizedWeight.quantize(torch.randn(53, 192, generator=g), fmt).pack()
+    k = 768 if fmt == "q4_k" else 192
+    x = torch.randn(67, k, generator=g)
+    w = (random_q4_k(53, k, 12, wild=True) if fmt == "q4_k" else
+         QuantizedWeight.quantize(torch.randn(53, k, generator=g), fmt)).pack()
     results = []
     for K in BUILDS.values():
         whole = K.qlinear(x, w)
+        if fmt == "q4_k":
+            assert torch.equal(K.with_paths(amx_int8=True).qlinear(x, w), whole)
         assert torch.equal(torch.cat([K.qlinear(x[i:i + 1], w) for i in range(67)]), whole)
         assert torch.equal(K.qlinear(x[5:40], w), whole[5:40])
         threads = torch.get_num_threads()

@@ -98,14 +98,16 @@ def test_embedded_model_quantized_against_its_float32_path(engine_float_weights)
 @needs_kernels
 @pytest.mark.parametrize("qtype,fmt", [(gguf.GGMLQuantizationType.Q4_0, "q4_0"),
                                        (gguf.GGMLQuantizationType.Q8_0, "q8_0"),
+                                       (gguf.GGMLQuantizationType.Q4_K, "q4_k"),
                                        (gguf.GGMLQuantizationType.Q5_0, "q8_0")])  # not run as stored: requantized
 def test_tiny_llama_gguf_runs_quantized_close_to_float(tmp_path, qtype, fmt):
     """A Llama GGUF (q and k rows in llama.cpp's interleaved order) of each
     kind: kept or requantized as target_format says, the logprobs close to
-    the same file dequantized."""
+    the same file dequantized (K-quants need widths of 256)."""
     torch.manual_seed(0)
-    model = tiny_hf_model("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=256)
+    wide = qtype == gguf.GGMLQuantizationType.Q4_K
+    model = tiny_hf_model("llama", hidden_size=256 if wide else 64, intermediate_size=512 if wide else 96,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     path = tmp_path / "tiny.gguf"
     write_gguf(path, model, "llama", qtype)
     q, qmodel = _tiny_logprobs(path, "auto")
@@ -181,17 +183,30 @@ def test_kernels_that_do_not_load_leave_a_float_engine_that_serves(monkeypatch, 
 
 
 @needs_kernels
-def test_fused_matrices_of_two_formats_run_together_in_q8_0(tmp_path):
+def test_fused_matrices_of_two_formats_run_each_as_stored(tmp_path):
+    """q|k in q4_0 and v in q8_0 (as a mixed GGUF holds them, Q4_K_M's v in
+    Q6_K too): one product per part into one output, each in its format,
+    the same values as the three products run alone; a gate|up of two
+    formats runs together in q8_0."""
     torch.manual_seed(2)
     model = tiny_hf_model("llama", hidden_size=64, intermediate_size=96, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=256)
     model.save_pretrained(tmp_path)
     cfg, weights = load_weights(tmp_path, torch.float32, "cpu", quantization="q4_0")
-    v = "model.layers.0.self_attn.v_proj.weight"
-    weights[v] = QuantizedWeight.quantize(weights[v].dequantize(), "q8_0")  # as a mixed GGUF would hold it
+    p = "model.layers.0."
+    for name in (p + "self_attn.v_proj.weight", p + "mlp.up_proj.weight"):  # as a mixed GGUF would hold them
+        weights[name] = QuantizedWeight.quantize(weights[name].dequantize(), "q8_0")
+    parts = {n: weights[p + f"self_attn.{n}_proj.weight"] for n in "qkv"}
     m = LlamaModel(cfg, weights, 64, torch.float32, "cpu")
-    assert m.layers[0].qkv.panels.fmt == "q8_0" and m.layers[1].qkv.panels.fmt == "q4_0"
+    qkv = m.layers[0].qkv
+    assert [x.panels.fmt for x in qkv.parts] == ["q4_0", "q4_0", "q8_0"] and m.layers[1].qkv.panels.fmt == "q4_0"
+    assert m.layers[0].gate_up.gate.fmt == m.layers[0].gate_up.up.fmt == "q8_0"
     assert "float32" not in m.weight_formats()
+    x = torch.randn(5, 64)
+    alone = torch.cat([K.qlinear(x, parts[n].pack()) for n in "qkv"], dim=1)
+    assert torch.equal(qkv(x), alone)
+    res = torch.randn(5, alone.shape[1])
+    assert torch.equal(qkv(x, res.clone()), res + alone)
 
 
 def test_bench_paths_are_the_ones_this_cpu_runs():

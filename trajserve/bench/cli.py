@@ -159,6 +159,10 @@ def add_bench_parser(sub) -> None:
     add_lora_parser(bsub)
     from trajserve.bench.cluster import add_parser as add_cluster_parser
     add_cluster_parser(bsub)
+    from trajserve.bench.random_model import add_parser as add_random_model_parser
+    add_random_model_parser(bsub)
+    from trajserve.bench.peers import add_parser as add_peers_parser
+    add_peers_parser(bsub)
 
     v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000")

@@ -42,7 +42,7 @@ from trajserve.lora.slots import LoRASlots
 from trajserve.model.fingerprint import model_fingerprint
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import default_model_path, load_weights
-from trajserve.model.quant import QUANT_FORMATS
+from trajserve.model.quant import STORED_FORMATS
 from trajserve.model.rope import stretched_rope
 from trajserve.model.sampler import Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
@@ -137,7 +137,7 @@ class LLMEngine:
         self.block_bytes = bytes_per_block(mc, cc.block_size, self.kv_format)  # a block's KV, every layer
         # What every block written to disk says it is (kv/tiers.py).
         formats = self.model.weight_formats()
-        quantized = sorted(f for f in formats if f in QUANT_FORMATS)
+        quantized = sorted(f for f in formats if f in STORED_FORMATS)
         # A stretched RoPE stores other keys: blocks on disk must not pass for the unstretched model's.
         rope = f";rope={config.rope_scaling}x{config.rope_factor:g}" if config.rope_scaling else ""
         self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized) + rope),

@@ -423,21 +423,25 @@ class CpuKernels:
     # ------------------------------------------------ quantized weights (quant_kernels.c)
 
     def qlinear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] @ w^T (+ bias) for QuantizedPanels w [n, k]; with `out`
-        the product is added into it and `out` returned."""
+        the product is added into it and `out` returned; with `into` (a
+        [m, n] view with unit column stride, e.g. some columns of a wider
+        output) written there."""
         m, k = x.shape
         n = w.shape[0]
         if w.shape[1] != k or x.stride(1) != 1:
             raise ValueError(f"input has {k} features (unit stride needed), the weight {w.shape[1]}")
         acc = out is not None
-        if out is None:
-            out = torch.empty((m, n), dtype=torch.float32)
+        y = out if acc else into if into is not None else torch.empty((m, n), dtype=torch.float32)
+        if y.shape != (m, n) or y.dtype != torch.float32 or y.stride(1) != 1:
+            raise ValueError(f"output must be float32 [{m}, {n}] with unit column stride, got {y.dtype} "
+                             f"{tuple(y.shape)}")
         if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), CODES[w.fmt], n,
-                               _ptr(bias), out.data_ptr(), out.stride(0), int(acc), int(self.amx_int8),
+                               _ptr(bias), y.data_ptr(), y.stride(0), int(acc), int(self.amx_int8),
                                self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
-        return out
+        return y
 
     def qgate_up_silu(self, x: torch.Tensor, gate, up, pre: torch.Tensor | None = None) -> torch.Tensor:
         """silu(x @ gate^T) * (x @ up^T) for two QuantizedPanels of one format;

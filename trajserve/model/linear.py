@@ -109,6 +109,35 @@ class QLinear:
         return self.kernels.qlinear(x, self.panels, self.bias, out)
 
 
+class QLinearParts:
+    """Fused rows of several block formats (a Q4_K_M file keeps v in Q6_K,
+    run as q8_0, beside q and k in Q4_K): each part's product written into
+    its columns of one output, every part in its own format."""
+
+    __slots__ = ("parts", "spans", "out_features")
+
+    def __init__(self, parts: list[QLinear]) -> None:
+        self.parts = parts
+        edges = [0]
+        for p in parts:
+            edges.append(edges[-1] + p.out_features)
+        self.spans = list(zip(edges, edges[1:]))
+        self.out_features = edges[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        y = out if out is not None else torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+        for (a, b), p in zip(self.spans, self.parts):
+            if out is not None:
+                p.kernels.qlinear(x, p.panels, p.bias, y[:, a:b])
+            else:
+                p.kernels.qlinear(x, p.panels, p.bias, into=y[:, a:b])
+        return y
+
+
 class QGateUpSilu:
     """silu(x gate^T) * (x up^T), gate and up in one block format."""
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from trajserve.config import ModelConfig
 from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, paged_attention, write_kv
-from trajserve.model.linear import GateUpSilu, Linear, QGateUpSilu, QLinear, use_onednn
+from trajserve.model.linear import GateUpSilu, Linear, QGateUpSilu, QLinear, QLinearParts, use_onednn
 from trajserve.model.quant import QuantizedWeight
 from trajserve.model.rope import apply_rope, cos_sin_table
 
@@ -61,22 +61,26 @@ class LlamaModel:
             if self.kernels is not None and kernel_paths_off:
                 self.kernels = self.kernels.without(*kernel_paths_off)
 
-        def quantized(*names: str) -> list[QuantizedWeight] | None:
-            """The matrices as stored, if the kernels can run them together.
-            Fused matrices of two formats (a GGUF may keep v in Q8_0 and q,
-            k in Q4_0) run together in q8_0, the finer of the three."""
+        def quantized(*names: str, one_format: bool = False) -> list[QuantizedWeight] | None:
+            """The matrices as stored, if the kernels can run them. one_format:
+            a fused gate|up of two formats runs together in q8_0 (the finer)."""
             parts = [weights[n] for n in names]
             if self.kernels is None or not all(isinstance(p, QuantizedWeight) for p in parts):
                 return None
-            if len({p.fmt for p in parts}) > 1:
+            if one_format and len({p.fmt for p in parts}) > 1:
                 parts = [p if p.fmt == "q8_0" else QuantizedWeight.quantize(p.dequantize(), "q8_0") for p in parts]
             return parts
 
-        def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear | QLinear:
+        def lin(*names: str, bias: tuple[str, ...] = ()) -> Linear | QLinear | QLinearParts:
             # Fused projections (q|k|v, gate|up): one matmul instead of several;
-            # dispatch cost dominates at small batch.
+            # dispatch cost dominates at small batch. Parts of two formats (a
+            # GGUF may keep v in Q8_0 or Q6_K and q, k in Q4_0 or Q4_K): one
+            # product per part, each as stored, into one output.
             b = torch.cat([w(n) for n in bias]) if bias else None
             q = quantized(*names)
+            if q is not None and len({p.fmt for p in q}) > 1:
+                biases = [w(n) for n in bias] if bias else [None] * len(q)
+                return QLinearParts([QLinear(p.pack(), pb, self.kernels) for p, pb in zip(q, biases)])
             if q is not None:
                 return QLinear(QuantizedWeight.cat(q).pack(), b, self.kernels)
             wt = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
@@ -101,7 +105,7 @@ class LlamaModel:
             # Some Llama/Qwen3 checkpoints with attention_bias also bias o_proj.
             o_bias = p + "self_attn.o_proj.bias"
             L.o = lin(p + "self_attn.o_proj.weight", bias=(o_bias,) if o_bias in weights else ())
-            gu = quantized(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            gu = quantized(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", one_format=True)
             if gu is not None:
                 L.gate_up = QGateUpSilu(gu[0].pack(), gu[1].pack(), self.kernels)
             elif self.kernels is not None:
@@ -123,14 +127,15 @@ class LlamaModel:
     def weight_formats(self) -> dict[str, int]:
         """Bytes of the products' weights by the format they run in."""
         out: dict[str, int] = {}
-        for p in self.products():
-            if isinstance(p, QLinear):
-                fmt = p.panels.fmt
-            elif isinstance(p, QGateUpSilu):
-                fmt = p.gate.fmt
-            else:
-                fmt = str(self.dtype).removeprefix("torch.")
-            out[fmt] = out.get(fmt, 0) + p.nbytes
+        for product in self.products():
+            for p in product.parts if isinstance(product, QLinearParts) else [product]:
+                if isinstance(p, QLinear):
+                    fmt = p.panels.fmt
+                elif isinstance(p, QGateUpSilu):
+                    fmt = p.gate.fmt
+                else:
+                    fmt = str(self.dtype).removeprefix("torch.")
+                out[fmt] = out.get(fmt, 0) + p.nbytes
         return out
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,16 @@
-"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1).
+"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1, Q4_K).
 
 A QuantizedWeight is the bytes of a GGUF tensor of one of those types, row by
-row ([n, k / 32 * block bytes]): the C kernels (quant_kernels.c) multiply by
-it directly, so a Q4_1 model reads 0.625 bytes a weight per decode step
-instead of float32's 4 (inference-optimization 8.2.1, 8.4.1). Block sizes come
-from the one table of storage formats (plan/kv_format.py) the planner and
-simulator price weights and KV with.
+row ([n, k / group * group bytes]): the C kernels (quant_kernels.c) multiply
+by it directly, so a Q4_1 model reads 0.625 bytes a weight per decode step
+instead of float32's 4 (inference-optimization 8.2.1, 8.4.1). Group sizes and
+bytes come from the one table of storage formats (plan/kv_format.py) the
+planner and simulator price weights and KV with.
 
 `quantize` and `dequantize` use the gguf package's reference implementations,
 so a float checkpoint quantized here holds the bytes llama.cpp's tools would
-write; `reference_product` is the float64 product the kernels are tested
-against.
+write (gguf has no K-quant quantizer: Q4_K comes from GGUF files as stored);
+`reference_product` is the float64 product the kernels are tested against.
 """
 from __future__ import annotations
 
@@ -25,29 +25,41 @@ from trajserve.plan.kv_format import FORMATS
 
 QK = 32  # values per block
 PANEL = 16  # weight rows per packed panel, float (cpu_kernels.pack) and quantized (pack_panels)
+QK_K = 256  # values per K-quant super-block
 GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-              "q4_1": gguf.GGMLQuantizationType.Q4_1}
-QUANT_FORMATS = tuple(GGML_TYPES)
+              "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}
+STORED_FORMATS = tuple(GGML_TYPES)  # what the kernels run as stored
+QUANT_FORMATS = ("q8_0", "q4_0", "q4_1")  # what a float matrix can be quantized to here (--quantization)
+
+
+def group_size(fmt: str) -> int:
+    """Values per group (block or super-block) of the format: a row's width must be a multiple."""
+    return FORMATS[fmt].group
 
 
 def block_bytes(fmt: str) -> int:
+    """Bytes of one group of the format (34 for a q8_0 block, 144 for a q4_k super-block)."""
     f = FORMATS[fmt]
     return int(f.code_bytes + f.scale_bytes)
 
 
+def row_bytes(fmt: str, k: int) -> int:
+    return k // group_size(fmt) * block_bytes(fmt)
+
+
 @dataclass(eq=False)
 class QuantizedWeight:
-    data: torch.Tensor  # uint8 [n, k // 32 * block_bytes(fmt)], contiguous
+    data: torch.Tensor  # uint8 [n, row_bytes(fmt, k)], contiguous
     fmt: str
     shape: tuple[int, int]  # (n, k): out and in features
 
     def __post_init__(self) -> None:
         n, k = self.shape
         if self.fmt not in GGML_TYPES:
-            raise ValueError(f"unsupported quantized format {self.fmt!r}; supported: {', '.join(QUANT_FORMATS)}")
-        if k % QK:
-            raise ValueError(f"a {self.fmt} row needs a multiple of {QK} values, got {k}")
-        want = (n, k // QK * block_bytes(self.fmt))
+            raise ValueError(f"unsupported quantized format {self.fmt!r}; supported: {', '.join(STORED_FORMATS)}")
+        if k % group_size(self.fmt):
+            raise ValueError(f"a {self.fmt} row needs a multiple of {group_size(self.fmt)} values, got {k}")
+        want = (n, row_bytes(self.fmt, k))
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or not self.data.is_contiguous():
             raise ValueError(f"{self.fmt} weight {self.shape}: expected contiguous uint8 bytes {want}, "
                              f"got {self.data.dtype} {tuple(self.data.shape)}")
@@ -63,8 +75,10 @@ class QuantizedWeight:
 
     @classmethod
     def quantize(cls, w: torch.Tensor | np.ndarray, fmt: str) -> QuantizedWeight:
-        if fmt not in GGML_TYPES:
-            raise ValueError(f"unsupported quantized format {fmt!r}; supported: {', '.join(QUANT_FORMATS)}")
+        if fmt not in QUANT_FORMATS:
+            kept = ", ".join(f for f in STORED_FORMATS if f not in QUANT_FORMATS)
+            raise ValueError(f"cannot quantize to {fmt!r}; supported: {', '.join(QUANT_FORMATS)} "
+                             f"({kept} run only as a GGUF file stores them)")
         a = w.detach().float().cpu().numpy() if isinstance(w, torch.Tensor) else np.asarray(w, np.float32)
         if a.ndim != 2 or a.shape[1] % QK:
             raise ValueError(f"a {fmt} matrix needs rows of a multiple of {QK} values, got shape {a.shape}")
@@ -109,13 +123,62 @@ class QuantizedPanels:
 
 
 def panel_block_bytes(fmt: str) -> int:
-    """One block of 32 values of 16 rows: fp16 scales (and minimums) then codes."""
-    return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256}[fmt]
+    """One block of 32 values of 16 rows: fp16 scales (and minimums) then
+    codes; q4_k: its 6-bit scales and minimums as bytes then codes, with the
+    super-block's d and -dmin (64 bytes) before every 8 blocks."""
+    return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q4_k": 32 + 256 + 64 // 8}[fmt]
+
+
+def _nibble_codes(u: np.ndarray, panels: int, nb: int) -> np.ndarray:
+    """4-bit codes [panels * 16, nb, 32] in the kernels' groups: group g holds
+    values 4g..4g+3 in the low nibbles and 16+4g.. in the high ones."""
+    u = u.reshape(panels, PANEL, nb, QK)
+    lo = u[..., :16].reshape(panels, PANEL, nb, 4, 4)
+    hi = u[..., 16:].reshape(panels, PANEL, nb, 4, 4)
+    return (lo | (hi << np.uint8(4))).transpose(0, 2, 3, 1, 4).reshape(panels, nb, -1)
+
+
+def _by_panel(a: np.ndarray, panels: int, nb: int) -> np.ndarray:
+    """[panels * 16, nb, b] per-row bytes -> [panels, nb, 16 * b]: each block's 16 rows together."""
+    b = a.shape[-1]
+    return a.reshape(panels, PANEL, nb, b).transpose(0, 2, 1, 3).reshape(panels, nb, PANEL * b)
+
+
+def q4_k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K super-blocks [..., 144] -> d, dmin (fp16 bytes [..., 2] each), the
+    8 sub-blocks' 6-bit scales and minimums [..., 8] and the 256 codes in
+    element order [..., 256] (ggml's layout, as gguf's dequantize reads it)."""
+    d, dmin, sc, qs = raw[..., 0:2], raw[..., 2:4], raw[..., 4:16], raw[..., 16:144]
+    scales = np.concatenate([sc[..., 0:4] & 0x3F, (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)
+    mins = np.concatenate([sc[..., 4:8] & 0x3F, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
+    q = qs.reshape(*qs.shape[:-1], 4, 32)  # 4 chunks of 32 bytes: sub-block 2c in the low nibbles, 2c+1 high
+    codes = np.stack([q & 0x0F, q >> 4], axis=-2).reshape(*qs.shape[:-1], 256)
+    return d, dmin, scales.astype(np.uint8), mins.astype(np.uint8), codes
+
+
+def _pack_q4_k(w: QuantizedWeight, panels: int) -> np.ndarray:
+    n, k = w.shape
+    ns = k // QK_K
+    raw = np.zeros((panels * PANEL, ns, 144), np.uint8)
+    raw[:n] = w.data.numpy().reshape(n, ns, 144)
+    d, dmin, scales, mins, codes = q4_k_fields(raw)
+    neg = dmin.copy()
+    neg[..., 1] ^= 0x80  # -dmin: the kernels add (-dmin * m) * s_x as Q4_1 adds m * s_x; negation is exact
+    head = np.concatenate([_by_panel(d, panels, ns), _by_panel(neg, panels, ns)], axis=-1)  # [panels, ns, 64]
+    nb = k // QK
+    sub = np.concatenate([_by_panel(scales.reshape(-1, nb, 1), panels, nb),
+                          _by_panel(mins.reshape(-1, nb, 1), panels, nb),
+                          _nibble_codes(codes.reshape(-1, nb, QK), panels, nb)], axis=-1)  # [panels, nb, 288]
+    return np.concatenate([head, sub.reshape(panels, ns, -1)], axis=-1).reshape(panels, -1)
 
 
 def pack_panels(w: QuantizedWeight) -> torch.Tensor:
     n, k = w.shape
     nb, panels = k // QK, -(-n // PANEL)
+    if w.fmt == "q4_k":
+        out = np.ascontiguousarray(_pack_q4_k(w, panels))
+        assert out.shape[1] == nb * panel_block_bytes(w.fmt)
+        return torch.from_numpy(out)
     raw = np.zeros((panels * PANEL, nb, block_bytes(w.fmt)), np.uint8)
     raw[:n] = w.data.numpy().reshape(n, nb, -1)
     d = raw[..., 0:2]
@@ -128,14 +191,11 @@ def pack_panels(w: QuantizedWeight) -> torch.Tensor:
         u = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)  # element order
     # [panel, row, block, ...] -> [panel, block, ...(row inside)]
     parts = [s.reshape(panels, PANEL, nb, 2).transpose(0, 2, 1, 3).reshape(panels, nb, 2 * PANEL) for s in scales]
-    u = u.reshape(panels, PANEL, nb, QK)
     if w.fmt == "q8_0":
-        codes = u.reshape(panels, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4)
-    else:  # group g: values 4g..4g+3 in the low nibbles, 16+4g.. in the high ones
-        lo = u[..., :16].reshape(panels, PANEL, nb, 4, 4)
-        hi = u[..., 16:].reshape(panels, PANEL, nb, 4, 4)
-        codes = (lo | (hi << np.uint8(4))).transpose(0, 2, 3, 1, 4)
-    parts.append(codes.reshape(panels, nb, -1))
+        codes = u.reshape(panels, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(panels, nb, -1)
+    else:
+        codes = _nibble_codes(u, panels, nb)
+    parts.append(codes)
     out = np.ascontiguousarray(np.concatenate(parts, axis=-1).reshape(panels, -1))
     assert out.shape[1] == nb * panel_block_bytes(w.fmt)
     return torch.from_numpy(out)
@@ -167,9 +227,9 @@ def input_quantization_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tenso
 # ---------------------------------------------------------------- which format a matrix runs in
 
 QUANTIZATION_CHOICES = QUANTIZATIONS  # auto, none and the block formats
-assert QUANTIZATIONS[2:] == QUANT_FORMATS, "config.QUANTIZATIONS must list the block formats of GGML_TYPES"
+assert QUANTIZATIONS[2:] == QUANT_FORMATS, "config.QUANTIZATIONS must list the formats quantize() writes"
 # GGUF types the kernels run as stored, by their gguf enum name.
-KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 _EDGE_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -184,9 +244,10 @@ def target_format(name: str, source: str, quantization: str, width: int) -> str 
     checkpoint) runs in under --quantization, None for float.
 
     none: every matrix float (dequantized at load).
-    auto: Q8_0 / Q4_0 / Q4_1 as stored; any other quantized type (K-quants,
-          Q5_*, IQ*) requantized to q8_0, which loses no more than the file
-          already did (an 8-bit grid over a 4-6 bit one); float stays float.
+    auto: Q8_0 / Q4_0 / Q4_1 / Q4_K as stored; any other quantized type
+          (Q5_K, Q6_K, Q2_K, Q3_K, Q5_*, IQ*) requantized to q8_0, which
+          loses no more than the file already did (an 8-bit grid over a 2-6
+          bit one); float stays float.
     q8_0 / q4_0 / q4_1: the decoder's projections in that format; the
           embedding and LM head as under auto but at least q8_0 (llama.cpp's
           quantizer, like vLLM's methods, spares them too: a 4-bit LM head
@@ -198,6 +259,8 @@ def target_format(name: str, source: str, quantization: str, width: int) -> str 
     if quantization == "none" or not is_matrix(name) or width % QK:
         return None
     own = KEPT_GGUF_TYPES.get(source)
+    if own is not None and width % group_size(own):
+        own = None  # (a GGUF's own tensors always fit their groups)
     if quantization == "auto" or name in _EDGE_MATRICES:
         if own is not None:
             return own

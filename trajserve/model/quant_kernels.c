@@ -1,4 +1,4 @@
-/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1).
+/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1, Q4_K).
  *
  * Why: a batch-1 decode step reads every weight once (inference-optimization
  * 8.2.1, I_weight ~ 2b/s_w), so its time is the weight bytes over the memory
@@ -22,7 +22,10 @@
  * Per block b of weight row r and input row i, with exact integers
  *     sum_j w_j x_j ~= d_w * d_x * (sum_j u_j q_j - o * sum_j q_j) + m_w * s_x
  * where u are the stored codes: Q8_0 u = q + 128 (o = 128, m_w = 0), Q4_0
- * u = q + 8 (o = 8, m_w = 0), Q4_1 u = q (o = 0, m_w = the block's minimum).
+ * u = q + 8 (o = 8, m_w = 0), Q4_1 u = q (o = 0, m_w = the block's minimum);
+ * Q4_K u = q (o = 0) with d_w = d * sc and m_w = -dmin * m, the super-block's
+ * fp16 d and dmin times the block's 6-bit scale and minimum: products exact in
+ * float32, so a Q4_K block is a Q4_1 block whose scales are computed.
  * Both builds compute the same integer (the AVX2 one undoes the +128 of Q8_0
  * codes and uses the sign trick, so no int16 pair saturates) and then the
  * same float operations in the same order, lane by lane: they give
@@ -31,6 +34,8 @@
  *
  * Panel layout (quant.py pack_panels), per panel of 16 rows and block of 32:
  *   d[16] fp16 | Q4_1: m[16] fp16 | codes
+ *   Q4_K: sc[16] u8 | m[16] u8 | codes, and before every 8 blocks (a
+ *   super-block of 256) d[16] fp16 | -dmin[16] fp16
  *   codes Q4: 4 groups of 64 bytes, byte 4r + t of group g = u(4g + t) | u(4g + 16 + t) << 4 of row r
  *   codes Q8: 8 groups of 64 bytes, byte 4r + t of group g = u(4g + t) of row r
  * A panel is its k / 32 blocks back to back; rows past n are zero (d = 0).
@@ -56,10 +61,23 @@ typedef struct {
     int8_t q[QK];
 } block_q8x;
 
-/* Bytes of one block of one panel (16 rows). */
+/* Bytes of one block of one panel (16 rows); Q4_K: on average (its super-block header shared by 8). */
+#define Q4K_BLOCK (32 + 256)
+#define Q4K_SUPER (64 + 8 * Q4K_BLOCK)
 static inline int64_t panel_block_bytes(const int fmt) {
-    return fmt == TS_Q8_0 ? 32 + 512 : fmt == TS_Q4_0 ? 32 + 256 : 64 + 256;
+    return fmt == TS_Q8_0 ? 32 + 512 : fmt == TS_Q4_0 ? 32 + 256 : fmt == TS_Q4_K ? Q4K_SUPER / 8 : 64 + 256;
 }
+
+/* Block b of a panel, and where its codes start. */
+static inline const uint8_t *panel_block(const uint8_t *panel, int64_t b, const int fmt) {
+    if (fmt == TS_Q4_K) return panel + (b >> 3) * Q4K_SUPER + 64 + (b & 7) * Q4K_BLOCK;
+    return panel + b * panel_block_bytes(fmt);
+}
+
+static inline int codes_offset(const int fmt) { return fmt == TS_Q4_1 ? 64 : 32; }
+
+/* A Q4_K block's header: the d / -dmin of its super-block. */
+static inline const uint8_t *q4k_head(const uint8_t *panel, int64_t b) { return panel + (b >> 3) * Q4K_SUPER; }
 
 /* Which integer dot product this build runs: 1 AVX2, 2 AVX512-VNNI. */
 int ts_quant_isa(void) {
@@ -121,15 +139,24 @@ static inline int32_t dword(const int8_t *q, int g) {
 #define QTILE_ROWS 4
 static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
                                                         const int nr, const int fmt, float *o) {
-    const int64_t pb = panel_block_bytes(fmt);
     const int offset = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : 0;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[QTILE_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = panel + b * pb;
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const uint8_t *codes = blk + (fmt == TS_Q4_1 ? 64 : 32);
+        const uint8_t *blk = panel_block(panel, b, fmt);
+        __m512 dw, mw = _mm512_setzero_ps();
+        if (fmt == TS_Q4_K) {  // d * sc and -dmin * m: exact in float32
+            const uint8_t *head = q4k_head(panel, b);
+            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))));
+            mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))),
+                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)))));
+        } else {
+            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            if (fmt == TS_Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        }
+        const uint8_t *codes = blk + codes_offset(fmt);
         __m512i isum[QTILE_ROWS];
         for (int i = 0; i < nr; i++) isum[i] = _mm512_setzero_si512();
         if (fmt == TS_Q8_0) {
@@ -152,10 +179,7 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
             const block_q8x *xb = x + i * nb + b;
             if (offset) isum[i] = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(offset * xb->sum));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[i]);
-            if (fmt == TS_Q4_1) {
-                const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
-                acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[i]);
-            }
+            if (fmt == TS_Q4_1 || fmt == TS_Q4_K) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[i]);
         }
     }
     for (int i = 0; i < nr; i++) _mm512_storeu_ps(o + i * PANEL, acc[i]);
@@ -172,14 +196,13 @@ static inline __m256i madd_us(__m256i u, __m256i s) {
  * at 4 rows, and 2 rows left the product no faster than the float32 one). */
 static inline __attribute__((always_inline)) void qtile_half(const uint8_t *panel, int64_t nb, const block_q8x *x,
                                                              const int nr, const int fmt, const int h, float *o) {
-    const int64_t pb = panel_block_bytes(fmt);
     const int offset = fmt == TS_Q4_0 ? 8 : 0;  // Q8_0's +128 is undone on the codes
     const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
     __m256 acc[QTILE_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = panel + b * pb;
-        const uint8_t *codes = blk + (fmt == TS_Q4_1 ? 64 : 32) + 32 * h;
+        const uint8_t *blk = panel_block(panel, b, fmt);
+        const uint8_t *codes = blk + codes_offset(fmt) + 32 * h;
         __m256i isum[QTILE_ROWS];
         for (int i = 0; i < nr; i++) isum[i] = _mm256_setzero_si256();
         if (fmt == TS_Q8_0) {
@@ -208,15 +231,22 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
             }
             for (int i = 0; i < nr; i++) isum[i] = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+        __m256 dw, mw = _mm256_setzero_ps();
+        if (fmt == TS_Q4_K) {  // d * sc and -dmin * m, as the avx512 build computes them
+            const uint8_t *head = q4k_head(panel, b);
+            dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * h))),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * h)))));
+            mw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 32 + 16 * h))),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * h)))));
+        } else {
+            dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
+            if (fmt == TS_Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
+        }
         for (int i = 0; i < nr; i++) {
             const block_q8x *xb = x + i * nb + b;
             if (offset) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(offset * xb->sum));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
-            if (fmt == TS_Q4_1) {
-                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
-                acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
-            }
+            if (fmt == TS_Q4_1 || fmt == TS_Q4_K) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
         }
     }
     for (int i = 0; i < nr; i++) _mm256_storeu_ps(o + i * PANEL + 8 * h, acc[i]);
@@ -240,6 +270,7 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
     switch (fmt) {
         case TS_Q8_0: QTILE_NR(TS_Q8_0) break;
         case TS_Q4_0: QTILE_NR(TS_Q4_0) break;
+        case TS_Q4_K: QTILE_NR(TS_Q4_K) break;
         default: QTILE_NR(TS_Q4_1) break;
     }
 #undef QTILE_NR
@@ -318,7 +349,8 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
                     int nthreads) {
     const int64_t nb = k / QK, panels = (P->n + PANEL - 1) / PANEL;
     // Tiles for prefill-sized inputs; rows of up to 8,192 values (a row's blocks are repacked on the stack).
-    if (amx && m >= AMX_ROWS && nb <= AMX_MAX_BLOCKS) return amx_product(x, m, k, ldx, P, fmt, nthreads);
+    // Q4_K runs on the vector kernels (its tile path is not written).
+    if (amx && fmt != TS_Q4_K && m >= AMX_ROWS && nb <= AMX_MAX_BLOCKS) return amx_product(x, m, k, ldx, P, fmt, nthreads);
     block_q8x *xq = malloc(sizeof(block_q8x) * (m * nb > 0 ? m * nb : 1));
     if (xq == NULL) return 1;
     ts_quantize_rows_q8(x, m, k, ldx, xq, nthreads);
@@ -582,7 +614,7 @@ static inline float f16(const uint8_t *p) {
 }
 
 /* out[i, :] = the float values of row ids[i] of the panels w (an embedding
- * lookup in a tied LM head): d * (u - o) (+ m for Q4_1), as gguf dequantizes. */
+ * lookup in a tied LM head): d * (u - o) (+ m for Q4_1 and Q4_K), as gguf dequantizes. */
 void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int64_t m, float *out, int64_t ldo) {
     const int64_t pb = panel_block_bytes(fmt), nb = k / QK;
     for (int64_t i = 0; i < m; i++) {
@@ -590,16 +622,18 @@ void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int6
         const uint8_t *panel = (const uint8_t *)w + (ids[i] / PANEL) * nb * pb;
         float *o = out + i * ldo;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = panel + b * pb;
-            const float d = f16(blk + 2 * r);
+            const uint8_t *blk = panel_block(panel, b, fmt);
+            float d = fmt == TS_Q4_K ? f16(q4k_head(panel, b) + 2 * r) * (float)blk[r] : f16(blk + 2 * r);
             float *ob = o + b * QK;
             if (fmt == TS_Q8_0) {
                 const uint8_t *codes = blk + 32;
                 for (int j = 0; j < QK; j++) ob[j] = d * (float)((int)codes[64 * (j / 4) + 4 * r + j % 4] - 128);
             } else {
-                const uint8_t *codes = blk + (fmt == TS_Q4_1 ? 64 : 32);
-                const float mn = fmt == TS_Q4_1 ? f16(blk + 32 + 2 * r) : 0.0f;
-                const int o4 = fmt == TS_Q4_1 ? 0 : 8;
+                const uint8_t *codes = blk + codes_offset(fmt);
+                const float mn = fmt == TS_Q4_1   ? f16(blk + 32 + 2 * r)
+                                 : fmt == TS_Q4_K ? f16(q4k_head(panel, b) + 32 + 2 * r) * (float)blk[16 + r]
+                                                  : 0.0f;
+                const int o4 = fmt == TS_Q4_1 || fmt == TS_Q4_K ? 0 : 8;
                 for (int j = 0; j < QK / 2; j++) {
                     const uint8_t byte = codes[64 * (j / 4) + 4 * r + j % 4];
                     ob[j] = d * (float)((byte & 0x0F) - o4) + mn;

@@ -1,0 +1,51 @@
+"""Q4_K executed as stored (quant_kernels.c): the super-block's d and dmin
+times each block's 6-bit scale and minimum make a Q4_1-shaped block whose
+scales are exact in float32. test_quant_kernels.py holds its products to
+the other formats' two bounds and checks that a row's bits do not depend on
+its batch, the threads or the build; here, its layout, the fused gate and
+the embedding rows, and what runs it."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kquant import random_q4_k
+from test_quant_kernels import BUILDS, needs_kernels
+from trajserve.model.quant import QuantizedWeight, q4_k_fields, target_format
+
+
+def test_fields_are_ggml_layout():
+    """The unpacked fields rebuild gguf's own dequantization exactly."""
+    w = random_q4_k(7, 512, 1, wild=True)
+    raw = w.data.numpy().reshape(7, 2, 144)
+    d, dmin, sc, m, codes = q4_k_fields(raw)
+    df, dmf = d.copy().view(np.float16).astype(np.float32), dmin.copy().view(np.float16).astype(np.float32)
+    vals = (df * sc)[..., None] * codes.reshape(7, 2, 8, 32) - (dmf * m)[..., None]
+    assert np.array_equal(vals.reshape(7, 512), w.dequantize().numpy())
+    assert sc.max() > 47 and m.max() > 47  # the high two bits of the 6-bit fields were exercised
+
+
+@needs_kernels
+def test_q4_k_gate_up_and_embedding_rows():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 512, generator=g)
+    gate, up = random_q4_k(40, 512, 4), random_q4_k(40, 512, 5)
+    want = F.silu(gate.reference_product(x)) * up.reference_product(x)
+    ids = torch.tensor([0, 39, 17, 17, 16], dtype=torch.int64)
+    for K in BUILDS.values():
+        torch.testing.assert_close(K.qgate_up_silu(x, gate.pack(), up.pack()), want, atol=1e-3, rtol=1e-4)
+        assert torch.equal(K.dequant_rows(gate.pack(), ids), gate.dequantize()[ids])  # gguf's values, bit for bit
+
+
+def test_q4_k_bytes_per_weight_and_what_runs_as_stored():
+    w = random_q4_k(32, 1024, 2)
+    assert w.nbytes == 32 * 4 * 144  # the file's 4.5 bits a weight
+    assert w.pack().nbytes == 32 * 1024 * 37 // 64  # 4.625: the 6-bit scales as bytes
+    assert target_format("model.layers.0.mlp.down_proj.weight", "Q4_K", "auto", 1024) == "q4_k"
+    assert target_format("lm_head.weight", "Q4_K", "auto", 1024) == "q4_k"
+    assert target_format("model.layers.0.mlp.down_proj.weight", "Q6_K", "auto", 1024) == "q8_0"
+    assert target_format("model.layers.0.mlp.down_proj.weight", "Q4_K", "none", 1024) is None
+    with pytest.raises(ValueError, match="q4_k"):
+        QuantizedWeight.quantize(torch.randn(4, 256), "q4_k")  # read from files, never written here
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedWeight(torch.zeros(2, 144, dtype=torch.uint8), "q4_k", (2, 128))

@@ -1,0 +1,37 @@
+"""`bench random-model`: a GGUF of a catalog shape with random weights that
+the engine loads with the shape read back from the file, the tokenizer padded
+to the shape's vocabulary."""
+import gguf
+
+from trajserve.bench.random_model import write_random_gguf
+from trajserve.config import ModelConfig
+from trajserve.llm import LLM
+from trajserve.plan.catalog import get_model
+from trajserve.plan.model_shapes import read_gguf_config, total_params
+from trajserve.sampling import SamplingParams
+
+
+def test_a_written_shape_reads_back_and_serves(tmp_path):
+    cfg = ModelConfig("qwen3", vocab_size=49152 + 40, hidden_size=128, intermediate_size=256, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=4096,
+                      tie_word_embeddings=False, name="t")
+    path = tmp_path / "r.gguf"
+    write_random_gguf(cfg, path, "q8_0")
+    back = read_gguf_config(path)
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+              "head_dim", "qk_norm", "tie_word_embeddings", "max_position_embeddings"):
+        assert getattr(back, f) == getattr(cfg, f), f
+    assert total_params(back) == total_params(cfg)
+    tokens = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == cfg.vocab_size and tokens[-1] == "<|unused_39|>"
+    llm = LLM(model=str(path), num_blocks=32)
+    assert set(llm.engine.model.weight_formats()) <= {"q8_0", "float32"}
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_catalog_shapes_for_speed_runs():
+    m = get_model("smollm2-1.7b")
+    assert (m.config.num_layers, m.config.hidden_size, m.config.intermediate_size) == (24, 2048, 8192)
+    assert total_params(m.config) == m.params == 1_711_376_384
+    assert total_params(get_model("llama-3.2-3b").config) == 3_212_749_824

@@ -1,0 +1,141 @@
+"""`trajserve bench random-model`: a GGUF of a real model's shape with random
+weights, for speed runs where no model hub can be reached.
+
+    trajserve bench random-model --shape smollm2-1.7b --out /tmp/smollm2-1.7b-f16.gguf
+    llama-quantize /tmp/smollm2-1.7b-f16.gguf /tmp/smollm2-1.7b-q4_k_m.gguf Q4_K_M
+    trajserve bench throughput --model /tmp/smollm2-1.7b-q4_k_m.gguf
+
+The shape is a catalog model's (trajserve/plan/catalog.toml: layers, heads,
+widths, vocabulary, tied embeddings); the weights are N(0, 0.02) (norms 1),
+so the bytes a step reads and the work it does are the real model's, not
+its text. The tokenizer is the embedded SmolLM2's, padded with unused
+tokens to the shape's vocabulary, so both trajserve and llama.cpp load the
+file. --type writes f16 (what llama.cpp's quantizer starts from, for K-quant
+files), f32, or a block format the gguf package writes (q8_0, q4_0, q4_1).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trajserve.config import ModelConfig
+
+TYPES = ("f16", "f32", "q8_0", "q4_0", "q4_1")  # gguf and numpy load when a file is written
+
+
+def add_parser(sub) -> None:
+    r = sub.add_parser("random-model", help="write a GGUF of a real model's shape with random weights (speed runs)")
+    r.add_argument("--shape", required=True, help="a catalog model: smollm2-1.7b, llama-3.2-3b, qwen3-8b, ...")
+    r.add_argument("--out", required=True, help="the .gguf file to write")
+    r.add_argument("--type", choices=tuple(TYPES), default="f16", help="how the matrices are stored")
+    r.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (tests, quick runs)")
+    r.add_argument("--context", type=int, default=8192, help="the context length the file declares")
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=run)
+
+
+def _tokenizer_fields(vocab_size: int) -> list[tuple]:
+    """The embedded model's tokenizer metadata (key, value, type, item type),
+    its token list padded to vocab_size."""
+    import gguf
+
+    from trajserve.model.loader import default_model_path
+
+    reader = gguf.GGUFReader(default_model_path())
+    out = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        sub = field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            pad = vocab_size - len(value)
+            if pad < 0:
+                raise ValueError(f"the shape's vocabulary ({vocab_size:,}) is smaller than the tokenizer's "
+                                 f"({len(value):,})")
+            value = list(value) + {"tokenizer.ggml.tokens": [f"<|unused_{i}|>" for i in range(pad)],
+                                   "tokenizer.ggml.token_type": [int(gguf.TokenType.UNUSED)] * pad,
+                                   "tokenizer.ggml.scores": [0.0] * pad}[key]
+        out.append((key, value, vtype, sub))
+    return out
+
+
+def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int = 0) -> int:
+    """Write the file; returns its size in bytes."""
+    import gguf
+    import numpy as np
+
+    arch = "qwen3" if cfg.qk_norm else "llama"
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"random {cfg.name or arch}")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+                     "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind])
+    for key, value, vtype, sub in _tokenizer_fields(cfg.vocab_size):
+        w.add_key_value(key, value, vtype, sub)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        a = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+        if kind == "f16":
+            w.add_tensor(name, a.astype(np.float16))
+        elif kind == "f32":
+            w.add_tensor(name, a)
+        else:
+            qtype = gguf.GGMLQuantizationType[kind.upper()]
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+
+    def norm(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    matrix("token_embd.weight", cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", h)
+        matrix(p + "attn_q.weight", q, h)
+        matrix(p + "attn_k.weight", kv, h)
+        matrix(p + "attn_v.weight", kv, h)
+        matrix(p + "attn_output.weight", h, q)
+        if cfg.qk_norm:
+            norm(p + "attn_q_norm.weight", cfg.head_dim)
+            norm(p + "attn_k_norm.weight", cfg.head_dim)
+        norm(p + "ffn_norm.weight", h)
+        matrix(p + "ffn_gate.weight", cfg.intermediate_size, h)
+        matrix(p + "ffn_up.weight", cfg.intermediate_size, h)
+        matrix(p + "ffn_down.weight", h, cfg.intermediate_size)
+    norm("output_norm.weight", h)
+    if not cfg.tie_word_embeddings:
+        matrix("output.weight", cfg.vocab_size, h)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out.stat().st_size
+
+
+def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from trajserve.plan.catalog import get_model
+
+    spec = get_model(args.shape)
+    cfg = spec.config
+    cfg = dataclasses.replace(cfg, max_position_embeddings=args.context,
+                              num_layers=cfg.num_layers if args.layers is None else args.layers)
+    size = write_random_gguf(cfg, Path(args.out), args.type, args.seed)
+    print(f"wrote {args.out}: {spec.name}'s shape ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size:,}), random {args.type} weights, {size / 2**30:.2f} GiB")
+    return 0

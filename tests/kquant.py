@@ -1,8 +1,10 @@
-"""Q4_K bytes for tests: gguf has no K-quant quantizer, so this writes valid
-super-blocks by a plain min-max rule (llama.cpp's quantizer searches scales
-harder; the kernels read any valid block the same way). The layout is
-ggml's: d and dmin (fp16), 12 bytes of 6-bit scales and minimums, 128 bytes
-of 4-bit codes (sub-block 2c in the low nibbles of chunk c, 2c + 1 high)."""
+"""Q4_K and Q6_K bytes for tests: gguf has no K-quant quantizer, so this
+writes valid super-blocks by plain rules (llama.cpp's quantizer searches
+scales harder; the kernels read any valid block the same way), in ggml's
+layouts. Q4_K: d and dmin (fp16), 12 bytes of 6-bit scales and minimums, 128
+bytes of 4-bit codes (sub-block 2c in the low nibbles of chunk c, 2c + 1
+high). Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales (one
+per 16 values), d (fp16)."""
 import numpy as np
 import torch
 
@@ -34,6 +36,26 @@ def quantize_q4_k(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(n, -1))
 
 
+def quantize_q6_k(a: np.ndarray) -> np.ndarray:
+    """[n, k] float (k a multiple of 256) -> uint8 [n, k / 256 * 210]."""
+    n, k = a.shape
+    ns = k // 256
+    x = a.astype(np.float32).reshape(n, ns, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[..., None]
+    sc = np.clip(np.ceil(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.rint(np.divide(x, step, out=np.zeros_like(x), where=step != 0)), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(n, ns, 2, 4, 32)  # [half, quarter, l]: value 128 h + 32 q + l
+    low = q & 0x0F
+    ql = np.concatenate([low[..., 0, :] | (low[..., 2, :] << 4), low[..., 1, :] | (low[..., 3, :] << 4)], axis=-1)
+    qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
+    out = np.concatenate([ql.reshape(n, ns, 128), qh.reshape(n, ns, 64),
+                          sc.view(np.uint8), d[..., None].view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(out.reshape(n, -1))
+
+
 def random_q4_k(n: int, k: int, seed: int, wild: bool = False) -> QuantizedWeight:
     """Valid Q4_K bytes: quantized from Gaussian rows, or (wild) every byte
     random but d and dmin, so every scale, minimum and code occurs."""
@@ -46,3 +68,11 @@ def random_q4_k(n: int, k: int, seed: int, wild: bool = False) -> QuantizedWeigh
         raw[..., 2:4] = (rng.random((n, k // 256, 1)) * 4e-3).astype(np.float16).view(np.uint8)
         raw = raw.reshape(n, -1)
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw)), "q4_k", (n, k))
+
+
+def random_q6_k(n: int, k: int, seed: int) -> QuantizedWeight:
+    """Valid Q6_K bytes, every code and int8 scale random, d small."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    raw[..., 208:210] = (rng.random((n, k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1))), "q6_k", (n, k))

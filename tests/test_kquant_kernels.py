@@ -1,17 +1,18 @@
-"""Q4_K executed as stored (quant_kernels.c): the super-block's d and dmin
-times each block's 6-bit scale and minimum make a Q4_1-shaped block whose
-scales are exact in float32. test_quant_kernels.py holds its products to
-the other formats' two bounds and checks that a row's bits do not depend on
-its batch, the threads or the build; here, its layout, the fused gate and
-the embedding rows, and what runs it."""
+"""Q4_K and Q6_K executed as stored (quant_kernels.c). Q4_K: the
+super-block's d and dmin times each block's 6-bit scale and minimum make a
+Q4_1-shaped block whose scales are exact in float32; Q6_K: 6-bit codes with
+an int8 scale per 16 values, two sums a block. test_quant_kernels.py holds
+their products to the other formats' two bounds and checks that a row's bits
+do not depend on its batch, the threads or the build; here, their layouts,
+the fused gate and the embedding rows, and what runs them."""
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kquant import random_q4_k
+from kquant import random_q4_k, random_q6_k
 from test_quant_kernels import BUILDS, needs_kernels
-from trajserve.model.quant import QuantizedWeight, q4_k_fields, target_format
+from trajserve.model.quant import QuantizedWeight, q4_k_fields, q6_k_fields, target_format
 
 
 def test_fields_are_ggml_layout():
@@ -25,11 +26,21 @@ def test_fields_are_ggml_layout():
     assert sc.max() > 47 and m.max() > 47  # the high two bits of the 6-bit fields were exercised
 
 
+def test_q6_k_fields_are_ggml_layout():
+    w = random_q6_k(5, 512, 2)
+    d, sc, codes = q6_k_fields(w.data.numpy().reshape(5, 2, 210))
+    df = d.copy().view(np.float16).astype(np.float32)
+    vals = (df * sc)[..., None] * (codes.reshape(5, 2, 16, 16).astype(np.float32) - 32)
+    assert np.array_equal(vals.reshape(5, 512), w.dequantize().numpy())
+    assert codes.max() == 63 and codes.min() == 0 and sc.min() < -100
+
+
 @needs_kernels
-def test_q4_k_gate_up_and_embedding_rows():
+@pytest.mark.parametrize("make", [random_q4_k, random_q6_k])
+def test_k_quant_gate_up_and_embedding_rows(make):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 512, generator=g)
-    gate, up = random_q4_k(40, 512, 4), random_q4_k(40, 512, 5)
+    gate, up = make(40, 512, 4), make(40, 512, 5)
     want = F.silu(gate.reference_product(x)) * up.reference_product(x)
     ids = torch.tensor([0, 39, 17, 17, 16], dtype=torch.int64)
     for K in BUILDS.values():
@@ -37,13 +48,15 @@ def test_q4_k_gate_up_and_embedding_rows():
         assert torch.equal(K.dequant_rows(gate.pack(), ids), gate.dequantize()[ids])  # gguf's values, bit for bit
 
 
-def test_q4_k_bytes_per_weight_and_what_runs_as_stored():
+def test_k_quant_bytes_per_weight_and_what_runs_as_stored():
     w = random_q4_k(32, 1024, 2)
     assert w.nbytes == 32 * 4 * 144  # the file's 4.5 bits a weight
     assert w.pack().nbytes == 32 * 1024 * 37 // 64  # 4.625: the 6-bit scales as bytes
     assert target_format("model.layers.0.mlp.down_proj.weight", "Q4_K", "auto", 1024) == "q4_k"
     assert target_format("lm_head.weight", "Q4_K", "auto", 1024) == "q4_k"
-    assert target_format("model.layers.0.mlp.down_proj.weight", "Q6_K", "auto", 1024) == "q8_0"
+    assert target_format("model.layers.0.mlp.down_proj.weight", "Q6_K", "auto", 1024) == "q6_k"
+    assert target_format("model.layers.0.mlp.down_proj.weight", "Q5_K", "auto", 1024) == "q8_0"
+    assert random_q6_k(32, 1024, 2).pack().nbytes == 32 * 1024 * 105 // 128  # 6.5625 bits: the file's
     assert target_format("model.layers.0.mlp.down_proj.weight", "Q4_K", "none", 1024) is None
     with pytest.raises(ValueError, match="q4_k"):
         QuantizedWeight.quantize(torch.randn(4, 256), "q4_k")  # read from files, never written here

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from kquant import random_q4_k
+from kquant import random_q4_k, random_q6_k
 from trajserve.model import cpu_kernels
 from trajserve.model.quant import (QUANT_FORMATS, STORED_FORMATS, QuantizedWeight, input_quantization_bound,
                                    quantize_input_rows, target_format)
@@ -24,8 +24,19 @@ BUILDS = {isa: cpu_kernels.load(isa) for isa in ISAS}
 needs_kernels = pytest.mark.skipif(not any(BUILDS.values()), reason="no C compiler or no AVX2 here")
 
 
+K_QUANTS = ("q4_k", "q6_k")  # read from GGUF files only: their test bytes come from tests/kquant.py
+
+
 def _g(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def _weight(fmt: str, n: int, k: int, seed: int, g: torch.Generator) -> QuantizedWeight:
+    if fmt == "q4_k":
+        return random_q4_k(n, k, seed, wild=bool(seed % 2))
+    if fmt == "q6_k":
+        return random_q6_k(n, k, seed)
+    return QuantizedWeight.quantize(torch.randn(n, k, generator=g), fmt)
 
 
 def _rounding(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -54,14 +65,13 @@ def test_every_build_the_cpu_runs_loads_and_names_its_dot_product():
        acc=st.booleans(), seed=st.integers(0, 2**16))
 def test_quantized_linear_within_its_bounds(fmt, m, blocks, n, bias, acc, seed):
     """Any row count (tiles, row blocks, remainders), any width in blocks
-    (Q4_K: in super-blocks of 8, their bytes either quantized from Gaussian
-    rows or random), any output count (a partial last panel), a row stride
+    (K-quants: in super-blocks of 8, their bytes random, Q4_K's also
+    quantized from Gaussian rows), any output count (a partial last panel), a row stride
     that is not k."""
     g = _g(seed)
-    k = 256 * (1 + blocks // 4) if fmt == "q4_k" else 32 * blocks
+    k = 256 * (1 + blocks // 4) if fmt in K_QUANTS else 32 * blocks
     x = torch.randn(m, k + 5, generator=g)[:, 5:]
-    w = (random_q4_k(n, k, seed, wild=bool(seed % 2)) if fmt == "q4_k" else
-         QuantizedWeight.quantize(torch.randn(n, k, generator=g), fmt))
+    w = _weight(fmt, n, k, seed, g)
     panels = w.pack()
     b = torch.randn(n, generator=g) if bias else None
     same_inputs = w.reference_product(x) + (b if bias else 0)
@@ -116,17 +126,16 @@ def test_input_blocks_are_the_documented_rounding():
 @pytest.mark.parametrize("fmt", STORED_FORMATS)
 def test_a_row_does_not_depend_on_its_batch_the_threads_or_the_build(fmt):
     """Each output is the same integer block sums and the same float steps in
-    one order, however rows are tiled: bit-identical, in every build (Q4_K,
-    which has no tile path, also with the AMX-INT8 switch on)."""
+    one order, however rows are tiled: bit-identical, in every build (the
+    K-quants, which have no tile path, also with the AMX-INT8 switch on)."""
     g = _g(11)
-    k = 768 if fmt == "q4_k" else 192
+    k = 768 if fmt in K_QUANTS else 192
     x = torch.randn(67, k, generator=g)
-    w = (random_q4_k(53, k, 12, wild=True) if fmt == "q4_k" else
-         QuantizedWeight.quantize(torch.randn(53, k, generator=g), fmt)).pack()
+    w = _weight(fmt, 53, k, 12, g).pack()
     results = []
     for K in BUILDS.values():
         whole = K.qlinear(x, w)
-        if fmt == "q4_k":
+        if fmt in K_QUANTS:
             assert torch.equal(K.with_paths(amx_int8=True).qlinear(x, w), whole)
         assert torch.equal(torch.cat([K.qlinear(x[i:i + 1], w) for i in range(67)]), whole)
         assert torch.equal(K.qlinear(x[5:40], w), whole[5:40])
@@ -212,3 +221,19 @@ def test_largest_codes_against_largest_inputs_do_not_overflow(fmt):
     want = q.reference_product(x)
     for K in BUILDS.values():
         torch.testing.assert_close(K.qlinear(x, q.pack()), want, atol=1e-3, rtol=1e-5)
+
+
+def test_largest_q6_k_codes_against_largest_inputs_do_not_overflow():
+    """Q6_K codes all 63 (+31) or 0 (-32) against inputs of +-127: the AVX2
+    build adds two groups' 6-bit pair sums in int16 (at most 2 * 16002)."""
+    w = random_q6_k(24, 512, 3)
+    raw = w.data.numpy().reshape(24, 2, 210)
+    raw[:12, :, 0:192] = 0xFF  # every code 63
+    raw[12:, :, 0:192] = 0x00  # every code 0
+    raw[:, :, 192:208] = 127  # the largest scales
+    x = torch.ones(3, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    want = w.reference_product(x)
+    for K in BUILDS.values():
+        torch.testing.assert_close(K.qlinear(x, w.pack()), want, atol=1e-3, rtol=1e-5)

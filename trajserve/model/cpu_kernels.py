@@ -97,7 +97,7 @@ _RETURNS_INT = ("ts_lora_rows", "ts_prefill_attention", "ts_prefill_attention_q"
 # queries (a shorter chunk runs as decodes, which need no V^T copy of the context).
 AMX_MIN_QUERIES = 4
 _WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # the formats quant_kernels.c runs as stored
-Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, pad; int8 q[32]
+Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, sum_lo; int8 q[32]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -471,7 +471,7 @@ class CpuKernels:
 
     def quantize_rows_q8(self, x: torch.Tensor) -> torch.Tensor:
         """The input blocks a quantized product makes of x [m, k], as raw
-        bytes [m, k / 32 * 48] (float d, s; int32 sum, pad; int8 q[32] per block)."""
+        bytes [m, k / 32 * 48] (float d, s; int32 sum, sum_lo; int8 q[32] per block)."""
         m, k = x.shape
         if k % 32 or x.stride(1) != 1:
             raise ValueError(f"input rows need a multiple of 32 features and unit stride, got {k}")

@@ -1,4 +1,4 @@
-"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1, Q4_K).
+"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
 
 A QuantizedWeight is the bytes of a GGUF tensor of one of those types, row by
 row ([n, k / group * group bytes]): the C kernels (quant_kernels.c) multiply
@@ -9,7 +9,7 @@ planner and simulator price weights and KV with.
 
 `quantize` and `dequantize` use the gguf package's reference implementations,
 so a float checkpoint quantized here holds the bytes llama.cpp's tools would
-write (gguf has no K-quant quantizer: Q4_K comes from GGUF files as stored);
+write (gguf has no K-quant quantizer: Q4_K and Q6_K come from GGUF files as stored);
 `reference_product` is the float64 product the kernels are tested against.
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ QK = 32  # values per block
 PANEL = 16  # weight rows per packed panel, float (cpu_kernels.pack) and quantized (pack_panels)
 QK_K = 256  # values per K-quant super-block
 GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-              "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}
+              "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K,
+              "q6_k": gguf.GGMLQuantizationType.Q6_K}
 STORED_FORMATS = tuple(GGML_TYPES)  # what the kernels run as stored
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_1")  # what a float matrix can be quantized to here (--quantization)
 
@@ -125,8 +126,11 @@ class QuantizedPanels:
 def panel_block_bytes(fmt: str) -> int:
     """One block of 32 values of 16 rows: fp16 scales (and minimums) then
     codes; q4_k: its 6-bit scales and minimums as bytes then codes, with the
-    super-block's d and -dmin (64 bytes) before every 8 blocks."""
-    return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q4_k": 32 + 256 + 64 // 8}[fmt]
+    super-block's d and -dmin (64 bytes) before every 8 blocks; q6_k: two
+    int8 scales (values 0-15, 16-31), the codes' low 4 bits, their high 2
+    bits, with the super-block's d (32 bytes) before every 8 blocks."""
+    return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q4_k": 32 + 256 + 64 // 8,
+            "q6_k": 32 + 256 + 128 + 32 // 8}[fmt]
 
 
 def _nibble_codes(u: np.ndarray, panels: int, nb: int) -> np.ndarray:
@@ -156,6 +160,41 @@ def q4_k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     return d, dmin, scales.astype(np.uint8), mins.astype(np.uint8), codes
 
 
+def q6_k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q6_K super-blocks [..., 210] -> d (fp16 bytes [..., 2]), the 16
+    sub-blocks' int8 scales [..., 16] and the 256 codes (0-63, value + 32)
+    in element order [..., 256] (ggml's layout)."""
+    ql, qh, sc, d = raw[..., 0:128], raw[..., 128:192], raw[..., 192:208], raw[..., 208:210]
+    lead = raw.shape[:-1]
+    ql = ql.reshape(*lead, 2, 2, 32)  # [half, l / 32, l]
+    qh = qh.reshape(*lead, 2, 1, 32)
+    lo = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)  # quarters 0..3 of a half: ql[l], ql[l+32], ql[l]>>4, ...
+    lo = lo[..., [0, 1, 2, 3], :]
+    hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2)
+    codes = (lo | (hi << 4)).reshape(*lead, 256)
+    return d, sc.view(np.int8), codes
+
+
+def _pack_q6_k(w: QuantizedWeight, panels: int) -> np.ndarray:
+    n, k = w.shape
+    ns, nb = k // QK_K, k // QK
+    raw = np.zeros((panels * PANEL, ns, 210), np.uint8)
+    raw[:n] = w.data.numpy().reshape(n, ns, 210)
+    d, sc, codes = q6_k_fields(raw)
+    head = _by_panel(d, panels, ns)  # [panels, ns, 32]
+    scales = sc.view(np.uint8).reshape(-1, nb, 2)  # a block's two sub-block scales
+    codes = codes.reshape(-1, nb, QK)
+    high = (codes >> 4).reshape(panels, PANEL, nb, 2, 4, 4)  # [.., half (lo / hi nibble), group, t]
+    # Per group g, lane 4r + t: the high bits of value 4g + t and 16 + 4g + t
+    # (the codes' low and high nibble); groups 2p and 2p + 1 share a byte.
+    lane = (high[..., 0, :, :] | (high[..., 1, :, :] << 2)).transpose(0, 2, 3, 1, 4)  # [panels, nb, 4, 16, 4]
+    lane = lane.reshape(panels, nb, 2, 2, 64)
+    hbits = (lane[:, :, :, 0] | (lane[:, :, :, 1] << 4)).reshape(panels, nb, 128)
+    sub = np.concatenate([_by_panel(scales[..., 0:1], panels, nb), _by_panel(scales[..., 1:2], panels, nb),
+                          _nibble_codes(codes & 0x0F, panels, nb), hbits], axis=-1)  # [panels, nb, 416]
+    return np.concatenate([head, sub.reshape(panels, ns, -1)], axis=-1).reshape(panels, -1)
+
+
 def _pack_q4_k(w: QuantizedWeight, panels: int) -> np.ndarray:
     n, k = w.shape
     ns = k // QK_K
@@ -175,8 +214,8 @@ def _pack_q4_k(w: QuantizedWeight, panels: int) -> np.ndarray:
 def pack_panels(w: QuantizedWeight) -> torch.Tensor:
     n, k = w.shape
     nb, panels = k // QK, -(-n // PANEL)
-    if w.fmt == "q4_k":
-        out = np.ascontiguousarray(_pack_q4_k(w, panels))
+    if w.fmt in ("q4_k", "q6_k"):
+        out = np.ascontiguousarray((_pack_q4_k if w.fmt == "q4_k" else _pack_q6_k)(w, panels))
         assert out.shape[1] == nb * panel_block_bytes(w.fmt)
         return torch.from_numpy(out)
     raw = np.zeros((panels * PANEL, nb, block_bytes(w.fmt)), np.uint8)
@@ -229,7 +268,7 @@ def input_quantization_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tenso
 QUANTIZATION_CHOICES = QUANTIZATIONS  # auto, none and the block formats
 assert QUANTIZATIONS[2:] == QUANT_FORMATS, "config.QUANTIZATIONS must list the formats quantize() writes"
 # GGUF types the kernels run as stored, by their gguf enum name.
-KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
+KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 _EDGE_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -244,10 +283,10 @@ def target_format(name: str, source: str, quantization: str, width: int) -> str 
     checkpoint) runs in under --quantization, None for float.
 
     none: every matrix float (dequantized at load).
-    auto: Q8_0 / Q4_0 / Q4_1 / Q4_K as stored; any other quantized type
-          (Q5_K, Q6_K, Q2_K, Q3_K, Q5_*, IQ*) requantized to q8_0, which
-          loses no more than the file already did (an 8-bit grid over a 2-6
-          bit one); float stays float.
+    auto: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K as stored; any other quantized
+          type (Q5_K, Q2_K, Q3_K, Q5_*, IQ*) requantized to q8_0, which loses
+          no more than the file already did (an 8-bit grid over a 2-5 bit
+          one); float stays float.
     q8_0 / q4_0 / q4_1: the decoder's projections in that format; the
           embedding and LM head as under auto but at least q8_0 (llama.cpp's
           quantizer, like vLLM's methods, spares them too: a 4-bit LM head

@@ -1,4 +1,4 @@
-/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1, Q4_K).
+/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
  *
  * Why: a batch-1 decode step reads every weight once (inference-optimization
  * 8.2.1, I_weight ~ 2b/s_w), so its time is the weight bytes over the memory
@@ -26,6 +26,9 @@
  * Q4_K u = q (o = 0) with d_w = d * sc and m_w = -dmin * m, the super-block's
  * fp16 d and dmin times the block's 6-bit scale and minimum: products exact in
  * float32, so a Q4_K block is a Q4_1 block whose scales are computed.
+ * Q6_K u = q + 32 (o = 32), 6-bit, with one int8 scale per 16 values: two
+ * sums a block (values 0-15 and 16-31, the input's sum_lo and sum - sum_lo),
+ * d_w = d * sc of each.
  * Both builds compute the same integer (the AVX2 one undoes the +128 of Q8_0
  * codes and uses the sign trick, so no int16 pair saturates) and then the
  * same float operations in the same order, lane by lane: they give
@@ -36,6 +39,10 @@
  *   d[16] fp16 | Q4_1: m[16] fp16 | codes
  *   Q4_K: sc[16] u8 | m[16] u8 | codes, and before every 8 blocks (a
  *   super-block of 256) d[16] fp16 | -dmin[16] fp16
+ *   Q6_K: sc_lo[16] i8 | sc_hi[16] i8 | codes (their low 4 bits, as Q4) |
+ *   high bits: 2 x 64 bytes, byte 4r + t of vector p = the high 2 bits of
+ *   the low and the high nibble's codes of group 2p (low 4 bits) and 2p + 1;
+ *   before every 8 blocks d[16] fp16
  *   codes Q4: 4 groups of 64 bytes, byte 4r + t of group g = u(4g + t) | u(4g + 16 + t) << 4 of row r
  *   codes Q8: 8 groups of 64 bytes, byte 4r + t of group g = u(4g + t) of row r
  * A panel is its k / 32 blocks back to back; rows past n are zero (d = 0).
@@ -54,30 +61,40 @@
 #define QK 32
 #define PANEL 16
 
-/* An input row's block: scale d, the codes' sum and s = d * sum, the codes. */
+/* An input row's block: scale d, the codes' sum and s = d * sum, the sum of
+ * the first 16 codes (Q6_K scales each half of a block), the codes. */
 typedef struct {
     float d, s;
-    int32_t sum, pad;
+    int32_t sum, sum_lo;
     int8_t q[QK];
 } block_q8x;
 
-/* Bytes of one block of one panel (16 rows); Q4_K: on average (its super-block header shared by 8). */
+/* Bytes of one block of one panel (16 rows); K-quants: on average (their
+ * super-block header shared by 8 blocks). */
 #define Q4K_BLOCK (32 + 256)
 #define Q4K_SUPER (64 + 8 * Q4K_BLOCK)
+#define Q6K_BLOCK (32 + 256 + 128)
+#define Q6K_SUPER (32 + 8 * Q6K_BLOCK)
 static inline int64_t panel_block_bytes(const int fmt) {
-    return fmt == TS_Q8_0 ? 32 + 512 : fmt == TS_Q4_0 ? 32 + 256 : fmt == TS_Q4_K ? Q4K_SUPER / 8 : 64 + 256;
+    return fmt == TS_Q8_0 ? 32 + 512 : fmt == TS_Q4_0 ? 32 + 256 : fmt == TS_Q4_K ? Q4K_SUPER / 8
+         : fmt == TS_Q6_K ? Q6K_SUPER / 8 : 64 + 256;
 }
 
 /* Block b of a panel, and where its codes start. */
 static inline const uint8_t *panel_block(const uint8_t *panel, int64_t b, const int fmt) {
     if (fmt == TS_Q4_K) return panel + (b >> 3) * Q4K_SUPER + 64 + (b & 7) * Q4K_BLOCK;
+    if (fmt == TS_Q6_K) return panel + (b >> 3) * Q6K_SUPER + 32 + (b & 7) * Q6K_BLOCK;
     return panel + b * panel_block_bytes(fmt);
 }
 
 static inline int codes_offset(const int fmt) { return fmt == TS_Q4_1 ? 64 : 32; }
 
-/* A Q4_K block's header: the d / -dmin of its super-block. */
+/* A K-quant block's header: the d (Q4_K: and -dmin) of its super-block. */
 static inline const uint8_t *q4k_head(const uint8_t *panel, int64_t b) { return panel + (b >> 3) * Q4K_SUPER; }
+static inline const uint8_t *q6k_head(const uint8_t *panel, int64_t b) { return panel + (b >> 3) * Q6K_SUPER; }
+
+/* Formats with an AMX-INT8 tile path (amx_product). */
+static inline int has_tiles(const int fmt) { return fmt == TS_Q8_0 || fmt == TS_Q4_0 || fmt == TS_Q4_1; }
 
 /* Which integer dot product this build runs: 1 AVX2, 2 AVX512-VNNI. */
 int ts_quant_isa(void) {
@@ -105,15 +122,19 @@ static void quantize_row(const float *x, int64_t k, block_q8x *out) {
         const __m256 idv = _mm256_set1_ps(id);
         __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, idv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, idv)),
                 i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, idv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, idv));
-        __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        const __m256i lo = _mm256_add_epi32(i0, i1);
+        __m256i sum = _mm256_add_epi32(lo, _mm256_add_epi32(i2, i3));
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        __m128i l4 = _mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+        l4 = _mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0x4E));
+        l4 = _mm_add_epi32(l4, _mm_shuffle_epi32(l4, 0xB1));
         // packs work within 128-bit lanes: the permute restores element order.
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         out[b].sum = _mm_cvtsi128_si32(s4);
-        out[b].pad = 0;
+        out[b].sum_lo = _mm_cvtsi128_si32(l4);
         out[b].d = d;
         out[b].s = d * (float)out[b].sum;
         _mm256_storeu_si256((__m256i *)out[b].q, p);
@@ -145,6 +166,37 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
     for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel_block(panel, b, fmt);
+        if (fmt == TS_Q6_K) {  // two sums a block, each with its own scale d * sc (exact in float32)
+            const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)q6k_head(panel, b)));
+            const __m512 da = _mm512_mul_ps(d16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)blk))));
+            const __m512 db = _mm512_mul_ps(d16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)))));
+            const uint8_t *codes = blk + 32, *high = blk + 32 + 256;
+            const __m512i two = _mm512_set1_epi8(0x03);
+            __m512i sa[QTILE_ROWS], sb[QTILE_ROWS];
+            for (int i = 0; i < nr; i++) sa[i] = sb[i] = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++) {
+                const __m512i c = _mm512_loadu_si512(codes + 64 * g);
+                __m512i h = _mm512_loadu_si512(high + 64 * (g >> 1));
+                if (g & 1) h = _mm512_srli_epi16(h, 4);
+                const __m512i lo = _mm512_or_si512(_mm512_and_si512(c, low),
+                                                   _mm512_slli_epi16(_mm512_and_si512(h, two), 4));
+                const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(c, 4), low),
+                                                   _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2), two), 4));
+                for (int i = 0; i < nr; i++) {
+                    sa[i] = _mm512_dpbusd_epi32(sa[i], lo, _mm512_set1_epi32(dword(x[i * nb + b].q, g)));
+                    sb[i] = _mm512_dpbusd_epi32(sb[i], hi, _mm512_set1_epi32(dword(x[i * nb + b].q, g + 4)));
+                }
+            }
+            for (int i = 0; i < nr; i++) {
+                const block_q8x *xb = x + i * nb + b;
+                const __m512 xd = _mm512_set1_ps(xb->d);
+                sa[i] = _mm512_sub_epi32(sa[i], _mm512_set1_epi32(32 * xb->sum_lo));
+                sb[i] = _mm512_sub_epi32(sb[i], _mm512_set1_epi32(32 * (xb->sum - xb->sum_lo)));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa[i]), _mm512_mul_ps(da, xd), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb[i]), _mm512_mul_ps(db, xd), acc[i]);
+            }
+            continue;
+        }
         __m512 dw, mw = _mm512_setzero_ps();
         if (fmt == TS_Q4_K) {  // d * sc and -dmin * m: exact in float32
             const uint8_t *head = q4k_head(panel, b);
@@ -202,6 +254,47 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
     for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel_block(panel, b, fmt);
+        if (fmt == TS_Q6_K) {  // as the avx512 build: two sums a block, each scaled by its d * sc
+            const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(q6k_head(panel, b) + 16 * h)));
+            const __m256 da = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * h)))));
+            const __m256 db = _mm256_mul_ps(d8, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * h)))));
+            const uint8_t *codes = blk + 32 + 32 * h, *high = blk + 32 + 256 + 32 * h;
+            const __m256i two = _mm256_set1_epi8(0x03), ones = _mm256_set1_epi16(1);
+            __m256i sa[QTILE_ROWS], sb[QTILE_ROWS];
+            for (int i = 0; i < nr; i++) sa[i] = sb[i] = _mm256_setzero_si256();
+            // 6-bit codes: a vpmaddubsw pair sum is at most 2 * 63 * 127 = 16002, so two groups
+            // add up in int16 (<= 32004) before vpmaddwd widens them.
+            for (int g2 = 0; g2 < 4; g2 += 2) {
+                __m256i a16[QTILE_ROWS], b16[QTILE_ROWS];
+                for (int i = 0; i < nr; i++) a16[i] = b16[i] = _mm256_setzero_si256();
+                for (int g = g2; g < g2 + 2; g++) {
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * g));
+                    __m256i hb = _mm256_loadu_si256((const __m256i *)(high + 64 * (g >> 1)));
+                    if (g & 1) hb = _mm256_srli_epi16(hb, 4);
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(c, low),
+                                                       _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), low),
+                                                       _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4));
+                    for (int i = 0; i < nr; i++) {
+                        a16[i] = _mm256_add_epi16(a16[i], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(dword(x[i * nb + b].q, g))));
+                        b16[i] = _mm256_add_epi16(b16[i], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(dword(x[i * nb + b].q, g + 4))));
+                    }
+                }
+                for (int i = 0; i < nr; i++) {
+                    sa[i] = _mm256_add_epi32(sa[i], _mm256_madd_epi16(a16[i], ones));
+                    sb[i] = _mm256_add_epi32(sb[i], _mm256_madd_epi16(b16[i], ones));
+                }
+            }
+            for (int i = 0; i < nr; i++) {
+                const block_q8x *xb = x + i * nb + b;
+                const __m256 xd = _mm256_set1_ps(xb->d);
+                sa[i] = _mm256_sub_epi32(sa[i], _mm256_set1_epi32(32 * xb->sum_lo));
+                sb[i] = _mm256_sub_epi32(sb[i], _mm256_set1_epi32(32 * (xb->sum - xb->sum_lo)));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sa[i]), _mm256_mul_ps(da, xd), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sb[i]), _mm256_mul_ps(db, xd), acc[i]);
+            }
+            continue;
+        }
         const uint8_t *codes = blk + codes_offset(fmt) + 32 * h;
         __m256i isum[QTILE_ROWS];
         for (int i = 0; i < nr; i++) isum[i] = _mm256_setzero_si256();
@@ -271,6 +364,7 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
         case TS_Q8_0: QTILE_NR(TS_Q8_0) break;
         case TS_Q4_0: QTILE_NR(TS_Q4_0) break;
         case TS_Q4_K: QTILE_NR(TS_Q4_K) break;
+        case TS_Q6_K: QTILE_NR(TS_Q6_K) break;
         default: QTILE_NR(TS_Q4_1) break;
     }
 #undef QTILE_NR
@@ -349,8 +443,8 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
                     int nthreads) {
     const int64_t nb = k / QK, panels = (P->n + PANEL - 1) / PANEL;
     // Tiles for prefill-sized inputs; rows of up to 8,192 values (a row's blocks are repacked on the stack).
-    // Q4_K runs on the vector kernels (its tile path is not written).
-    if (amx && fmt != TS_Q4_K && m >= AMX_ROWS && nb <= AMX_MAX_BLOCKS) return amx_product(x, m, k, ldx, P, fmt, nthreads);
+    // K-quants run on the vector kernels (their tile path is not written).
+    if (amx && has_tiles(fmt) && m >= AMX_ROWS && nb <= AMX_MAX_BLOCKS) return amx_product(x, m, k, ldx, P, fmt, nthreads);
     block_q8x *xq = malloc(sizeof(block_q8x) * (m * nb > 0 ? m * nb : 1));
     if (xq == NULL) return 1;
     ts_quantize_rows_q8(x, m, k, ldx, xq, nthreads);
@@ -625,6 +719,18 @@ void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int6
             const uint8_t *blk = panel_block(panel, b, fmt);
             float d = fmt == TS_Q4_K ? f16(q4k_head(panel, b) + 2 * r) * (float)blk[r] : f16(blk + 2 * r);
             float *ob = o + b * QK;
+            if (fmt == TS_Q6_K) {
+                const float d16 = f16(q6k_head(panel, b) + 2 * r);
+                const float da = d16 * (float)(int8_t)blk[r], db = d16 * (float)(int8_t)blk[16 + r];
+                const uint8_t *codes = blk + 32, *high = blk + 32 + 256;
+                for (int j = 0; j < QK / 2; j++) {
+                    const int g = j / 4, lane = 4 * r + j % 4;
+                    const uint8_t byte = codes[64 * g + lane], hb = high[64 * (g >> 1) + lane] >> (4 * (g & 1));
+                    ob[j] = da * (float)((int)((byte & 0x0F) | (hb & 3) << 4) - 32);
+                    ob[j + QK / 2] = db * (float)((int)((byte >> 4) | ((hb >> 2) & 3) << 4) - 32);
+                }
+                continue;
+            }
             if (fmt == TS_Q8_0) {
                 const uint8_t *codes = blk + 32;
                 for (int j = 0; j < QK; j++) ob[j] = d * (float)((int)codes[64 * (j / 4) + 4 * r + j % 4] - 128);

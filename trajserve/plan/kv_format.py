@@ -39,6 +39,8 @@ FORMATS: dict[str, StorageFormat] = {
     "q4_1": StorageFormat("q4_1", 32, Fraction(16), 4),  # a scale and a minimum: GGUF weights
     # K-quant super-blocks of 256: d, dmin (fp16) and 8 x (6-bit scale, 6-bit min) in 12 bytes
     "q4_k": StorageFormat("q4_k", 256, Fraction(128), 16),
+    # 6-bit codes (4 low bits, 2 high) of 256 values, 16 int8 scales, an fp16 d
+    "q6_k": StorageFormat("q6_k", 256, Fraction(192), 18),
 }
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
             "float8": "fp8", "fp8_e4m3": "fp8", "e4m3": "fp8", "q8": "q8_0", "q4": "q4_0"}

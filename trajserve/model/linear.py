@@ -110,9 +110,9 @@ class QLinear:
 
 
 class QLinearParts:
-    """Fused rows of several block formats (a Q4_K_M file keeps v in Q6_K,
-    run as q8_0, beside q and k in Q4_K): each part's product written into
-    its columns of one output, every part in its own format."""
+    """Fused rows of several block formats (a Q4_K_M file keeps v in Q6_K
+    beside q and k in Q4_K): each part's product written into its columns of
+    one output, every part in its own format."""
 
     __slots__ = ("parts", "spans", "out_features")
 

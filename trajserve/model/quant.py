@@ -169,7 +169,6 @@ def q6_k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     ql = ql.reshape(*lead, 2, 2, 32)  # [half, l / 32, l]
     qh = qh.reshape(*lead, 2, 1, 32)
     lo = np.concatenate([ql & 0x0F, ql >> 4], axis=-2)  # quarters 0..3 of a half: ql[l], ql[l+32], ql[l]>>4, ...
-    lo = lo[..., [0, 1, 2, 3], :]
     hi = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-2)
     codes = (lo | (hi << 4)).reshape(*lead, 256)
     return d, sc.view(np.int8), codes

@@ -96,7 +96,7 @@ _RETURNS_INT = ("ts_lora_rows", "ts_prefill_attention", "ts_prefill_attention_q"
 # pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
 # queries (a shorter chunk runs as decodes, which need no V^T copy of the context).
 AMX_MIN_QUERIES = 4
-_WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # the formats quant_kernels.c runs as stored
+_WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # the formats with an AMX-INT8 tile path (each one checked)
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, sum_lo; int8 q[32]
 
 

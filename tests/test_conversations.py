@@ -118,6 +118,27 @@ def test_claude_codes_session_side_calls_and_salts_are_conversations_of_their_ow
     assert claude_code_session("plain-user") is None and claude_code_session('{"session_id": 5}') is None
 
 
+def test_claude_codes_session_header_names_the_conversation_where_metadata_does_not(server):
+    """Claude Code 2.x sends X-Claude-Code-Session-Id with every request;
+    without a session in metadata.user_id it names the conversation (any
+    value: digested, cut at KEY_MAX characters)."""
+    client, _ = server
+    body = {"model": "m", "max_tokens": 8, "temperature": 0, "cache_salt": "hdr",
+            "system": "You are a coding agent working in a repository of Python files. " * 8,
+            "messages": [{"role": "user", "content": "Hello."}]}
+    for sid in ("e1667eb8-18f5-4730-8cbc-de0f1207abe8", "../" * 2000):
+        r = client.post("/v1/messages", json=body, headers={"X-Claude-Code-Session-Id": sid})
+        assert r.status_code == 200, r.text
+    mine = sessions(client, "hdr")
+    assert len(mine) == 2 and {s["origin"] for s in mine} == {"X-Claude-Code-Session-Id"}
+    assert all(s["id"].startswith("conv-") and "/" not in s["id"] for s in mine)
+    uid = json.dumps({"device_id": "d" * 64, "account_uuid": "", "session_id": "from-metadata"})
+    r = client.post("/v1/messages", json={**body, "cache_salt": "hdr2", "metadata": {"user_id": uid}},
+                    headers={"X-Claude-Code-Session-Id": "from-header"})
+    assert r.status_code == 200
+    assert [s["origin"] for s in sessions(client, "hdr2")] == ["metadata.user_id"]  # metadata first
+
+
 @pytest.mark.parametrize("key", ["../../etc/passwd", "a\x00b", "conv-" + "0" * 32, "😀" * 50, " "])
 def test_keys_of_any_shape_never_become_ids_or_paths(server, key):
     client, _ = server

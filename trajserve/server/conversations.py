@@ -9,6 +9,7 @@ its own API. A request's conversation is, in order:
     client_metadata.session_id         Codex's Responses requests
     metadata.user_id's session         Claude Code's Messages requests: a JSON object with
                                        session_id, or the older "..._session_<uuid>" string
+    X-Claude-Code-Session-Id           the header Claude Code 2.x sends with each request
 
 A key found in a request's fields is never used as it is: the sessions it
 names are `conv-`, a digest of the key, the cache salt and the adapter, and
@@ -41,6 +42,7 @@ KEY_MAX = 1024  # characters of a client's conversation key (prompt_cache_key, .
 LINEAGE_TOKENS = 256  # the prompt's leading tokens that tell a harness's side calls from its main loop
 LINEAGES = 4  # lines of calls under one key (a main loop and its side calls)
 SAME_HEAD = 0.9  # the share of a lineage's head tokens a prompt's head holds to continue it
+CLAUDE_CODE_HEADER = "X-Claude-Code-Session-Id"
 REPLY_WAIT = "(reply)"  # the wait estimator's name for a human reading a finished reply: no tool has it
 _SESSION_IN_USER_ID = re.compile(r"session_([0-9A-Za-z-]{1,128})")
 

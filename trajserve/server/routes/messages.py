@@ -7,6 +7,7 @@ from fastapi.responses import Response
 
 from trajserve.server import anthropic, cache_breakpoints, streams
 from trajserve.server import openai_format as oai
+from trajserve.server.conversations import CLAUDE_CODE_HEADER, KEY_MAX
 from trajserve.server.errors import APIError, translated
 from trajserve.server.state import ServerState, render_chat, server_state
 from trajserve.server.tap import Tap, sse_event
@@ -17,6 +18,9 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: anthropic.MessagesRequest, request: Request, st: ServerState = Depends(server_state)):
     req = translated(body.to_chat)
+    header = request.headers.get(CLAUDE_CODE_HEADER)
+    if header and req.conversation() is None:  # Claude Code's session, where metadata.user_id names none
+        req.name_conversation(CLAUDE_CODE_HEADER, header[:KEY_MAX])
     try:
         outs = Tap(await st.open_chat(req, request, room_checked=False))
     except APIError as e:

@@ -64,6 +64,11 @@ def test_the_reply_says_the_tools_were_not_shown(scripted, caplog):
     assert "1 tool definitions were not shown" in chat["tools_not_shown"] and "--tool-prompt" in chat["tools_not_shown"]
     assert sum("tools_not_shown" in r.getMessage() for r in caplog.records) == 1  # once per server, not per request
     assert "tools_not_shown" not in s["http"].post("/v1/chat/completions", json={"model": "m", "messages": msgs}).json()
+    with s["http"].stream("POST", "/v1/chat/completions", json={"model": "m", "messages": msgs, "tools": [TOOL],
+                                                                 "stream": True, "max_tokens": 4}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "not shown" in chunks[0]["tools_not_shown"]  # a stream says it in its first chunk, once
+    assert all("tools_not_shown" not in c for c in chunks[1:])
     msg = s["http"].post("/v1/messages", json={"model": "m", "max_tokens": 5, "messages": msgs, "tools": [
         {"name": "list_files", "input_schema": {"type": "object"}}]}).json()
     assert "not shown" in msg["tools_not_shown"]

@@ -199,11 +199,16 @@ async def chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, tok
     parsers = {}  # per choice, with tools: choice_call_stream's parser (holds back what may be a call)
     final = None
 
+    notes = dict(req.notes)  # what the reply says beside its text (tools_not_shown, prefix_break): the first chunk
+
     def chunk(index: int, delta: dict, finish: str | None, logprobs=None) -> dict:
         d = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if include_usage:
             d["usage"] = None
+        if notes:
+            d.update(notes)
+            notes.clear()
         return d
 
     async for out in outs:

@@ -304,14 +304,15 @@ class CpuKernels:
         return self.with_paths(**{n: False for n in names if n in KernelPaths.__dataclass_fields__})
 
     def __getattr__(self, name: str):
-        """The optional paths read as attributes (kernels.amx, kernels.lora_dp)."""
+        """The optional paths read as attributes by callers (kernels.amx,
+        kernels.lora_dp); the per-step calls below read self.paths directly."""
         if name in KernelPaths.__dataclass_fields__:
             return getattr(self.paths, name)
         raise AttributeError(name)
 
     def amx_attention(self, head_dim: int, block_size: int) -> bool:
         """Whether a bf16 pool's prefill runs on AMX tiles for this shape."""
-        return self.amx and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0
+        return self.paths.amx and head_dim % 32 == 0 and head_dim <= 256 and block_size % 16 == 0
 
     def amx_quantized(self, head_dim: int, group: int) -> bool:
         """Whether a q8_0 / q4_0 pool's attention, decode and prefill alike,
@@ -319,7 +320,7 @@ class CpuKernels:
         both, so a token scores the same decoded or in a chunk. Not the block
         size's to decide (the rows are read one by one into buffers), so a
         block size never changes a quantized pool's tokens."""
-        return self.amx_kv_quant and head_dim % 32 == 0 and head_dim <= 256 and group <= 16
+        return self.paths.amx_kv_quant and head_dim % 32 == 0 and head_dim <= 256 and group <= 16
 
     @staticmethod
     def threads() -> int:
@@ -438,7 +439,7 @@ class CpuKernels:
             raise ValueError(f"output must be float32 [{m}, {n}] with unit column stride, got {y.dtype} "
                              f"{tuple(y.shape)}")
         if self.lib.ts_qlinear(x.data_ptr(), m, k, x.stride(0), w.data.data_ptr(), CODES[w.fmt], n,
-                               _ptr(bias), y.data_ptr(), y.stride(0), int(acc), int(self.amx_int8),
+                               _ptr(bias), y.data_ptr(), y.stride(0), int(acc), int(self.paths.amx_int8),
                                self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return y
@@ -454,7 +455,7 @@ class CpuKernels:
         out = torch.empty((m, inter), dtype=torch.float32)
         if self.lib.ts_qgate_up_silu(x.data_ptr(), m, k, x.stride(0), gate.data.data_ptr(), up.data.data_ptr(),
                                      CODES[gate.fmt], inter, out.data_ptr(), out.stride(0), _ptr(pre),
-                                     0 if pre is None else pre.stride(0), int(self.amx_int8), self.threads()):
+                                     0 if pre is None else pre.stride(0), int(self.paths.amx_int8), self.threads()):
             raise MemoryError(f"quantized product: no memory for the input blocks of {m} rows")
         return out
 

@@ -97,4 +97,5 @@ def scripted():
     state["anthropic"] = anthropic.Anthropic(base_url="http://testserver", api_key="x", max_retries=0,
                                              http_client=TestClient(app))
     state["tok"] = engine.tokenizer
+    state["app_over"] = app_over  # an app under another ServerConfig, on the same script
     return state

@@ -166,6 +166,7 @@ def test_bad_requests_get_the_servers_own_4xx_through_the_front_end(cluster):
     assert 400 <= r.status_code < 500 and r.json()["type"] == "error"  # Anthropic's shape
     assert httpx.post(url + "/v1/completions", content=b"x" * (9 * 2**20), timeout=30).status_code == 413
     assert httpx.get(url + "/health", timeout=30).json()["healthy"] == 2
+    assert httpx.head(url + "/", timeout=30).status_code == 200  # the base URL, as clients probe it
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster):

@@ -71,6 +71,22 @@ def test_models_and_health(server, client):
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
 
 
+def test_the_base_url_answers_and_every_response_is_counted(server):
+    """Clients probe the base URL first (Claude Code sends HEAD /); /metrics
+    counts each answer by its status code, refusals included."""
+    def count(m, code):
+        return m.get(f'trajserve_http_responses_total{{code="{code}"}}', 0.0)
+    before = server.metrics()
+    assert httpx.head(server.url + "/").status_code == 200
+    r = httpx.get(server.url + "/")
+    assert r.status_code == 200 and r.json()["server"] == "trajserve"
+    assert httpx.get(server.url + "/no-such-route").status_code == 404
+    assert httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL}).status_code == 422
+    after = server.metrics()
+    # 200: HEAD /, GET /, and the /metrics read that took `before` (counted as its answer started).
+    assert [count(after, c) - count(before, c) for c in ("200", "404", "422")] == [3, 1, 1]
+
+
 def test_chat_completion_matches_the_engine(client, engine_f32):
     msgs = [{"role": "user", "content": "Name three prime numbers."}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)

@@ -280,3 +280,22 @@ def test_a_host_tier_without_room_passes_the_state_to_disk(engine_f32, tmp_path)
     finally:
         m.shutdown()
         engine_f32.kv.clear_cache()
+
+
+def test_describe_lists_each_pause_its_decision_and_the_wait_seen(mgr):
+    s = mgr.open(messages("List the pauses."))
+    s.generate(GREEDY)
+    s.pause(expected_wait_s=2.0, tool="run_tests", decision="host")
+    (p,) = mgr.describe(s)["pauses"]
+    assert (p["turn"], p["waiting_for"], p["expected_wait_s"], p["wait_source"], p["decision"]) == \
+        (1, "run_tests", 2.0, "hint", "host")
+    assert p["reason"] and p["waited_s"] is None  # not resumed yet
+    s.resume(OBS)
+    s.generate(GREEDY)
+    s.pause(tool="grep", decision="keep")
+    first, second = mgr.describe(s)["pauses"]
+    assert first["waited_s"] is not None and first["waited_s"] >= 0
+    assert (second["turn"], second["waiting_for"], second["decision"], second["waited_s"]) == (2, "grep", "keep", None)
+    turns = mgr.describe(s)["turn_hits"]
+    assert [t["output_tokens"] for t in turns] == [GREEDY.max_tokens] * 2
+    s.close()

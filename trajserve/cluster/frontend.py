@@ -397,6 +397,10 @@ def build_frontend(frontend: Frontend, config: ServerConfig = DEFAULT) -> FastAP
     app = FastAPI(title="trajserve cluster", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.frontend = frontend
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():  # clients probe the base URL first (Claude Code: HEAD /), as a replica answers
+        return {"server": "trajserve"}
+
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return frontend.health()

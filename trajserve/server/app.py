@@ -32,7 +32,7 @@ from trajserve.server.body_cap import BodyCap
 from trajserve.server.config import DEFAULT, ServerConfig
 from trajserve.server.errors import error_response, install_handlers
 from trajserve.server.header_limits import HeaderLimits
-from trajserve.server.metrics import ServerMetrics
+from trajserve.server.metrics import CountResponses, ServerMetrics
 from trajserve.server.routes import admin, chat, completions, lora, messages, responses, sessions
 from trajserve.server.state import ServerState, calls_format_for
 from trajserve.server.unicode_guard import UnicodeGuard
@@ -79,7 +79,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = DEFAULT) -> FastAPI:
     metrics = ServerMetrics(lambda: aengine.snapshot, engine.block_bytes)
     aengine = AsyncEngine(engine, config.max_waiting, on_finished=metrics.observe,
                           extra_metrics=(lambda: {"sessions": manager.metrics()}) if manager is not None else None)
-    state = ServerState(aengine, names, metrics, manager, calls_format)
+    state = ServerState(aengine, names, metrics, manager, calls_format, config.generation)
     if manager is not None:
         # On the engine thread, before the first request (calibrate skips its
         # prefill if one got in first: it must not step other requests).
@@ -92,6 +92,7 @@ def build_app(engine: LLMEngine, config: ServerConfig = DEFAULT) -> FastAPI:
     app.add_middleware(UnicodeGuard, respond=lambda status, message, param, path: error_response(
         status, message, param=param, path=path))
     add_outer_middleware(app, config)
+    app.add_middleware(CountResponses, counter=metrics.http_responses)  # outermost: sees every answer
     for api in (admin, sessions, completions, chat, messages, responses, lora):
         app.include_router(api.router)
     return app

@@ -35,6 +35,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="a paused session's state stays on the device while its expected wait is under PHI host "
                         "round trips at an empty pool (one at the admission ceiling): the keep policy's "
                         "allowance (sessions/keep_policy.py)")
+    s.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults for requests that name none, as vLLM's: temperature, top_p, top_k, "
+                        "repetition_penalty; and max_new_tokens, a cap on every reply (e.g. '{\"temperature\": 0, "
+                        "\"max_new_tokens\": 512}': greedy replies for harnesses that send no temperature)")
     s.add_argument("--tool-call-parser", choices=("auto", *FORMATS), default=DEFAULT.tool_call_parser,
                    help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
                         "for Qwen, Llama 3's JSON form)")

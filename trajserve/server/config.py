@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trajserve.server.generation_defaults import GenerationDefaults
 from trajserve.sessions.config import SessionConfig
 
 
@@ -26,6 +27,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ("*",)  # CORS (vLLM's default: any)
     tool_call_parser: str = "auto"  # how the model writes tool calls (server/state.py calls_format_for)
     sessions: SessionConfig = field(default_factory=_server_sessions)
+    generation: GenerationDefaults = GenerationDefaults()  # sampling defaults and the reply cap
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_waiting, int) or self.max_waiting < 1:
@@ -53,6 +55,7 @@ class ServerConfig:
         return cls(served_model_names=tuple(args.served_model_name or ()), max_waiting=args.max_waiting,
                    max_body_bytes=args.max_body_bytes, api_keys=tuple(keys) if keys is not None else None,
                    allowed_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
+                   generation=GenerationDefaults.parse(args.override_generation_config),
                    sessions=SessionConfig(idle_ttl_s=args.session_ttl or None, max_sessions=args.max_sessions or None,
                                           idle_keep_factor=args.idle_keep_factor))
 

@@ -225,6 +225,10 @@ class ServerMetrics:
         self.hints = Counter("trajserve_hints", "other engines' hints read (server/hints.py), by envelope, hint "
                              "and outcome: applied, not_applied, no_session, unknown", ["source", "hint", "outcome"],
                              registry=r)
+        # Every answer, errors from the outer middleware (401, 413, 431) included: a client
+        # refused or failed shows here even when nothing is logged. The code is HTTP's, a bounded set.
+        self.http_responses = Counter("trajserve_http_responses", "HTTP responses by status code", ["code"],
+                                      registry=r)
         r.register(_SnapshotCollector(snapshot, bytes_per_block))
         r.register(LogCollector())
 
@@ -246,3 +250,20 @@ class ServerMetrics:
             self.generation_tokens.inc(len(c.token_ids))
         self.prompt_tokens.inc(len(out.prompt_token_ids))
         self.cached_tokens.inc(out.num_cached_tokens)
+
+
+class CountResponses:
+    """ASGI middleware: counts each HTTP response's status code (the app's outermost layer)."""
+
+    def __init__(self, app, counter: Counter) -> None:
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(str(int(message["status"]))).inc()
+            await send(message)
+        await self.app(scope, receive, counted)

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool
 
 from trajserve.sampling import SamplingParams
 from trajserve.server.conversations import KEY_MAX
+from trajserve.server.generation_defaults import NONE as NO_DEFAULTS
+from trajserve.server.generation_defaults import GenerationDefaults
 from trajserve.server.hints import KvHints, NvExt
 from trajserve.server.tool_calls import hermes_text
 from trajserve.structured import StructuredOutput
@@ -174,7 +176,10 @@ class _Common(BaseModel):
             raise ValueError("prompt_logprobs is not available with stream=true (as vLLM)")
 
     def sampling_params(self, max_tokens: int | None, default_max: int, logprobs: int | None,
-                        structured: StructuredOutput | None = None) -> SamplingParams:
+                        structured: StructuredOutput | None = None,
+                        defaults: GenerationDefaults = NO_DEFAULTS) -> SamplingParams:
+        """defaults: the server's (--override-generation-config), for the
+        fields this request leaves out, and its cap on max_tokens."""
         self.check_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias = {}
@@ -183,13 +188,14 @@ class _Common(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
             bias[int(k)] = v
         sp = SamplingParams(
-            n=self.n, max_tokens=default_max if max_tokens is None else max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed,
+            n=self.n, max_tokens=defaults.cap(default_max if max_tokens is None else max_tokens),
+            temperature=defaults.value("temperature", self.temperature, 1.0),
+            top_p=defaults.value("top_p", self.top_p, 1.0), top_k=defaults.value("top_k", self.top_k, 0),
+            seed=self.seed,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs, presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=defaults.value("repetition_penalty", self.repetition_penalty, 1.0),
             logit_bias=bias, structured=structured)
         sp.validate()
         return sp

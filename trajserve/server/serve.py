@@ -55,6 +55,9 @@ def build_server(args: argparse.Namespace, config: ServerConfig) -> Server:
 
     engine = LLM.from_args(args).engine
     app = build_app(engine, config)
+    if (said := config.generation.describe()) is not None:
+        print(f"generation defaults: {said} (--override-generation-config: for requests that name none; "
+              "max_new_tokens caps every reply)", file=sys.stderr, flush=True)
     app.state.engine.start()
     return Server(engine, app.state.engine, app, app.state.server.names)
 

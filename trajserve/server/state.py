@@ -23,6 +23,8 @@ from trajserve.server import responses, streams
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.conversations import conversation_id, inferred_tool, lineage
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
+from trajserve.server.generation_defaults import NONE as NO_DEFAULTS
+from trajserve.server.generation_defaults import GenerationDefaults
 from trajserve.server.hints import pause_from_hints
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.openai_format import chat_message
@@ -54,12 +56,14 @@ def calls_format_for(tok, tool_call_parser: str) -> str:
 
 class ServerState:
     def __init__(self, aengine: AsyncEngine, names: list[str], metrics: ServerMetrics,
-                 sessions: SessionManager | None, calls_format: str) -> None:
+                 sessions: SessionManager | None, calls_format: str,
+                 generation: GenerationDefaults = NO_DEFAULTS) -> None:
         self.aengine, self.engine = aengine, aengine.engine
         self.tok = self.engine.tokenizer
         self.names, self.served_model_name = names, names[0]
         self.metrics, self.sessions = metrics, sessions
         self.calls_format = calls_format
+        self.generation = generation  # --override-generation-config
         self.store = responses.ResponseStore()  # /v1/responses with store: true
         self._said_tools = False  # tools a template cannot show: logged once
         # Each session's last turn shape and its prefix breaks (server/prefix_break.py), the most recent last.
@@ -95,7 +99,7 @@ class ServerState:
     def sampling(self, req, max_tokens, default_max, logprobs, structured=None):
         try:
             structured = structured or req.structured()
-            return req.sampling_params(max_tokens, default_max, logprobs, structured)
+            return req.sampling_params(max_tokens, default_max, logprobs, structured, self.generation)
         except ValueError as e:
             raise APIError(400, str(e), param=field_named(e, type(req).model_fields)) from None
 

@@ -78,8 +78,11 @@ class Session:
     last_output: RequestOutput | None = None
     prompt_tokens: int = 0  # over all turns, for the session's hit rate
     cached_tokens: int = 0
-    # (prompt tokens, cached tokens) of the latest turns: H_prefix turn by turn (eq. 2)
+    # (prompt tokens, cached tokens, output tokens) of the latest turns: H_prefix turn by turn (eq. 2)
     turn_hits: deque = field(default_factory=lambda: deque(maxlen=TURNS_KEPT))
+    # Its latest pauses: what it waited for, the wait expected and the one
+    # observed at its resume, and where the policy put its state.
+    pauses: deque = field(default_factory=lambda: deque(maxlen=TURNS_KEPT))
     in_flight: bool = False
     last_active: float = field(default_factory=time.monotonic)  # the last turn, pause or resume
     expired: str | None = None  # why the manager closed it: "idle" (ttl) or "cap" (max_sessions)
@@ -326,7 +329,7 @@ class SessionManager:
         s.last_output = out
         s.prompt_tokens += len(out.prompt_token_ids)
         s.cached_tokens += out.num_cached_tokens
-        s.turn_hits.append((len(out.prompt_token_ids), out.num_cached_tokens))
+        s.turn_hits.append((len(out.prompt_token_ids), out.num_cached_tokens, len(out.outputs[0].token_ids)))
         if out.metrics.ttft:
             self.machine.observe_prefill(len(out.prompt_token_ids) - out.num_cached_tokens, out.metrics.ttft)
 
@@ -344,12 +347,13 @@ class SessionManager:
                 "blocks_by_tier": s.table.counts() if s.table is not None else None,
                 "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-                "turn_hits": [{"prompt_tokens": p, "cached_tokens": c, "hit_rate": c / p if p else 0.0}
-                              for p, c in s.turn_hits],
+                "turn_hits": [{"prompt_tokens": p, "cached_tokens": c, "hit_rate": c / p if p else 0.0,
+                               "output_tokens": o} for p, c, o in s.turn_hits],
                 "waiting_for": s.tool if s.state is SessionState.PAUSED else None,
                 "decision": None if s.decision is None else {
                     "decision": s.decision.decision.value, "reason": s.decision.reason,
-                    "lease_s": s.decision.lease_s}}
+                    "lease_s": s.decision.lease_s},
+                "pauses": [dict(p) for p in s.pauses]}
 
     def calibrate(self, prefill_tokens: int = 256) -> dict:
         """Measure the rates the keep policy prices with, on this machine, now
@@ -401,7 +405,11 @@ class SessionManager:
         s.state, s.tool = SessionState.PAUSED, tool
         r = s.record  # what is paused: the history as it is now, its keys, its scope
         r.keys, r.history, r.scope = self._block_keys(s), s.history, s.scope
-        return self.machine.pause(s, r, est.seconds, est.source != "prior", decision, time.monotonic())
+        placed = self.machine.pause(s, r, est.seconds, est.source != "prior", decision, time.monotonic())
+        s.pauses.append({"turn": s.turns, "waiting_for": tool, "expected_wait_s": est.seconds,
+                         "wait_source": est.source, "decision": placed.decision.value, "reason": placed.reason,
+                         "waited_s": None})
+        return placed
 
     def resume(self, s: Session, observation: str | list[int] = ()) -> None:
         """The tool returned: bring the state back and append the observation
@@ -415,7 +423,10 @@ class SessionManager:
         # Checked before anything changes: appended, a bad token (or a history
         # over the context) would fail every later turn of the session.
         self.engine.validate_prompt(s.history + ids)
-        self.waits.observe(s.tool, time.monotonic() - s.paused_at)
+        waited = time.monotonic() - s.paused_at
+        self.waits.observe(s.tool, waited)
+        if s.pauses:
+            s.pauses[-1]["waited_s"] = waited
         self.machine.resume(s, time.monotonic())
         s.history.extend(ids)
         self._touch(s)

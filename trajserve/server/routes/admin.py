@@ -1,4 +1,4 @@
-"""The plain routes: health, models, metrics, version, and counting tokens
+"""The plain routes: the base URL, health, models, metrics, version, and counting tokens
 (vLLM's /tokenize and /detokenize, Anthropic's /v1/messages/count_tokens)."""
 from __future__ import annotations
 
@@ -21,6 +21,13 @@ def _version() -> str:
         return importlib.metadata.version("trajserve")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree without installing
         return "unknown"
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root():
+    """The base URL answers: clients probe it before their first call
+    (Claude Code sends HEAD /). Nothing here needs the API key."""
+    return {"server": "trajserve", "version": _version()}
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])

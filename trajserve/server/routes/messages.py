@@ -34,12 +34,13 @@ async def messages(body: anthropic.MessagesRequest, request: Request, st: Server
         if not placed:
             placed.append(cache_breakpoints.positions(cache_marks, lambda n: render_chat(st.tok, req, n), prompt))
         return placed[0]
+    max_tokens = st.generation.cap(body.max_tokens)  # a reply cut at the server's cap ends "max_tokens"
     if req.stream:
         chunks = oai.chat_chunks(outs, "", 0, body.model, req, st.tok, st.calls_format)
-        return streams.event_stream(anthropic.events(chunks, outs, body.model, body.max_tokens, notes, marks),
+        return streams.event_stream(anthropic.events(chunks, outs, body.model, max_tokens, notes, marks),
                              lambda e: sse_event("error", anthropic.error_body(500, e)))
     final = await streams.last(outs)
     if final is None:
         return Response(status_code=499)
     return anthropic.message(final, oai.chat_message(final.outputs[0], req, st.calls_format), body.model,
-                             body.max_tokens, notes, marks)
+                             max_tokens, notes, marks)

@@ -61,3 +61,22 @@ def test_doctor_over_a_recorded_log(tmp_path):
     assert b["lost_tokens"] > 100
     assert report["breaks_by_cause"] == {"volatile_field": 1}
     assert [s["line"] for s in report["skipped"]] == [9, 10]
+
+
+def test_doctor_finds_no_break_in_the_real_clients_sessions(tmp_path):
+    """Request sequences captured from the real clients (tests/clients/:
+    Claude Code 2.1.197 and Codex CLI 0.171.0, each a session of four calls
+    with two executed shell calls and a continued turn, as
+    tests/test_real_clients.py runs them): one conversation each, no break."""
+    import gzip
+    from pathlib import Path
+
+    here = Path(__file__).parent / "clients"
+    codex_log = tmp_path / "codex.jsonl"
+    codex_log.write_bytes(gzip.decompress((here / "codex_0.171.0.jsonl.gz").read_bytes()))
+    for log, origin in ((here / "claude_code_2.1.197.jsonl", "metadata.user_id"), (codex_log, "prompt_cache_key")):
+        r = trajserve("doctor", str(log), "--tool-prompt", "hermes", "--json", timeout=300)
+        assert r.returncode == 0, r.stderr
+        (conv,) = json.loads(r.stdout)["conversations"]
+        assert (conv["origin"], conv["turns"], conv["breaks"]) == (origin, 4, [])
+        assert conv["h_prefix_bound"] > 0.9 and all(t["reusable_share"] > 0.9 for t in conv["turn_list"][1:])

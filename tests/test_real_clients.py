@@ -90,13 +90,14 @@ def _session(server: ServerProcess, origin: str) -> dict:
     listed = httpx.get(server.url + "/v1/sessions", timeout=10).json()["data"]
     ours = [s for s in listed if s["origin"] == origin]
     assert len(ours) == 1, f"expected one {origin} conversation, got {listed}"
-    return ours[0]
+    return httpx.get(server.url + "/v1/sessions/" + ours[0]["id"], timeout=10).json()
 
 
 def _check_session(s: dict, tool: str) -> None:
     """Four calls in one conversation; each after the first read >= 90 % of
-    the previous call's context from the cache; a pause per reply, the
-    tool's ones answered (their resume observed the wait)."""
+    the previous call's context from the cache, and none broke the prefix;
+    a pause per reply, the tool's ones answered (their resume observed the
+    wait)."""
     hits = s["turn_hits"]
     assert s["turns"] == len(hits) == 4, s
     for before, turn in zip(hits, hits[1:]):
@@ -107,6 +108,7 @@ def _check_session(s: dict, tool: str) -> None:
     assert all(p["decision"] in ("keep", "host", "disk", "drop") and p["reason"] for p in pauses), pauses
     assert all(p["waited_s"] is not None for p in pauses[:3]), pauses  # each resumed by the next call
     assert s["state"] == "paused" and s["waiting_for"] == "(reply)"
+    assert s["prefix_breaks"] == []  # each call's prompt kept the previous context whole
 
 
 def test_claude_code_runs_a_tool_and_a_continued_turn(server, tmp_path):

@@ -34,6 +34,7 @@ from trajserve.kv.admission_hold import AdmissionHolds
 from trajserve.kv.radix_cache import RadixCache
 from trajserve.kv.radix_paths import PathOps
 from trajserve.kv.radix_node import BlockKey, LowerTierCache, MatchResult, RadixNode, chain_hash, namespace_hash
+from trajserve.kv.retention import Retention
 from trajserve.kv.scope import CacheScope, namespace_of
 
 
@@ -53,6 +54,10 @@ class KVCacheManager(PathOps, CacheViews):
         self.tables: dict[str, BlockTable] = {}
         self.watermark_blocks = int(watermark * num_blocks)
         self.radix = RadixCache(self.pool, block_size) if enable_prefix_caching else None
+        # Prefixes clients asked to keep for a while (kv/retention.py): every tier evicts them last.
+        self.retention = Retention()
+        if self.radix is not None:
+            self.radix.retention = self.retention
         # Resumed sessions' pins, held until their turns are admitted (kv/admission_hold.py).
         self.holds = AdmissionHolds(self.radix) if self.radix is not None else None
         self.model_id = model_id
@@ -171,6 +176,8 @@ class KVCacheManager(PathOps, CacheViews):
             raise ValueError("lower KV tiers extend the prefix cache: enable prefix caching")
         self.lower = lower
         self.radix.spill = lower if spill else None
+        if lower is not None:
+            lower.retention = self.retention
 
     def _promote(self, ns: Hashable, keys: list[BlockKey], hit: MatchResult, num_tokens: int) -> MatchResult:
         """The device match stopped short: load the blocks that follow it from
@@ -193,7 +200,8 @@ class KVCacheManager(PathOps, CacheViews):
         rest = blocks_for(num_tokens, self.block_size) - start - len(hashes)
         n = min(len(hashes), self.pool.num_free + self.num_reclaimable - self.watermark_blocks - rest)
         if n > self.pool.num_free:
-            self.radix.evict(n - self.pool.num_free)
+            with lower.loading(hashes[:n]):  # what the eviction spills must not push them out
+                self.radix.evict(n - self.pool.num_free)
         n = min(n, self.pool.num_free)
         new_ids = self.pool.allocate(n) if n > 0 else []
         got = lower.load(ns, hashes[:n], new_ids) if new_ids else 0
@@ -452,8 +460,19 @@ class KVCacheManager(PathOps, CacheViews):
             out.append(h)
         return out
 
+    def retain(self, token_ids: list[int], scope: CacheScope, num_tokens: int, ttl_s: float) -> int:
+        """Keep the blocks of token_ids' first num_tokens (full blocks) under
+        scope for ttl_s seconds: every tier evicts them last (kv/retention.py).
+        Returns the blocks named."""
+        if self.radix is None:
+            return 0
+        hashes = self.prefix_hashes(token_ids, scope, min(num_tokens, len(token_ids)) // self.block_size)
+        self.retention.retain(hashes, ttl_s)
+        return len(hashes)
+
     def clear_cache(self) -> int:
         """Drop every cached block no request uses (and the lower tiers' copies)."""
+        self.retention.clear()
         if self.lower is not None:
             self.lower.clear()
         return self.radix.clear() if self.radix is not None else 0

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from trajserve.kv.dir_lock import ScratchDir, sweep_orphans
+from trajserve.kv.retention import Passed, Retention
 from trajserve.kv.tier_holds import SessionHolds
 from trajserve.kv.tiers import BlockIdentity, BlockLayout, DiskKVStore, HostKVStore, namespace_digest
 
@@ -151,6 +152,8 @@ class LowerTiers(SessionHolds):
         self._reserved = {"host": 0, "disk": 0}
         self._lock = threading.Lock()
         self.on_event: Callable[[str, bool, bytes], None] | None = None  # subscribe()
+        self.retention: Retention | None = None  # prefixes clients asked to keep: LRU takes them last
+        self._loading: set[str] = set()  # blocks a promotion is about to load: LRU never takes them
         self._io = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-cache-io")
                     if isinstance(self.disk, DiskKVStore) else None)
         if self.persistent:
@@ -212,6 +215,17 @@ class LowerTiers(SessionHolds):
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash.hex() in self._ns
+
+    @contextmanager
+    def loading(self, hashes: list[bytes]):
+        """While the device makes room for these blocks (its eviction spills
+        blocks down here), LRU does not take them to make room in turn."""
+        keys = {h.hex() for h in hashes}
+        self._loading |= keys
+        try:
+            yield
+        finally:
+            self._loading -= keys
 
     def load(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> int:
         blocks = []
@@ -369,7 +383,8 @@ class LowerTiers(SessionHolds):
         return True
 
     def _demote_oldest_host(self) -> bool:
-        key = self.host.oldest(skip=self._holds)
+        key = self.host.oldest(skip=Passed(self._holds, self._loading, retention=self.retention)) \
+            or self.host.oldest(skip=Passed(self._holds, self._loading))
         if key is None:
             return False
         block = self.host.get(key)
@@ -391,7 +406,10 @@ class LowerTiers(SessionHolds):
         if size > room - self._held_bytes["disk"]:
             return False
         while self._disk_used + size > room:
-            old = next((k for k in self._disk_lru if k not in self._holds), None)
+            first, then = (Passed(self._holds, self._loading, retention=self.retention),
+                           Passed(self._holds, self._loading))
+            old = next((k for k in self._disk_lru if k not in first), None) \
+                or next((k for k in self._disk_lru if k not in then), None)
             if old is None:
                 return False
             self._disk_discard(old)

@@ -58,6 +58,7 @@ from trajserve.kv.block_pool import BlockPool
 from trajserve.kv.radix_invalidate import Invalidation
 from trajserve.kv.radix_node import (BlockKey, InsertResult, MatchResult, RadixNode, Spill, chain_hash,  # noqa: F401
                                      namespace_hash)
+from trajserve.kv.retention import Retention
 
 class RadixCache(Invalidation):
     def __init__(self, pool: BlockPool, block_size: int) -> None:
@@ -78,6 +79,7 @@ class RadixCache(Invalidation):
         self.num_freed_blocks = 0  # ... of which went back to the free list
         self.num_invalidated_blocks = 0
         self.spill: Spill | None = None  # lower tiers for LRU-evicted blocks
+        self.retention: Retention | None = None  # prefixes clients asked to keep: evicted last
         self.num_spilled_blocks = 0
         self._ns_hashes: dict[Hashable, bytes] = {}
         # KV events (a cluster router's prefix directory, cluster/directory.py):
@@ -240,17 +242,32 @@ class RadixCache(Invalidation):
         popped once, so the amortised cost is O(log h) per evicted node.
         """
         freed = 0
+        retention = self.retention
+        # Blocks a client asked to keep (kv/retention.py) go last: set aside
+        # while anything else can go, then taken least recently used first.
+        kept: list[RadixNode] = []
         # Not a local alias: a cascade's _push may compact self._heap into a
         # new list mid-loop, and entries pushed there must still be seen.
-        while freed < num_blocks and self._heap:
-            _, stamp, node = heapq.heappop(self._heap)
-            if stamp != node.heap_stamp or not self._evictable(node):
-                continue  # stale: locked, grew a child, refreshed or gone since
+        while freed < num_blocks:
+            if self._heap:
+                _, stamp, node = heapq.heappop(self._heap)
+                if stamp != node.heap_stamp or not self._evictable(node):
+                    continue  # stale: locked, grew a child, refreshed or gone since
+                if retention and retention.holds_any(self.block_hashes(node)):
+                    kept.append(node)
+                    continue
+            elif kept:
+                node = kept.pop(0)
+                retention.num_deferred += 1
+            else:
+                break
             if self.spill is not None:
                 # Down a tier instead of gone; the blocks are read before they are freed.
                 self.spill.save(node.namespace, self.block_hashes(node), node.block_ids)
                 self.num_spilled_blocks += len(node.block_ids)
             freed += self._remove_leaf(node)
+        for node in kept:  # still cached: back in the heap at their own time
+            self._push(node)
         self.num_freed_blocks += freed
         return freed
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -119,12 +120,18 @@ class LowerTierCache(Spill, Protocol):
     """Blocks the radix cache evicted, kept below the device under their
     chained hashes (kv/lower_tiers.py holds the real one)."""
 
+    retention: object  # kv/retention.py: the KV manager's, set when attached (its LRU takes those last)
+
     def contains(self, block_hash: bytes) -> bool: ...
 
     def load(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> int:
         """Copy the blocks named by `hashes` into these device blocks, in order,
         and let go of them; returns how many it loaded (it stops at the first
         one missing or failing its checks)."""
+        ...
+
+    def loading(self, hashes: list[bytes]) -> AbstractContextManager:
+        """Keep these blocks while the device evicts (and spills) to make room to load them."""
         ...
 
     def discard_namespace(self, namespace: Hashable) -> None: ...

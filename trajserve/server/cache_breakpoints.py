@@ -3,8 +3,8 @@
 A `cache_control` mark on a tool, a system block or a message's block asks
 Anthropic's API to cache the prompt up to it (for 5 minutes, or an hour
 with `ttl: "1h"`). Here every computed block is cached anyway (the radix
-cache), so a mark changes only how usage is reported, as Anthropic defines
-it: with marks,
+cache); a mark changes how usage is reported, as Anthropic defines it, and
+the eviction order (below). With marks,
 
     cache_read_input_tokens       the prompt's tokens served from the cache, up to the last mark
     cache_creation_input_tokens   the tokens up to the last mark that were computed (written) now,
@@ -15,7 +15,8 @@ it: with marks,
 and without marks, today's automatic count (every token served from the
 cache is a read). A mark's token position is where the conversation up to
 its message renders to (a mark on a tool or a system block: after the
-system message); marks are not held past the cache's own eviction order.
+system message). The prompt up to each mark is also retained for the mark's
+ttl (ServerState.retain, kv/retention.py): every tier evicts it last.
 """
 from __future__ import annotations
 

@@ -238,7 +238,8 @@ class ResponsesRequest(BaseModel):
                 "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
                 "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
-                "tool_decision": self.tool_decision, "kv_hints": self.kv_hints, "nvext": self.nvext}
+                "tool_decision": self.tool_decision, "kv_hints": self.kv_hints, "nvext": self.nvext,
+                "prompt_cache_retention": self.prompt_cache_retention}
         shown, left_out = self.client_tools()
         for t in left_out:
             kind = t["type"] if t["type"] in HOSTED else "another type"

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from trajserve.kv.retention import TTL_S
+from trajserve.kv.scope import CacheScope
 from trajserve.lora.adapter import AdapterError
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
@@ -277,6 +279,24 @@ class ServerState:
                 req.note("prefix_break", hit.as_dict())
         record.shape = shape
 
+    def retain(self, prompt: list[int], marks: list[tuple[int, str]], salt: str | None, lora: str | None) -> None:
+        """Keep the prompt's blocks up to each (token position, ttl) for that
+        ttl ("5m", "1h", "24h"): every tier evicts them last
+        (kv/retention.py). On the engine thread, which owns the KV manager;
+        a read of the same prefix with the same mark refreshes it."""
+        spans = [(position, TTL_S[ttl]) for position, ttl in marks if position >= self.engine.kv.block_size]
+        if not spans:
+            return
+
+        def job(engine) -> None:
+            try:
+                scope = CacheScope.of(salt, engine.adapter(lora))
+            except ValueError:  # its adapter was unloaded since (AdapterError): its blocks went with it
+                return
+            for position, ttl_s in spans:
+                engine.kv.retain(prompt, scope, position, ttl_s)
+        self.aengine.submit(job)
+
     def tools_not_shown(self, req: ChatCompletionRequest) -> str | None:
         """Why the request's tools do not reach the model (its chat template
         renders none and --tool-prompt is off), or None."""
@@ -329,6 +349,8 @@ class ServerState:
             if forced is None:
                 raise
             raise await self._tool_schema_error(req.tools, e) from None
+        if req.prompt_cache_retention == "24h":  # OpenAI's extended retention: the whole prompt's prefix
+            self.retain(ids, [(len(ids), "24h")], req.cache_salt, lora)
         sess = await self.begin_session(req, request, lora=lora, prompt=ids)
         if sess is not None:
             self._diagnose(sess, req, ids)

@@ -33,6 +33,7 @@ async def messages(body: anthropic.MessagesRequest, request: Request, st: Server
     def marks(prompt: list[int]) -> list:  # where the cache_control marks fall in the prompt's tokens (once)
         if not placed:
             placed.append(cache_breakpoints.positions(cache_marks, lambda n: render_chat(st.tok, req, n), prompt))
+            st.retain(prompt, placed[0], req.cache_salt, st.check_model(req.model))  # each mark for its ttl
         return placed[0]
     max_tokens = st.generation.cap(body.max_tokens)  # a reply cut at the server's cap ends "max_tokens"
     if req.stream:

@@ -159,3 +159,44 @@ def test_many_keys_hold_bounded_state_and_a_long_key_is_a_400(server):
     r = client.post("/v1/messages", json={"model": "m", "max_tokens": 1, "metadata": {"user_id": "u" * 10_000},
                                           "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "metadata" in r.text
+
+
+def test_a_million_conversation_keys_keep_sessions_and_memory_bounded(engine_f32):
+    """The server's path for a request that names a conversation (digest,
+    lineage, the session's turn) under a million distinct hostile keys: the
+    sessions stay at the cap, their ids are digests, memory does not grow
+    with the keys, and the same key under another salt is another session."""
+    import re
+    import tracemalloc
+
+    from trajserve.server.conversations import conversation_id, lineage
+    from trajserve.sessions.manager import SessionManager
+
+    engine_f32.kv.clear_cache()
+    mgr = SessionManager(engine_f32, SessionConfig(max_sessions=64))
+    prompt = list(range(1, 40))
+    shapes = ("../../etc/passwd", "\0\0", "🙂" * 200, "x" * 1000, "conv-0123456789abcdef0123456789abcdef-0", "%s%n")
+
+    def turn(i: int, salt: str = "tenant-a") -> str:
+        base = conversation_id(f"{i}{shapes[i % len(shapes)]}", "prompt_cache_key", salt, None)
+        s = mgr.before_turn(lineage(mgr.sessions, base, prompt), salt, origin="prompt_cache_key")
+        mgr.after_turn(s, prompt, None)
+        return s.session_id
+
+    try:
+        for i in range(300_000):
+            turn(i)
+        tracemalloc.start()
+        before = tracemalloc.take_snapshot()
+        for i in range(300_000, 400_000):
+            turn(i)
+        grown = sum(d.size_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+        tracemalloc.stop()
+        assert grown < 256 * 1024, f"memory grew {grown:,} bytes over 100,000 new keys"
+        for i in range(400_000, 1_000_000):
+            turn(i)
+        assert len(mgr.sessions) == 64
+        assert all(re.fullmatch(r"conv-[0-9a-f]{32}-[0-3]", sid) for sid in mgr.sessions)
+        assert turn(7, "tenant-b") != turn(7, "tenant-a")  # a key shared across salts shares nothing
+    finally:
+        mgr.shutdown()

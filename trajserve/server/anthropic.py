@@ -26,10 +26,12 @@ of events:
                                     `ignored_tools` and once in the log
     metadata.user_id             -> Claude Code's session in it names the
                                     conversation (server/conversations.py)
-    thinking, context_management, cache_control (ephemeral, ttl 5m / 1h),
+    thinking, cache_control (ephemeral, ttl 5m / 1h),
     anthropic-beta headers       -> accepted and checked; the models served
-                                    here write no thinking, and edits are
-                                    not applied
+                                    here write no thinking
+    context_management edits     -> clear_tool_uses applied before the prompt
+                                    renders (server/context_edits.py), said in
+                                    the reply's context_management
 
 Usage counts as Anthropic's does (server/cache_breakpoints.py): with
 `cache_control` marks, reads and writes up to the last mark (split 5m / 1h)
@@ -49,6 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server import cache_breakpoints
+from trajserve.server.context_edits import ContextEdit
 from trajserve.server.conversations import KEY_MAX, claude_code_session
 from trajserve.server.protocol import ChatCompletionRequest, PauseTier
 from trajserve.server.tap import Tap, sse_event
@@ -108,11 +111,6 @@ class Thinking(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(default=None, ge=1024)  # Anthropic's minimum
-
-
-class ContextEdit(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
 
 
 class ContextManagement(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from trajserve.server import anthropic, cache_breakpoints, streams
+from trajserve.server import anthropic, cache_breakpoints, context_edits, streams
 from trajserve.server import openai_format as oai
 from trajserve.server.conversations import CLAUDE_CODE_HEADER, KEY_MAX
 from trajserve.server.errors import APIError, translated
@@ -18,6 +18,15 @@ router = APIRouter()
 @router.post("/v1/messages")
 async def messages(body: anthropic.MessagesRequest, request: Request, st: ServerState = Depends(server_state)):
     req = translated(body.to_chat)
+    edits = body.context_management.edits if body.context_management is not None else None
+    if edits:  # clear_tool_uses: old tool results out of the prompt, as Anthropic's API does
+        try:
+            applied = context_edits.apply(edits, req, lambda: len(st.render_chat(req)),
+                                          lambda text: len(st.tok.encode(text, add_special_tokens=False)))
+        except ValueError as e:
+            raise APIError(400, str(e), param="context_management") from None
+        if applied:
+            req.note("context_management", {"applied_edits": applied})
     header = request.headers.get(CLAUDE_CODE_HEADER)
     if header and req.conversation() is None:  # Claude Code's session, where metadata.user_id names none
         req.name_conversation(CLAUDE_CODE_HEADER, header[:KEY_MAX])

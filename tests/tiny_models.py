@@ -14,12 +14,16 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     classes = {
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        # 8 experts of 32, 2 chosen per token, in every layer unless overridden
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     args = dict(
@@ -33,6 +37,9 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         rms_norm_eps=1e-6,
         tie_word_embeddings=tie,
     )
+    if kind == "qwen3_moe":
+        args.update(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     args.update(overrides)
     torch.manual_seed(0)
     model = model_cls(config_cls(**args))

@@ -33,9 +33,24 @@ LORA_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
 LORA_DTYPES = ("auto", "bfloat16", "float32")
 
+
+@dataclass(frozen=True, slots=True)
+class MoESpec:
+    """Top-k routed experts in place of the MLP (Qwen3-MoE, OLMoE): a router
+    [num_experts, hidden] scores each token, softmax, the top_k experts run
+    (each a SiLU MLP of expert_size), weighted by their probabilities
+    (renormalised over the chosen when norm_topk_prob). `layers`: the layers
+    that route; the others keep a dense MLP of intermediate_size."""
+    num_experts: int
+    top_k: int
+    expert_size: int
+    norm_topk_prob: bool
+    layers: tuple[int, ...]
+
+
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -55,6 +70,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
     qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head before RoPE
+    moe: MoESpec | None = None  # routed experts (None: a dense MLP in every layer)
     name: str = ""
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from trajserve.config import ModelConfig
+from trajserve.config import ModelConfig, MoESpec
 
 # HF model_type -> our architecture. Mistral is Llama with other defaults.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 
 
 def _read_hf_config(d: Path) -> dict:
@@ -77,6 +77,7 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         raise ValueError("unsupported use_sliding_window=True; supported: full attention in every layer")
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
+    layers = int(raw["num_hidden_layers"])
     theta, rope_scaling = _hf_rope(raw)
     # Qwen2 hard-codes q/k/v bias; Llama and Qwen3 take it from the config.
     bias = True if arch == "qwen2" else bool(raw.get("attention_bias", False))
@@ -85,7 +86,7 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or heads),
         head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -95,9 +96,25 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         max_position_embeddings=_context(raw, rope_scaling),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        moe=_moe(raw, layers) if arch == "qwen3_moe" else None,
         name=str(raw.get("_name_or_path") or name),
     )
+
+
+def _moe(raw: dict, num_layers: int) -> MoESpec | None:
+    """Qwen3-MoE's routed layers: every decoder_sparse_step-th layer not in
+    mlp_only_layers (transformers' rule), when it has experts at all."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)  # transformers 4 | 5 name
+    if experts == 0:
+        return None
+    step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or ())
+    top_k = int(raw["num_experts_per_tok"])
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k}")
+    routed = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoESpec(experts, top_k, int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False)),
+                   routed)
 
 
 def _safetensors_files(d: Path) -> list[Path]:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE) over a paged KV cache.
 
 The forward takes a flat batch of tokens from many sequences (decode tokens
 and prefill chunks mixed) and returns hidden states only for the rows that
@@ -24,6 +24,7 @@ from trajserve.config import ModelConfig
 from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from trajserve.model.linear import GateUpSilu, Linear, QGateUpSilu, QLinear, QLinearParts, use_onednn
+from trajserve.model.moe import MoE
 from trajserve.model.quant import QuantizedWeight
 from trajserve.model.rope import apply_rope, cos_sin_table
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down", "in_norm", "post_norm", "q_norm", "k_norm")
+    __slots__ = ("qkv", "o", "gate_up", "down", "moe", "in_norm", "post_norm", "q_norm", "k_norm")
 
 
 class LlamaModel:
@@ -105,14 +106,25 @@ class LlamaModel:
             # Some Llama/Qwen3 checkpoints with attention_bias also bias o_proj.
             o_bias = p + "self_attn.o_proj.bias"
             L.o = lin(p + "self_attn.o_proj.weight", bias=(o_bias,) if o_bias in weights else ())
-            gu = quantized(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", one_format=True)
-            if gu is not None:
-                L.gate_up = QGateUpSilu(gu[0].pack(), gu[1].pack(), self.kernels)
-            elif self.kernels is not None:
-                L.gate_up = GateUpSilu(w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight"), self.kernels)
+            def mlp(m: str) -> tuple:
+                """(gate|up, down) of the SiLU MLP under prefix m: on the C
+                kernels gate|up returns the activation, on torch gate|up."""
+                gu = quantized(m + "gate_proj.weight", m + "up_proj.weight", one_format=True)
+                if gu is not None:
+                    gate_up = QGateUpSilu(gu[0].pack(), gu[1].pack(), self.kernels)
+                elif self.kernels is not None:
+                    gate_up = GateUpSilu(w(m + "gate_proj.weight"), w(m + "up_proj.weight"), self.kernels)
+                else:
+                    gate_up = lin(m + "gate_proj.weight", m + "up_proj.weight")
+                return gate_up, lin(m + "down_proj.weight")
+
+            L.moe = None
+            if c.moe is not None and i in c.moe.layers:
+                L.gate_up = L.down = None
+                L.moe = MoE(c.moe, w(p + "mlp.gate.weight", torch.float32),
+                            [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)], self.kernels is not None)
             else:
-                L.gate_up = lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            L.down = lin(p + "mlp.down_proj.weight")
+                L.gate_up, L.down = mlp(p + "mlp.")
             L.in_norm = w(p + "input_layernorm.weight", torch.float32)
             L.post_norm = w(p + "post_attention_layernorm.weight", torch.float32)
             L.q_norm = w(p + "self_attn.q_norm.weight", torch.float32) if c.qk_norm else None
@@ -121,12 +133,18 @@ class LlamaModel:
         self.cos, self.sin = cos_sin_table(c.head_dim, max_len, c.rope_theta, c.rope_scaling, self.device)
 
     def products(self) -> list:
-        """Every weight product of one forward (the LM head last)."""
-        return [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)] + [self.lm_head]
+        """Every weight product of one forward (the LM head last); a MoE
+        layer's: its experts' (a forward runs those its rows choose)."""
+        return [p for L in self.layers for p in ((L.qkv, L.o, *L.moe.products()) if L.moe is not None
+                                                 else (L.qkv, L.o, L.gate_up, L.down))] + [self.lm_head]
 
     def weight_formats(self) -> dict[str, int]:
-        """Bytes of the products' weights by the format they run in."""
+        """Bytes of the products' weights by the format they run in, as a
+        decode step at batch 1 reads them: of a MoE layer's experts, top_k."""
         out: dict[str, int] = {}
+        moe = self.config.moe
+        share = {id(p): moe.top_k / moe.num_experts for L in self.layers if L.moe is not None
+                 for p in L.moe.products()} if moe is not None else {}
         for product in self.products():
             for p in product.parts if isinstance(product, QLinearParts) else [product]:
                 if isinstance(p, QLinear):
@@ -135,7 +153,7 @@ class LlamaModel:
                     fmt = p.gate.fmt
                 else:
                     fmt = str(self.dtype).removeprefix("torch.")
-                out[fmt] = out.get(fmt, 0) + p.nbytes
+                out[fmt] = out.get(fmt, 0) + int(p.nbytes * share.get(id(product), 1.0))
         return out
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -198,6 +216,9 @@ class LlamaModel:
             if lora is not None:
                 lora.add(i, ("o_proj",), a, (x,))
             h = self._rms(x, L.post_norm)
+            if L.moe is not None:  # routed experts (no adapters on a MoE model: lora/manager.py)
+                x = x + L.moe(h)
+                continue
             gu = L.gate_up(h)
             inter = gu.shape[-1] // 2
             pre = lora.gate_up_pre(i, h, inter) if lora is not None else None
@@ -254,6 +275,9 @@ class LlamaModel:
             a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale, K)
             a = a.view(n, self.q_size)
             L.o(a, out=x)
+            if L.moe is not None:  # routed experts (no adapters on a MoE model: lora/manager.py)
+                x += L.moe(K.rms_norm(x, L.post_norm, eps))
+                continue
             if lora is None:
                 L.down(L.gate_up(K.rms_norm(x, L.post_norm, eps)), out=x)
                 continue

@@ -132,7 +132,12 @@ def expected_weight_names(cfg: ModelConfig) -> list[str]:
         if cfg.qk_norm:
             names += [pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"]
         names.append(pre + "post_attention_layernorm.weight")
-        names += [pre + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if cfg.moe is not None and i in cfg.moe.layers:  # the router, then each expert's MLP
+            names.append(pre + "mlp.gate.weight")
+            names += [pre + f"mlp.experts.{e}.{p}_proj.weight" for e in range(cfg.moe.num_experts)
+                      for p in ("gate", "up", "down")]
+        else:
+            names += [pre + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     names.append("model.norm.weight")
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -162,6 +167,8 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     """HF shape of parameter `name`: (out_features, in_features) or (n,)."""
     q, kv, h, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     leaf = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
+    if cfg.moe is not None and leaf.startswith("mlp.experts."):  # mlp.experts.E.gate_proj.weight
+        leaf, ff = "mlp." + leaf.split(".", 3)[-1], cfg.moe.expert_size
     shapes = {
         "model.embed_tokens.weight": (cfg.vocab_size, h),
         "lm_head.weight": (cfg.vocab_size, h),
@@ -181,5 +188,6 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "mlp.gate_proj.weight": (ff, h),
         "mlp.up_proj.weight": (ff, h),
         "mlp.down_proj.weight": (h, ff),
+        "mlp.gate.weight": (cfg.moe.num_experts if cfg.moe is not None else 0, h),  # the router
     }
     return shapes[leaf]

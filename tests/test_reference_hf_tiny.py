@@ -32,6 +32,8 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
     ("qwen3", {"head_dim": 32}),
     ("qwen3_moe", {}),
     ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [0], "num_experts_per_tok": 3}),
+    ("olmoe", {}),
+    ("olmoe", {"clip_qkv": None, "norm_topk_prob": True}),
 ])
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch"])
 def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrides: dict, cpu_kernels: bool):

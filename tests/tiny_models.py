@@ -14,6 +14,8 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
     )
@@ -24,6 +26,8 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         # 8 experts of 32, 2 chosen per token, in every layer unless overridden
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        # q/k RMSNorm over all heads together, q/k/v clamped; 8 experts of 32, 2 a token
+        "olmoe": (OlmoeConfig, OlmoeForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     args = dict(
@@ -40,6 +44,9 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
     if kind == "qwen3_moe":
         args.update(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if kind == "olmoe":
+        args.update(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=0.5, eos_token_id=None,
+                    pad_token_id=None, bos_token_id=None)
     args.update(overrides)
     torch.manual_seed(0)
     model = model_cls(config_cls(**args))
@@ -47,6 +54,8 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 p.normal_()
+            elif ".experts." in name or name.endswith("mlp.gate.weight"):
+                p.normal_(std=0.2)  # experts that move the logits, a router that tells them apart
     return model.eval()
 
 

@@ -50,7 +50,7 @@ class MoESpec:
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "olmoe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -70,6 +70,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
     qk_norm: bool = False  # Qwen3: RMSNorm on each q and k head before RoPE
+    qk_norm_whole: bool = False  # OLMoE: that RMSNorm over all of q's heads together (and all of k's)
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after the norm
     moe: MoESpec | None = None  # routed experts (None: a dense MLP in every layer)
     name: str = ""
 

@@ -11,7 +11,8 @@ import torch
 from trajserve.config import ModelConfig, MoESpec
 
 # HF model_type -> our architecture. Mistral is Llama with other defaults.
-HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                  "olmoe": "olmoe"}
 
 
 def _read_hf_config(d: Path) -> dict:
@@ -96,15 +97,18 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         max_position_embeddings=_context(raw, rope_scaling),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bias,
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
-        moe=_moe(raw, layers) if arch == "qwen3_moe" else None,
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_whole=arch == "olmoe",
+        clip_qkv=float(raw["clip_qkv"]) if arch == "olmoe" and raw.get("clip_qkv") is not None else None,
+        moe=_moe(raw, layers) if arch in ("qwen3_moe", "olmoe") else None,
         name=str(raw.get("_name_or_path") or name),
     )
 
 
 def _moe(raw: dict, num_layers: int) -> MoESpec | None:
     """Qwen3-MoE's routed layers: every decoder_sparse_step-th layer not in
-    mlp_only_layers (transformers' rule), when it has experts at all."""
+    mlp_only_layers (transformers' rule), when it has experts at all.
+    OLMoE's: every layer, its experts of intermediate_size."""
     experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)  # transformers 4 | 5 name
     if experts == 0:
         return None
@@ -113,8 +117,8 @@ def _moe(raw: dict, num_layers: int) -> MoESpec | None:
     if not 1 <= top_k <= experts:
         raise ValueError(f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k}")
     routed = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    return MoESpec(experts, top_k, int(raw["moe_intermediate_size"]), bool(raw.get("norm_topk_prob", False)),
-                   routed)
+    size = raw.get("moe_intermediate_size") or raw["intermediate_size"]
+    return MoESpec(experts, top_k, int(size), bool(raw.get("norm_topk_prob", False)), routed)
 
 
 def _safetensors_files(d: Path) -> list[Path]:

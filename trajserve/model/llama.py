@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE, OLMoE) over a paged KV cache.
 
 The forward takes a flat batch of tokens from many sequences (decode tokens
 and prefill chunks mixed) and returns hidden states only for the rows that
@@ -156,6 +156,19 @@ class LlamaModel:
                 out[fmt] = out.get(fmt, 0) + int(p.nbytes * share.get(id(product), 1.0))
         return out
 
+    def _norm_qkv(self, L: Layer, qkv: torch.Tensor) -> None:
+        """In place, before RoPE: Qwen3's RMSNorm of each q and k head
+        (OLMoE's: of all q heads together, and all k), then OLMoE's clamp."""
+        c, T = self.config, qkv.shape[0]
+        if L.q_norm is not None:
+            q, k = qkv[:, : self.q_size], qkv[:, self.q_size: self.q_size + self.kv_size]
+            if not c.qk_norm_whole:
+                q, k = q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim)
+            q.copy_(self._rms(q, L.q_norm))
+            k.copy_(self._rms(k, L.k_norm))
+        if c.clip_qkv is not None:
+            qkv.clamp_(-c.clip_qkv, c.clip_qkv)
+
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 like the reference implementations.
         return F.rms_norm(x.float(), weight.shape, weight, self.config.rms_norm_eps).to(self.dtype)
@@ -196,11 +209,9 @@ class LlamaModel:
             qkv = L.qkv(h)
             if lora is not None:
                 self._lora_qkv(lora, i, h, qkv)
+            self._norm_qkv(L, qkv)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, c.num_kv_heads, c.head_dim)
-            if L.q_norm is not None:
-                qk = torch.cat([self._rms(qk[:, : c.num_heads], L.q_norm),
-                                self._rms(qk[:, c.num_heads:], L.k_norm)], dim=1)
             # One rotation for q and k heads together: half the RoPE ops.
             qk = apply_rope(qk, cos, sin)
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
@@ -258,10 +269,7 @@ class LlamaModel:
             qkv = L.qkv(h)
             if lora is not None:
                 self._lora_qkv(lora, i, h, qkv)
-            if L.q_norm is not None:
-                qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
-                qk[:, : c.num_heads] = self._rms(qk[:, : c.num_heads], L.q_norm)
-                qk[:, c.num_heads:] = self._rms(qk[:, c.num_heads:], L.k_norm)
+            self._norm_qkv(L, qkv)
             if before_layer is not None:
                 before_layer(i)
             K.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin, positions,

@@ -131,13 +131,18 @@ def test_missing_or_broken_files(tmp_path):
 
 def test_planner_reads_qwen3_configs_whose_layers_are_all_full_attention(tmp_path):
     """transformers writes layer_types for every Qwen3 config (all
-    "full_attention"); the planner refused them as hybrid until now. A
-    sliding-window layer is still refused."""
+    "full_attention"): no window; a "sliding_attention" layer is a window
+    layer of sliding_window tokens, and without a size it is refused."""
     tiny_hf_model("qwen3", head_dim=32).save_pretrained(tmp_path, safe_serialization=True)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert set(raw["layer_types"]) == {"full_attention"}
     assert read_hf_config(tmp_path)[0].num_layers == 2
+    assert read_hf_config(tmp_path)[0].window is None
     raw["layer_types"][1] = "sliding_attention"
+    raw["sliding_window"] = None
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="sliding-window/hybrid"):
+    with pytest.raises(ValueError, match="needs sliding_window >= 1"):
         read_hf_config(tmp_path)
+    raw["sliding_window"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert read_hf_config(tmp_path)[0].window.layers == (1,)

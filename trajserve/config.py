@@ -46,6 +46,29 @@ class MoESpec:
     expert_size: int
     norm_topk_prob: bool
     layers: tuple[int, ...]
+    shared_size: int = 0  # an always-on shared expert's intermediate size (DeepSeek, Qwen2-MoE); planner only
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek V2/V3): a layer caches, per
+    token, one compressed latent of kv_lora_rank values and one RoPE key of
+    qk_rope_head_dim shared by every head, instead of per-head K and V;
+    queries go through a q_lora_rank bottleneck (0: none). The planner's."""
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    """Sliding-window layers (Gemma 3, gpt-oss, Mistral's configs): `layers`
+    attend to, and need to keep, only the latest `size` tokens; the others
+    keep the whole context. The planner's."""
+    size: int
+    layers: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -73,11 +96,27 @@ class ModelConfig:
     qk_norm_whole: bool = False  # OLMoE: that RMSNorm over all of q's heads together (and all of k's)
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip] after the norm
     moe: MoESpec | None = None  # routed experts (None: a dense MLP in every layer)
+    mla: MLASpec | None = None  # latent attention's cache (None: K and V per KV head)
+    window: WindowSpec | None = None  # sliding-window layers (None: every layer keeps the whole context)
     name: str = ""
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
-        """m_token = 2 * L * H_kv * d_head * b   (eq. 1, kv-cache-management)."""
+        """m_token = 2 * L * H_kv * d_head * b   (eq. 1, kv-cache-management);
+        with MLA, (d_latent + d_rope) * L * b: one latent and one shared RoPE
+        key per token and layer (DeepSeek-V3: (512 + 64) * 61 * 2 = 70,272 B).
+        A sliding-window layer counts in full here: kv_bytes() holds its cap."""
+        if self.mla is not None:
+            return (self.mla.kv_lora_rank + self.mla.qk_rope_head_dim) * self.num_layers * elem_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
+
+    def kv_bytes(self, tokens: int, elem_bytes: int) -> int:
+        """One sequence's KV bytes at `tokens` of context: eq. 1 per layer
+        group, a window layer holding min(tokens, window) tokens."""
+        full = self.kv_bytes_per_token(elem_bytes) * tokens
+        if self.window is None:
+            return full
+        per_layer = self.kv_bytes_per_token(elem_bytes) // self.num_layers
+        return full - per_layer * len(self.window.layers) * max(0, tokens - self.window.size)
 
 
 @dataclass(frozen=True, slots=True)

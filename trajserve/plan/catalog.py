@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
-from trajserve.config import ModelConfig
+from trajserve.config import MLASpec, ModelConfig, MoESpec, WindowSpec
 from trajserve.plan import model_shapes
 
 
@@ -106,6 +106,23 @@ def get_model(name_or_path: str) -> ModelSpec:
         key, e = _find("models", name_or_path, "model")
     except ValueError as err:
         raise ValueError(f"{err}; or pass a config.json, a Hugging Face directory or a .gguf file") from None
-    cfg = ModelConfig(architecture=e["architecture"], name=e["name"], qk_norm=e["architecture"] == "qwen3",
-                      **{f: e[f] for f in _MODEL_FIELDS})
-    return ModelSpec(key=key, config=cfg, params=int(e["params"]), dtype=e["dtype"], source=e["source"])
+    cfg = ModelConfig(architecture=e["architecture"], name=e["name"],
+                      qk_norm=e["architecture"] in ("qwen3", "qwen3_moe"), **{f: e[f] for f in _MODEL_FIELDS},
+                      **_families(e))
+    params = int(e["params"]) if "params" in e else model_shapes.total_params(cfg)
+    return ModelSpec(key=key, config=cfg, params=params, dtype=e["dtype"], source=e["source"])
+
+
+def _families(e: dict) -> dict:
+    """An entry's routed experts, latent attention and sliding windows (catalog.toml)."""
+    n, out = e["num_layers"], {}
+    if "moe" in e:
+        m = e["moe"]
+        out["moe"] = MoESpec(m["experts"], m["top_k"], m["expert_size"], True,
+                             tuple(range(m.get("first_dense", 0), n)), m.get("shared_size", 0))
+    if "mla" in e:
+        out["mla"] = MLASpec(**e["mla"])
+    if "window" in e:
+        w = e["window"]
+        out["window"] = WindowSpec(w["size"], tuple(i for i in range(n) if (i + 1) % w["global_every"]))
+    return out

@@ -31,7 +31,10 @@ def divisors(n: int) -> list[int]:
 
 def kv_share_per_device(model: ModelConfig, tp: int, pp: int) -> float:
     """Fraction of m_token one device stores: H_kv/TP heads (at least one,
-    replicated when TP > H_kv) of L/PP layers. m_token/TP in the spec's case."""
+    replicated when TP > H_kv) of L/PP layers. m_token/TP in the spec's case.
+    An MLA latent belongs to no head: every TP rank holds all of it."""
+    if model.mla is not None:
+        return 1 / pp
     heads = max(model.num_kv_heads // tp, 1)
     return heads / model.num_kv_heads / pp
 

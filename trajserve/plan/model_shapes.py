@@ -8,13 +8,18 @@ Three counts matter and the spec uses each:
                          LM head runs on the last prompt token only)
   decode-read params  -> bytes one decode step reads: everything but the
                          input embedding (inference-optimization 8.2.1: D_w)
+
+A mixture-of-experts layer counts all its experts in the total (they are
+resident) and its top_k experts (plus any shared one) in the matmul and
+decode-read counts: what one token multiplies by, what a decode step at
+batch 1 reads. Latent attention (MLA) counts its own projections.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from trajserve.config import ModelConfig
+from trajserve.config import MLASpec, ModelConfig, MoESpec, WindowSpec
 
 
 # A decoder layer's projections (PEFT's target_modules names), SwiGLU MLP.
@@ -28,18 +33,43 @@ def projection_shape(c: ModelConfig, name: str) -> tuple[int, int]:
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}[name]
 
 
-def _layer_matmul_params(c: ModelConfig) -> int:
-    return sum(i * o for i, o in (projection_shape(c, m) for m in PROJECTIONS))
+def _attention_params(c: ModelConfig) -> int:
+    h, heads, m = c.hidden_size, c.num_heads, c.mla
+    if m is None:
+        return sum(i * o for i, o in (projection_shape(c, p) for p in PROJECTIONS[:4]))
+    qk = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = h * m.q_lora_rank + m.q_lora_rank * qk if m.q_lora_rank else h * qk
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + heads * m.v_head_dim * h
+
+
+def _mlp_params(c: ModelConfig, layer: int, active: bool) -> int:
+    """The layer's MLP matrices (SwiGLU: 3 * hidden * intermediate); a routed
+    layer's: its router, its experts (top_k of them when active) and any
+    shared expert."""
+    moe, h = c.moe, c.hidden_size
+    if moe is None or layer not in moe.layers:
+        return 3 * h * c.intermediate_size
+    experts = moe.top_k if active else moe.num_experts
+    return h * moe.num_experts + 3 * h * (experts * moe.expert_size + moe.shared_size)
+
+
+def _layer_matmul_params(c: ModelConfig, layer: int, active: bool) -> int:
+    return _attention_params(c) + _mlp_params(c, layer, active)
 
 
 def _layer_other_params(c: ModelConfig) -> int:
-    norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+    qk = (c.num_heads + c.num_kv_heads) * c.head_dim if c.qk_norm_whole else 2 * c.head_dim
+    norms = 2 * c.hidden_size + (qk if c.qk_norm else 0)
+    if c.mla is not None:  # the latent's and the query bottleneck's norms
+        norms += c.mla.kv_lora_rank + c.mla.q_lora_rank
     bias = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim if c.attention_bias else 0
     return norms + bias
 
 
 def matmul_params(c: ModelConfig) -> int:
-    return c.num_layers * _layer_matmul_params(c)
+    """What one token multiplies by (a MoE layer's chosen experts only)."""
+    return sum(_layer_matmul_params(c, i, active=True) for i in range(c.num_layers))
 
 
 def embedding_params(c: ModelConfig) -> int:
@@ -50,16 +80,26 @@ def lm_head_params(c: ModelConfig) -> int:
     return embedding_params(c)  # tied or not, the head multiplies by a vocab x hidden matrix
 
 
-def total_params(c: ModelConfig) -> int:
+def _params(c: ModelConfig, active: bool) -> int:
     head = 0 if c.tie_word_embeddings else lm_head_params(c)
-    return (c.num_layers * (_layer_matmul_params(c) + _layer_other_params(c))
+    return (sum(_layer_matmul_params(c, i, active) + _layer_other_params(c) for i in range(c.num_layers))
             + embedding_params(c) + head + c.hidden_size)  # + final norm
 
 
+def total_params(c: ModelConfig) -> int:
+    return _params(c, active=False)
+
+
+def active_params(c: ModelConfig) -> int:
+    """total_params with a MoE layer's top_k experts only (a "30B-A3B" model's 3B)."""
+    return _params(c, active=True)
+
+
 def decode_read_params(c: ModelConfig) -> int:
-    """Parameters a decode step streams from memory: all but the embedding
-    table (only one row per token is read). A tied head is read as the head."""
-    other = total_params(c) - embedding_params(c)
+    """Parameters a decode step at batch 1 streams from memory: all but the
+    embedding table (only one row per token is read), a MoE layer's chosen
+    experts only. A tied head is read as the head."""
+    other = active_params(c) - embedding_params(c)
     return other + (lm_head_params(c) if c.tie_word_embeddings else 0)
 
 
@@ -71,9 +111,9 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
     whether it gives the trained context: max_position_embeddings).
 
     Lenient on purpose: planning needs shapes, not a model the engine can
-    run, so any decoder with the usual fields is accepted. Mixture-of-experts
-    and sliding-window configs are refused: their KV and FLOPs need terms the
-    planner does not have.
+    run, so any decoder with the usual fields is accepted, routed experts
+    (_moe), latent attention (kv_lora_rank) and sliding windows (_window)
+    included.
     """
     p = Path(path).expanduser()
     f = p / "config.json" if p.is_dir() else p
@@ -89,14 +129,6 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
     missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in raw]
     if missing:
         raise ValueError(f"model config {str(f)!r} lacks {', '.join(missing)}")
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if raw.get(key):
-            raise ValueError(f"model config {str(f)!r} is mixture-of-experts ({key}={raw[key]}); "
-                             "the planner supports dense decoders only")
-    # transformers writes layer_types for every Qwen3 (all "full_attention"): only other kinds are refused.
-    if raw.get("use_sliding_window") or any(t != "full_attention" for t in raw.get("layer_types") or ()):
-        raise ValueError(f"model config {str(f)!r} uses sliding-window/hybrid layers; "
-                         "the planner supports full attention in every layer only")
     hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     sizes = {"num_hidden_layers": int(raw["num_hidden_layers"]), "num_attention_heads": heads,
@@ -125,11 +157,57 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm_whole=model_type == "olmoe",
+        moe=_moe(raw, int(raw["num_hidden_layers"])),
+        mla=MLASpec(int(raw["kv_lora_rank"]), int(raw.get("qk_rope_head_dim") or 64),
+                    int(raw.get("qk_nope_head_dim") or 128), int(raw.get("v_head_dim") or 128),
+                    int(raw.get("q_lora_rank") or 0)) if raw.get("kv_lora_rank") else None,
+        window=_window(raw, int(raw["num_hidden_layers"])),
         name=str(raw.get("_name_or_path") or f.parent.name),
     )
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     return cfg, dtype, "max_position_embeddings" in raw  # without it, 2048 above is only a stand-in
+
+
+def _moe(raw: dict, layers: int) -> MoESpec | None:
+    """Routed experts as the families write them: num_experts (Qwen, OLMoE),
+    num_local_experts (Mixtral, gpt-oss, transformers 5), n_routed_experts
+    (DeepSeek, its first_k_dense_replace layers dense); Qwen's
+    decoder_sparse_step / mlp_only_layers; a shared expert's size."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
+    if not experts:
+        return None
+    top_k = int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 1)
+    size = int(raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0)
+    dense, step = set(raw.get("mlp_only_layers") or ()), int(raw.get("decoder_sparse_step") or 1)
+    first = int(raw.get("first_k_dense_replace") or 0)
+    routed = tuple(i for i in range(layers) if i >= first and i not in dense and (i + 1) % step == 0)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) or int(raw.get("n_shared_experts") or 0) * size
+    return MoESpec(experts, top_k, size, bool(raw.get("norm_topk_prob", False)), routed, shared)
+
+
+def _window(raw: dict, layers: int) -> WindowSpec | None:
+    """Sliding-window layers: layer_types' "sliding_attention" ones (Gemma 3,
+    gpt-oss, Qwen3 as transformers writes them), else Gemma 3's older
+    sliding_window_pattern (each pattern-th layer global), else
+    use_sliding_window (Qwen2: the layers from max_window_layers on)."""
+    size = raw.get("sliding_window")
+    types = raw.get("layer_types")
+    if types:
+        windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif raw.get("sliding_window_pattern"):
+        n = int(raw["sliding_window_pattern"])
+        windowed = tuple(i for i in range(layers) if (i + 1) % n)
+    elif raw.get("use_sliding_window"):
+        windowed = tuple(range(int(raw.get("max_window_layers") or 0), layers))
+    else:
+        return None
+    if not windowed:
+        return None
+    if not size or int(size) < 1:
+        raise ValueError(f"a config with sliding-window layers needs sliding_window >= 1, got {size!r}")
+    return WindowSpec(int(size), windowed)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:

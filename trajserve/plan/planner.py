@@ -185,18 +185,21 @@ def plan(r: PlanRequest) -> Plan:
     for ctx in r.contexts:
         shared = _shared_for(r, ctx)
         stored = concurrency.stored_tokens(ctx, r.output_tokens)
-        kv_bytes = concurrency.blocks_for(stored, r.block_size) * r.block_size * m_tok
-        unshared = concurrency.max_trajectories(pool_dev, m_dev, ctx, r.output_tokens, headroom=r.headroom,
+        # Sliding-window layers keep at most their window: the share of eq. 1's bytes this context holds.
+        held = cfg.kv_bytes(stored, 1) / (cfg.kv_bytes_per_token(1) * stored)
+        kv_bytes = concurrency.blocks_for(stored, r.block_size) * r.block_size * m_tok * held
+        unshared = concurrency.max_trajectories(pool_dev, m_dev * held, ctx, r.output_tokens, headroom=r.headroom,
                                                 block_size=r.block_size)
-        with_prefix = concurrency.max_trajectories(pool_dev, m_dev, ctx, r.output_tokens, shared_tokens=shared,
-                                                   headroom=r.headroom, block_size=r.block_size)
+        with_prefix = concurrency.max_trajectories(pool_dev, m_dev * held, ctx, r.output_tokens,
+                                                   shared_tokens=shared, headroom=r.headroom,
+                                                   block_size=r.block_size)
         recompute = _or_none(compute_time, forward_flops(n_matmul, cfg.num_layers, q_dim, stored),
                              prefill_peak, r.mfu)
         out.rows.append(ContextRow(
             context=ctx, output_tokens=r.output_tokens, shared_tokens=shared, stored_tokens=stored,
             kv_bytes=kv_bytes, max_unshared=unshared * replicas,
             max_shared=with_prefix * replicas if sharing else None,
-            tail_waste_fraction=tail_waste.waste_fraction(unshared, r.block_size, m_dev, pool_dev),
+            tail_waste_fraction=tail_waste.waste_fraction(unshared, r.block_size, m_dev * held, pool_dev),
             reload_host_s=_or_none(keep_offload.transfer_time, kv_bytes, host_bw),
             round_trip_host_s=_or_none(keep_offload.round_trip_time, kv_bytes, host_bw),
             reload_nvme_s=_or_none(keep_offload.transfer_time, kv_bytes, nvme_bw),

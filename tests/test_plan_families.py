@@ -106,3 +106,18 @@ def _h100():
 
 def _fields(spec) -> dict:
     return {f: getattr(spec, f) for f in spec.__slots__}
+
+
+def test_the_simulators_cost_model_reads_only_active_experts():
+    from trajserve.sim.hardware import ModelCost
+
+    spec = get_model("qwen3-30b-a3b")
+    cost = ModelCost.from_spec(spec)
+    assert cost.weight_read_bytes == model_shapes.decode_read_params(spec.config) * 2  # bf16
+    assert cost.weight_read_bytes < 0.15 * spec.params * 2  # not the 30B resident
+    assert cost.matmul_params == model_shapes.matmul_params(spec.config)
+    # A profile round-trips the nested shapes (a calibrated profile of such a model).
+    back = ModelCost.from_profile({"model": cost.to_profile()})
+    assert back.config == spec.config
+    mla = ModelCost.from_spec(get_model("deepseek-v3"))
+    assert ModelCost.from_profile({"model": mla.to_profile()}).config == mla.config

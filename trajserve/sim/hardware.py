@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trajserve.config import ModelConfig
+from trajserve.config import MLASpec, ModelConfig, MoESpec, WindowSpec
 from trajserve.plan import memory_budget, model_shapes
 from trajserve.plan.catalog import DeviceSpec, ModelSpec
 from trajserve.plan.kv_format import m_token, storage_format
@@ -112,7 +112,7 @@ class ModelCost:
     @classmethod
     def from_profile(cls, profile: dict) -> ModelCost:
         m = profile["model"]
-        cfg = ModelConfig(**m["config"])
+        cfg = config_from_dict(m["config"])
         return cls(name=m["name"], config=cfg, matmul_params=m["matmul_params"], head_params=m["head_params"],
                    weight_read_bytes=m["weight_read_bytes"], m_token=m["m_token"])
 
@@ -122,6 +122,16 @@ class ModelCost:
         return {"name": self.name, "config": asdict(self.config), "matmul_params": self.matmul_params,
                 "head_params": self.head_params, "weight_read_bytes": self.weight_read_bytes,
                 "m_token": self.m_token}
+
+
+def config_from_dict(d: dict) -> ModelConfig:
+    """A ModelConfig written by asdict (a profile's): its nested specs back as theirs."""
+    nested = {"moe": MoESpec, "mla": MLASpec, "window": WindowSpec}
+    d = dict(d)
+    for key, cls in nested.items():
+        if d.get(key) is not None:
+            d[key] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d[key].items()})
+    return ModelConfig(**d)
 
 
 def load_profile(path: str | Path) -> dict:

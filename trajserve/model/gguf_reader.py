@@ -19,10 +19,15 @@ import gguf
 import numpy as np
 import torch
 
-from trajserve.config import ModelConfig
+from trajserve.config import ModelConfig, MoESpec
 from trajserve.model.quant import QuantizedWeight, target_format
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe")
+# llama.cpp's architecture name -> ours (config.ModelConfig.architecture)
+_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
+# Whether the chosen experts' weights are renormalised where a file does not
+# say (expert_weights_norm): llama.cpp's graphs hard-code it per architecture.
+_NORM_TOPK = {"qwen3moe": True, "olmoe": False}
 PathLike = str | os.PathLike[str]
 
 
@@ -84,7 +89,8 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
 
     hidden = int(get("embedding_length", required=True))
     heads = int(get("attention.head_count", required=True))
-    tensor_names = {t.name for t in reader.tensors}
+    tensor_shapes = {t.name: tuple(int(d) for d in t.shape.tolist()) for t in reader.tensors}
+    tensor_names = set(tensor_shapes)
     # The embedding's rows are what the logits span; the metadata only
     # restates them (or, in padded vocabularies, counts fewer).
     if "token_embd.weight" in tensor_names:
@@ -99,6 +105,8 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
             f"unsupported partial RoPE ({rope_dims} of {head_dim} head dims); supported: RoPE on the whole head"
         )
     theta = float(get("rope.freq_base", 10000.0))
+    num_layers = int(get("block_count", required=True))
+    q_norm = tensor_shapes.get("blk.0.attn_q_norm.weight")
     scaling_type = get("rope.scaling.type")
     if scaling_type not in (None, "none"):
         raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: none, llama3 (rope_freqs)")
@@ -106,12 +114,18 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     if "rope_freqs.weight" in tensor_names:
         factors = gguf.quants.dequantize(*_raw(reader, "rope_freqs.weight")).reshape(-1)
         rope_scaling = _llama3_scaling_from_factors(factors, head_dim, theta)
+    moe = None
+    if get("expert_count"):  # routed experts in every layer (llama.cpp's qwen3moe and olmoe graphs)
+        moe = MoESpec(int(get("expert_count")), int(get("expert_used_count", required=True)),
+                      int(get("expert_feed_forward_length") or get("feed_forward_length", required=True)),
+                      bool(get("expert_weights_norm", _NORM_TOPK.get(arch, False))), tuple(range(num_layers)))
+    clip = get("attention.clamp_kqv")
     return ModelConfig(
-        architecture=arch,
+        architecture=_ARCHITECTURES.get(arch, arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length", required=True)),
-        num_layers=int(get("block_count", required=True)),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
@@ -121,7 +135,11 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        qk_norm=q_norm is not None,
+        # OLMoE's q norm spans all heads (a q-sized weight), Qwen3's one head.
+        qk_norm_whole=q_norm is not None and q_norm[0] == heads * head_dim != head_dim,
+        clip_qkv=float(clip) if clip else None,
+        moe=moe,
         name=str(gguf_value(reader, "general.name", "") or ""),
     )
 
@@ -177,7 +195,12 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
 }
+# A MoE layer's experts, stacked [experts, out, in] in one tensor each: split
+# into one matrix per expert under HF names (model.layers.i.mlp.experts.e.*).
+_GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                      "ffn_down_exps.weight": "down_proj"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -243,8 +266,13 @@ def _gguf_tensors(
     unknown = []
     for t in reader.tensors:
         hf = gguf_to_hf_name(t.name)
+        rest = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else ""
         if hf is not None:
-            wanted.append((hf, t))
+            wanted.append((hf, t, None))
+        elif rest in _GGUF_EXPERT_NAMES and cfg.moe is not None:
+            layer = t.name.split(".")[1]
+            wanted += [(f"model.layers.{layer}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[rest]}.weight", t, e)
+                       for e in range(cfg.moe.num_experts)]
         elif t.name not in _GGUF_CONFIG_TENSORS:
             unknown.append(t.name)
     if unknown:
@@ -264,13 +292,16 @@ def _gguf_tensors(
             return _unpermute_rope_rows(a, cfg.num_kv_heads)
         return a
 
-    def convert(item: tuple[str, Any]) -> torch.Tensor | QuantizedWeight:
-        hf, t = item
+    def convert(item: tuple[str, Any, int | None]) -> torch.Tensor | QuantizedWeight:
+        hf, t, expert = item
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data = t.data
+        if expert is not None:  # one expert's rows of the stacked tensor
+            shape, data = shape[1:], t.data[expert]
         fmt = target_format(hf, t.tensor_type.name, quantization, shape[-1]) if len(shape) == 2 else None
         if fmt is not None and t.tensor_type.name.lower() == fmt:
-            return QuantizedWeight.from_gguf(unpermute(hf, t.data), fmt, shape)
-        a = unpermute(hf, _dequantize(t))
+            return QuantizedWeight.from_gguf(unpermute(hf, data), fmt, shape)
+        a = unpermute(hf, _dequantize(t) if expert is None else _dequantize_rows(t, data, shape))
         if fmt is not None:
             if requantized is not None:
                 key = f"{t.tensor_type.name} -> {fmt}"
@@ -282,4 +313,12 @@ def _gguf_tensors(
     # first touch of fresh output memory): a thread per core pays.
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        return dict(zip((hf for hf, _ in wanted), pool.map(convert, wanted)))
+        return dict(zip((hf for hf, _, _ in wanted), pool.map(convert, wanted)))
+
+
+def _dequantize_rows(tensor: Any, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A slice of a tensor's data (an expert of a stacked tensor) as floats of `shape`."""
+    try:
+        return gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
+    except NotImplementedError:
+        return _dequantize(tensor)  # names the type it cannot read

@@ -4,7 +4,7 @@ to the shape's vocabulary."""
 import gguf
 
 from trajserve.bench.random_model import write_random_gguf
-from trajserve.config import ModelConfig
+from trajserve.config import ModelConfig, MoESpec
 from trajserve.llm import LLM
 from trajserve.plan.catalog import get_model
 from trajserve.plan.model_shapes import read_gguf_config, total_params
@@ -26,6 +26,24 @@ def test_a_written_shape_reads_back_and_serves(tmp_path):
     assert len(tokens) == cfg.vocab_size and tokens[-1] == "<|unused_39|>"
     llm = LLM(model=str(path), num_blocks=32)
     assert set(llm.engine.model.weight_formats()) <= {"q8_0", "float32"}
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_routed_shape_reads_back_with_its_experts(tmp_path):
+    """A MoE shape is written as llama.cpp's qwen3moe (router, stacked
+    experts): the engine reads the experts back and serves it."""
+    cfg = ModelConfig("qwen3_moe", vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, max_position_embeddings=4096,
+                      moe=MoESpec(8, 2, 64, True, (0, 1)), name="t")
+    path = tmp_path / "moe.gguf"
+    write_random_gguf(cfg, path, "q8_0")
+    back = read_gguf_config(path)
+    assert back.moe == cfg.moe and back.architecture == "qwen3_moe"
+    assert total_params(back) == total_params(cfg)
+    llm = LLM(model=str(path), num_blocks=32)
+    routed = [L.moe for L in llm.engine.model.layers]
+    assert all(m is not None and len(m.experts) == 8 for m in routed)
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -25,7 +25,8 @@ TYPES = ("f16", "f32", "q8_0", "q4_0", "q4_1")  # gguf and numpy load when a fil
 
 def add_parser(sub) -> None:
     r = sub.add_parser("random-model", help="write a GGUF of a real model's shape with random weights (speed runs)")
-    r.add_argument("--shape", required=True, help="a catalog model: smollm2-1.7b, llama-3.2-3b, qwen3-8b, ...")
+    r.add_argument("--shape", required=True, help="a catalog model: smollm2-1.7b, llama-3.2-3b, qwen3-8b, "
+                                                  "qwen3-30b-a3b (routed experts), ...")
     r.add_argument("--out", required=True, help="the .gguf file to write")
     r.add_argument("--type", choices=tuple(TYPES), default="f16", help="how the matrices are stored")
     r.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (tests, quick runs)")
@@ -66,7 +67,9 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
     import gguf
     import numpy as np
 
-    arch = "qwen3" if cfg.qk_norm else "llama"
+    if cfg.moe is not None and cfg.moe.layers != tuple(range(cfg.num_layers)):
+        raise ValueError("a random MoE file routes every layer (llama.cpp's qwen3moe graph)")
+    arch = "qwen3moe" if cfg.moe is not None else "qwen3" if cfg.qk_norm else "llama"
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"random {cfg.name or arch}")
     w.add_block_count(cfg.num_layers)
@@ -80,6 +83,10 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.moe is not None:
+        w.add_expert_count(cfg.moe.num_experts)
+        w.add_expert_used_count(cfg.moe.top_k)
+        w.add_expert_feed_forward_length(cfg.moe.expert_size)
     w.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
                      "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[kind])
@@ -87,8 +94,9 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
         w.add_key_value(key, value, vtype, sub)
     rng = np.random.default_rng(seed)
 
-    def matrix(name: str, rows: int, cols: int) -> None:
-        a = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02)
+    def matrix(name: str, rows: int, cols: int, stack: int = 0) -> None:
+        shape = (stack, rows, cols) if stack else (rows, cols)  # stack: experts' matrices in one tensor
+        a = (rng.standard_normal(shape, dtype=np.float32) * 0.02)
         if kind == "f16":
             w.add_tensor(name, a.astype(np.float16))
         elif kind == "f32":
@@ -113,6 +121,13 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
             norm(p + "attn_q_norm.weight", cfg.head_dim)
             norm(p + "attn_k_norm.weight", cfg.head_dim)
         norm(p + "ffn_norm.weight", h)
+        if cfg.moe is not None:  # the router (float, as llama.cpp's converter keeps it), then the experts
+            e, inter = cfg.moe.num_experts, cfg.moe.expert_size
+            w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((e, h), dtype=np.float32) * 0.02)
+            matrix(p + "ffn_gate_exps.weight", inter, h, e)
+            matrix(p + "ffn_up_exps.weight", inter, h, e)
+            matrix(p + "ffn_down_exps.weight", h, inter, e)
+            continue
         matrix(p + "ffn_gate.weight", cfg.intermediate_size, h)
         matrix(p + "ffn_up.weight", cfg.intermediate_size, h)
         matrix(p + "ffn_down.weight", h, cfg.intermediate_size)
@@ -133,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
 
     spec = get_model(args.shape)
     cfg = spec.config
-    cfg = dataclasses.replace(cfg, max_position_embeddings=args.context,
-                              num_layers=cfg.num_layers if args.layers is None else args.layers)
+    layers = cfg.num_layers if args.layers is None else args.layers
+    moe = dataclasses.replace(cfg.moe, layers=tuple(range(layers))) if cfg.moe is not None else None
+    cfg = dataclasses.replace(cfg, max_position_embeddings=args.context, num_layers=layers, moe=moe)
     size = write_random_gguf(cfg, Path(args.out), args.type, args.seed)
     print(f"wrote {args.out}: {spec.name}'s shape ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size:,}), random {args.type} weights, {size / 2**30:.2f} GiB")

@@ -29,7 +29,7 @@ block that is damaged or is not the one asked for (another namespace,
 hash, model or layout) is reported missing, so the match stops there and
 the rest of the prompt is recomputed -- never served corrupt or mislabelled.
 
-A --kv-disk-dir survives restarts: the tier holds the directory's lock
+A --kv-disk-dir survives restarts (kv/tier_restarts.py): the tier holds the directory's lock
 (a second engine on it is refused), scans it at start-up and keeps the
 blocks of this model and layout, newest first, up to the cap (the rest,
 temporary and foreign files are removed); a clean close writes what the
@@ -51,7 +51,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,6 +61,7 @@ import torch
 from trajserve.kv.dir_lock import ScratchDir, sweep_orphans
 from trajserve.kv.retention import Passed, Retention
 from trajserve.kv.tier_holds import SessionHolds
+from trajserve.kv.tier_restarts import DiskRestarts
 from trajserve.kv.tiers import BlockIdentity, BlockLayout, DiskKVStore, HostKVStore, namespace_digest
 
 log = logging.getLogger("trajserve")
@@ -108,7 +109,7 @@ def _ns_digest(namespace: Hashable) -> bytes:
     return namespace_digest(namespace)
 
 
-class LowerTiers(SessionHolds):
+class LowerTiers(SessionHolds, DiskRestarts):
     def __init__(self, read_blocks: ReadBlocks, write_blocks: WriteBlocks, host_bytes: int,
                  disk_bytes: int = 0, disk_dir: str | None = None, *, layout: BlockLayout | None = None,
                  files: bool = True, copy: bool = True, keep_files: bool = True) -> None:
@@ -186,32 +187,6 @@ class LowerTiers(SessionHolds):
             if not (self._to_host(key, block) or self._to_disk(key, block)):
                 self._unindex(key)
                 self.stats.dropped_blocks += 1
-
-    def persist(self, paths: Iterable[tuple[Hashable, list[bytes], list[int]]]) -> int:
-        """Before a clean close of a persistent tier: the host tier's blocks,
-        then these device blocks (namespace, hashes, block ids; oldest
-        first), go down to disk, so the next engine on the directory finds
-        them. The cap holds: the oldest fall off first. Returns the blocks sent down."""
-        if not self.persistent:
-            return 0
-        written = 0
-        while self._demote_oldest_host():  # all but blocks a session holds (closed sessions hold none)
-            written += 1
-        for namespace, hashes, block_ids in paths:
-            ns = _ns_digest(namespace)
-            todo = [(h, b) for h, b in zip(hashes, block_ids) if h.hex() not in self._ns]
-            if not todo:
-                continue
-            data = self._read([b for _, b in todo])
-            for (h, _), block in zip(todo, data):
-                key = h.hex()
-                self._index(key, ns)
-                if self._to_disk(key, block):
-                    written += 1
-                else:
-                    self._unindex(key)
-        self.flush()
-        return written
 
     def contains(self, block_hash: bytes) -> bool:
         return block_hash.hex() in self._ns
@@ -450,31 +425,6 @@ class LowerTiers(SessionHolds):
                 self.disk.path(key).unlink(missing_ok=True)
             else:
                 self.disk.register(key, ident, self.disk.file_bytes(block))
-
-    def _restore(self) -> None:
-        """Adopt the blocks a previous engine left in the directory: this
-        model's and layout's, newest first up to the cap; the rest go."""
-        found = self.disk.scan(lambda ident: ident.block_hash.hex())
-        found.sort(key=lambda e: e[3], reverse=True)
-        keep, used = [], 0
-        for key, ident, size, _ in found:
-            if used + size <= self.disk.byte_cap:
-                keep.append((key, ident, size))
-                used += size
-            else:
-                self.disk.path(key).unlink(missing_ok=True)
-        for key, ident, size in reversed(keep):  # oldest first: the LRU's order
-            self.disk.register(key, ident, size)
-            self._disk_lru[key] = size
-            self._disk_used += size
-            self._index(key, ident.namespace)
-            self._note("disk", True, key)
-        self.stats.restored_blocks = len(keep)
-        self.stats.corrupt_blocks += self.disk.num_rejected
-        self.stats.mislabelled_blocks += self.disk.num_mislabelled
-        over = len(found) - len(keep)
-        log.info("prefix cache disk tier %s: %d blocks (%d bytes) kept from earlier runs%s", self.disk.dir,
-                 len(keep), used, f", {over} over the cap removed" if over else "")
 
     def _disk_discard(self, key: str) -> None:
         size = self._disk_lru.pop(key, None)

@@ -15,7 +15,7 @@ import os
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from server_util import ServerProcess
@@ -57,6 +57,10 @@ turn = st.fixed_dictionaries({
     "session": st.sampled_from([None, None, 0, 1, 2]), "tier": st.sampled_from(TIERS),
     "task": st.integers(0, len(TASKS) - 1)})
 _ids = itertools.count()
+# A session paused under each tier in turn, over two APIs and an adapter.
+EVERY_TIER = [{"endpoint": e, "adapter": "a", "salt": "t1", "session": 0, "tier": tier, "task": i % len(TASKS)}
+              for i, (e, tier) in enumerate((("chat", "keep"), ("messages", "host"), ("chat", "disk"),
+                                             ("responses", "drop"), ("chat", None)))]
 
 
 def _body(t: dict, messages: list[dict]) -> tuple[str, dict]:
@@ -123,6 +127,7 @@ def test_every_greedy_reply_equals_a_fresh_engines_across_scopes_sessions_and_ti
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.lists(turn, min_size=3, max_size=8))
+    @example(EVERY_TIER)  # hypothesis favours simple draws (no session, no tier): each tier at least once
     def run(turns):
         with httpx.Client(base_url=server.url, timeout=300) as http:
             _run(http, fresh, turns)

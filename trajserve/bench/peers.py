@@ -77,12 +77,18 @@ def _theirs(args: argparse.Namespace, threads: int) -> dict:
 
 def step_bytes(path: str) -> int:
     """Bytes a llama.cpp decode step reads from the file: every tensor but the
-    input embedding, which is gathered (unless it is also the LM head)."""
+    input embedding, which is gathered (unless it is also the LM head); of a
+    MoE layer's stacked experts (ffn_*_exps), the expert_used_count of
+    expert_count that one token runs."""
     import gguf
 
-    tensors = gguf.GGUFReader(path).tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
-    return sum(int(t.n_bytes) for t in tensors if t.name != "token_embd.weight" or tied)
+    reader = gguf.GGUFReader(path)
+    arch = reader.get_field("general.architecture").contents()
+    experts = reader.get_field(f"{arch}.expert_count")
+    share = (reader.get_field(f"{arch}.expert_used_count").contents() / experts.contents()) if experts else 1.0
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return sum(int(t.n_bytes * (share if "_exps." in t.name else 1.0)) for t in reader.tensors
+               if t.name != "token_embd.weight" or tied)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -124,3 +124,17 @@ def test_lora_on_a_moe_model_is_refused_by_name(model_dir):
     d, _ = model_dir
     with pytest.raises(ValueError, match="mixture-of-experts"):
         _engine(d, enable_lora=True)
+
+
+def test_a_decode_row_alone_gets_the_bits_it_gets_in_a_batch(model_dir):
+    """The one-row path (no gathers) sums the same experts in the same order."""
+    d, _ = model_dir
+    eng = _engine(d)
+    try:
+        moe = next(L.moe for L in eng.model.layers if L.moe is not None)
+        torch.manual_seed(9)
+        h = torch.randn(5, eng.model_config.hidden_size)
+        together = moe(h)
+        assert all(torch.equal(moe(h[i:i + 1])[0], together[i]) for i in range(5))
+    finally:
+        eng.close()

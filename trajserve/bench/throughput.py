@@ -32,11 +32,11 @@ TARGETS = {
 
 def weight_bytes(model) -> int:
     """Bytes of weights one decode step at batch 1 reads: every product's (the
-    LM head's, a MoE layer's top_k experts': LlamaModel.weight_formats), the
-    routers and the norms (the embedding table is only gathered, B rows)."""
+    LM head's, a MoE layer's router and top_k experts': LlamaModel.weight_formats)
+    and the norms (the embedding table is only gathered, B rows)."""
     total = sum(model.weight_formats().values()) + model.norm.numel() * model.norm.element_size()
     for L in model.layers:
-        for t in (L.in_norm, L.post_norm, L.q_norm, L.k_norm, L.moe.router if L.moe is not None else None):
+        for t in (L.in_norm, L.post_norm, L.q_norm, L.k_norm):
             if t is not None:
                 total += t.numel() * t.element_size()
     return total

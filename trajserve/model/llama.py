@@ -121,7 +121,7 @@ class LlamaModel:
             L.moe = None
             if c.moe is not None and i in c.moe.layers:
                 L.gate_up = L.down = None
-                L.moe = MoE(c.moe, w(p + "mlp.gate.weight", torch.float32),
+                L.moe = MoE(c.moe, lin(p + "mlp.gate.weight"),
                             [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)], self.kernels is not None)
             else:
                 L.gate_up, L.down = mlp(p + "mlp.")
@@ -135,7 +135,7 @@ class LlamaModel:
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE
         layer's: its experts' (a forward runs those its rows choose)."""
-        return [p for L in self.layers for p in ((L.qkv, L.o, *L.moe.products()) if L.moe is not None
+        return [p for L in self.layers for p in ((L.qkv, L.o, L.moe.router, *L.moe.products()) if L.moe is not None
                                                  else (L.qkv, L.o, L.gate_up, L.down))] + [self.lm_head]
 
     def weight_formats(self) -> dict[str, int]:

@@ -256,7 +256,6 @@ class LlamaModel:
         instead of ~35 torch ops: x is the residual stream, updated in place."""
         c, K = self.config, self.kernels
         eps = c.rms_norm_eps
-        T = input_ids.shape[0]
         if self.embed is not None:
             x = self.embed[input_ids]
         elif self.embed_panels is not None:

@@ -134,7 +134,8 @@ class LlamaModel:
 
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE
-        layer's: its experts' (a forward runs those its rows choose)."""
+        layer's: its router's and its experts' (a forward runs those its rows
+        choose)."""
         return [p for L in self.layers for p in ((L.qkv, L.o, L.moe.router, *L.moe.products()) if L.moe is not None
                                                  else (L.qkv, L.o, L.gate_up, L.down))] + [self.lm_head]
 

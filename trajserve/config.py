@@ -48,6 +48,27 @@ class MoESpec:
     layers: tuple[int, ...]
     shared_size: int = 0  # an always-on shared expert's intermediate size (DeepSeek, Qwen2-MoE); planner only
 
+    @classmethod
+    def from_hf(cls, raw: dict, num_layers: int) -> MoESpec | None:
+        """Routed experts as a config.json writes them (None: a dense model):
+        num_experts (Qwen, OLMoE), num_local_experts (Mixtral, gpt-oss,
+        transformers 5), n_routed_experts (DeepSeek, its first_k_dense_replace
+        layers dense); Qwen's decoder_sparse_step / mlp_only_layers; experts
+        of moe_intermediate_size (OLMoE: intermediate_size); a shared
+        expert's size."""
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
+        if not experts:
+            return None
+        top_k = int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 1)
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k}")
+        size = int(raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0)
+        dense, step = set(raw.get("mlp_only_layers") or ()), int(raw.get("decoder_sparse_step") or 1)
+        first = int(raw.get("first_k_dense_replace") or 0)
+        routed = tuple(i for i in range(num_layers) if i >= first and i not in dense and (i + 1) % step == 0)
+        shared = int(raw.get("shared_expert_intermediate_size") or 0) or int(raw.get("n_shared_experts") or 0) * size
+        return cls(experts, top_k, size, bool(raw.get("norm_topk_prob", False)), routed, shared)
+
 
 @dataclass(frozen=True, slots=True)
 class MLASpec:

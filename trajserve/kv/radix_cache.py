@@ -253,17 +253,18 @@ class RadixCache(Invalidation):
                 _, stamp, node = heapq.heappop(self._heap)
                 if stamp != node.heap_stamp or not self._evictable(node):
                     continue  # stale: locked, grew a child, refreshed or gone since
-                if retention and retention.holds_any(self.block_hashes(node)):
+                hashes = self.block_hashes(node) if retention else None
+                if hashes is not None and retention.holds_any(hashes):
                     kept.append(node)
                     continue
             elif kept:
-                node = kept.pop(0)
+                node, hashes = kept.pop(0), None
                 retention.num_deferred += 1
             else:
                 break
             if self.spill is not None:
                 # Down a tier instead of gone; the blocks are read before they are freed.
-                self.spill.save(node.namespace, self.block_hashes(node), node.block_ids)
+                self.spill.save(node.namespace, hashes or self.block_hashes(node), node.block_ids)
                 self.num_spilled_blocks += len(node.block_ids)
             freed += self._remove_leaf(node)
         for node in kept:  # still cached: back in the heap at their own time

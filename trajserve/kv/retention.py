@@ -29,7 +29,6 @@ class Retention:
     def __init__(self, clock: Callable[[], float] = time.monotonic, max_entries: int = MAX_ENTRIES) -> None:
         self.clock, self.max_entries = clock, max_entries
         self._until: dict[bytes, float] = {}  # chained block hash -> when its retention ends
-        self.num_retained = 0  # retain() calls' blocks, for metrics
         self.num_deferred = 0  # evictions that took another block first
 
     def __len__(self) -> int:
@@ -44,7 +43,6 @@ class Retention:
         for h in hashes:
             if self._until.get(h, 0.0) < until:
                 self._until[h] = until
-            self.num_retained += 1
         if len(self._until) > self.max_entries:
             self._shrink()
 

@@ -106,19 +106,12 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
 
 
 def _moe(raw: dict, num_layers: int) -> MoESpec | None:
-    """Qwen3-MoE's routed layers: every decoder_sparse_step-th layer not in
-    mlp_only_layers (transformers' rule), when it has experts at all.
-    OLMoE's: every layer, its experts of intermediate_size."""
-    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)  # transformers 4 | 5 name
-    if experts == 0:
-        return None
-    step, dense = int(raw.get("decoder_sparse_step") or 1), set(raw.get("mlp_only_layers") or ())
-    top_k = int(raw["num_experts_per_tok"])
-    if not 1 <= top_k <= experts:
-        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={experts}], got {top_k}")
-    routed = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    size = raw.get("moe_intermediate_size") or raw["intermediate_size"]
-    return MoESpec(experts, top_k, int(size), bool(raw.get("norm_topk_prob", False)), routed)
+    """Qwen3-MoE's and OLMoE's routed layers (MoESpec.from_hf); the engine
+    takes the experts a token runs from the file, never a default."""
+    spec = MoESpec.from_hf(raw, num_layers)
+    if spec is not None and "num_experts_per_tok" not in raw:
+        raise ValueError("a mixture-of-experts config.json needs num_experts_per_tok")
+    return spec
 
 
 def _safetensors_files(d: Path) -> list[Path]:

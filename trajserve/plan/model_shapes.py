@@ -112,7 +112,7 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
 
     Lenient on purpose: planning needs shapes, not a model the engine can
     run, so any decoder with the usual fields is accepted, routed experts
-    (_moe), latent attention (kv_lora_rank) and sliding windows (_window)
+    (MoESpec.from_hf), latent attention (kv_lora_rank) and sliding windows (_window)
     included.
     """
     p = Path(path).expanduser()
@@ -159,7 +159,7 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
         qk_norm_whole=model_type == "olmoe",
-        moe=_moe(raw, int(raw["num_hidden_layers"])),
+        moe=MoESpec.from_hf(raw, int(raw["num_hidden_layers"])),
         mla=MLASpec(int(raw["kv_lora_rank"]), int(raw.get("qk_rope_head_dim") or 64),
                     int(raw.get("qk_nope_head_dim") or 128), int(raw.get("v_head_dim") or 128),
                     int(raw.get("q_lora_rank") or 0)) if raw.get("kv_lora_rank") else None,
@@ -168,23 +168,6 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
     )
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     return cfg, dtype, "max_position_embeddings" in raw  # without it, 2048 above is only a stand-in
-
-
-def _moe(raw: dict, layers: int) -> MoESpec | None:
-    """Routed experts as the families write them: num_experts (Qwen, OLMoE),
-    num_local_experts (Mixtral, gpt-oss, transformers 5), n_routed_experts
-    (DeepSeek, its first_k_dense_replace layers dense); Qwen's
-    decoder_sparse_step / mlp_only_layers; a shared expert's size."""
-    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or raw.get("n_routed_experts") or 0)
-    if not experts:
-        return None
-    top_k = int(raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 1)
-    size = int(raw.get("moe_intermediate_size") or raw.get("intermediate_size") or 0)
-    dense, step = set(raw.get("mlp_only_layers") or ()), int(raw.get("decoder_sparse_step") or 1)
-    first = int(raw.get("first_k_dense_replace") or 0)
-    routed = tuple(i for i in range(layers) if i >= first and i not in dense and (i + 1) % step == 0)
-    shared = int(raw.get("shared_expert_intermediate_size") or 0) or int(raw.get("n_shared_experts") or 0) * size
-    return MoESpec(experts, top_k, size, bool(raw.get("norm_topk_prob", False)), routed, shared)
 
 
 def _window(raw: dict, layers: int) -> WindowSpec | None:

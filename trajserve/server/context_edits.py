@@ -58,7 +58,8 @@ def _check(edit: ContextEdit, where: str) -> None:
 
 def apply(edits: list[ContextEdit], req, count: Callable[[], int], tokens: Callable[[str], int]) -> list[dict]:
     """Apply the edits to req (a chat request: tool results are its tool
-    messages) in place; count(): req's prompt tokens as it renders now;
+    messages) in place; count(): req's prompt tokens as it renders now (its
+    last call sees req as the edits leave it);
     tokens(text): a text's tokens. The edits applied, as the reply lists
     them (ValueError naming a malformed edit)."""
     applied = []

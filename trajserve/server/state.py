@@ -305,10 +305,11 @@ class ServerState:
         return (f"the model's chat template renders no tools: its {len(req.tools)} tool definitions were not "
                 "shown to the model (the server's --tool-prompt hermes writes them into the system message)")
 
-    async def open_chat(self, req: ChatCompletionRequest, request: Request, room_checked: bool = True
-                        ) -> AsyncIterator[RequestOutput]:
+    async def open_chat(self, req: ChatCompletionRequest, request: Request, room_checked: bool = True,
+                        ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Check, render and queue a chat request; its outputs, the session
-        (if any) updated when they end. Shared by /v1/chat/completions and
+        (if any) updated when they end (ids: the request as already rendered).
+        Shared by /v1/chat/completions and
         /v1/messages (room_checked=False: a max_tokens over what the context
         leaves is not an error; the reply stops at the context's end)."""
         lora = self.check_model(req.model)
@@ -329,7 +330,7 @@ class ServerState:
                                     "structured_outputs, guided_*) cannot both hold", param="tool_choice")
             forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
                                                                 req.forced_tool, req.parallel_tool_calls is not False))
-        ids = self.render_chat(req)
+        ids = self.render_chat(req) if ids is None else ids
         if (not_shown := self.tools_not_shown(req)) is not None:
             req.note("tools_not_shown", not_shown)
             if not self._said_tools:  # once, not per request

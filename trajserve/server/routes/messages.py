@@ -19,9 +19,14 @@ router = APIRouter()
 async def messages(body: anthropic.MessagesRequest, request: Request, st: ServerState = Depends(server_state)):
     req = translated(body.to_chat)
     edits = body.context_management.edits if body.context_management is not None else None
+    rendered: list[list[int]] = []  # the request as the edits last counted it: rendered once, not again
+
+    def count() -> int:
+        rendered[:] = [st.render_chat(req)]
+        return len(rendered[0])
     if edits:  # clear_tool_uses: old tool results out of the prompt, as Anthropic's API does
         try:
-            applied = context_edits.apply(edits, req, lambda: len(st.render_chat(req)),
+            applied = context_edits.apply(edits, req, count,
                                           lambda text: len(st.tok.encode(text, add_special_tokens=False)))
         except ValueError as e:
             raise APIError(400, str(e), param="context_management") from None
@@ -31,7 +36,7 @@ async def messages(body: anthropic.MessagesRequest, request: Request, st: Server
     if header and req.conversation() is None:  # Claude Code's session, where metadata.user_id names none
         req.name_conversation(CLAUDE_CODE_HEADER, header[:KEY_MAX])
     try:
-        outs = Tap(await st.open_chat(req, request, room_checked=False))
+        outs = Tap(await st.open_chat(req, request, room_checked=False, ids=rendered[0] if rendered else None))
     except APIError as e:
         if e.code == "context_length_exceeded":  # in Anthropic's words (error path: rendered again)
             e.message = anthropic.too_long(len(st.render_chat(req)), st.engine.max_model_len, e.message)

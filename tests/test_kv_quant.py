@@ -216,7 +216,7 @@ def test_torch_path_reads_the_same_values(fmt):
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), None, None, None,
                              None, 0, [PrefillSeq(0, n, ctx, table)])
     a = paged_attention(q, kq, vq, meta, 0.125)
-    meta.prefills[0].mask = None
+    meta.prefills[0].masks.clear()
     b = paged_attention(q, kf, vf, meta, 0.125)
     assert torch.equal(a, b)
 

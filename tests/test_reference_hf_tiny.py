@@ -1,5 +1,6 @@
 """Our Llama-family forward vs transformers on tiny random Llama (with Llama 3,
-linear and YaRN RoPE scaling), Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) checkpoints:
+linear and YaRN RoPE scaling), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), MoE,
+sliding-window (Mistral, Qwen2) and Gemma 3 checkpoints (windows shorter than the prompt):
 chunked prefill through the paged cache plus a decode step, every row; with
 the C kernels (cpu_kernels.c) and with the torch forward."""
 from pathlib import Path
@@ -34,13 +35,19 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
     ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [0], "num_experts_per_tok": 3}),
     ("olmoe", {}),
     ("olmoe", {"clip_qkv": None, "norm_topk_prob": True}),
+    ("mistral", {}),
+    ("mistral", {"sliding_window": 70}),  # the window's first key mid-way through a 64-key kernel block
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 3}),
+    ("gemma3", {}),
+    ("gemma3", {"final_logit_softcapping": None, "tie_word_embeddings": False}),
 ])
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch"])
 def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrides: dict, cpu_kernels: bool):
     hf = tiny_hf_model(kind, **overrides)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     cfg, weights = load_weights(tmp_path, torch.float32, "cpu")
-    assert (cfg.rope_scaling is not None) == ("rope_scaling" in overrides)
+    assert (cfg.rope_scaling is not None) == ("rope_scaling" in overrides or kind == "gemma3")  # its global layers'
+    assert (cfg.window is not None) == (kind in ("mistral", "gemma3") or "use_sliding_window" in overrides)
     model = LlamaModel(cfg, weights, 256, torch.float32, "cpu", use_cpu_kernels=cpu_kernels)
     assert (model.kernels is not None) == (cpu_kernels and load_kernels() is not None)
     block = 4

@@ -8,7 +8,11 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
     """A 2-layer random model; norms and biases randomized too, so a norm
     loaded into the wrong slot (or left at its init of ones) shows."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
+        MistralConfig,
+        MistralForCausalLM,
         LlamaForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
@@ -28,6 +32,12 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
         # q/k RMSNorm over all heads together, q/k/v clamped; 8 experts of 32, 2 a token
         "olmoe": (OlmoeConfig, OlmoeForCausalLM),
+        # every layer a sliding window of 8 tokens
+        "mistral": (MistralConfig, MistralForCausalLM),
+        # 4 layers, the third global: windows of 8 with their own RoPE base, a
+        # linearly scaled global RoPE, (1 + w) norms, sandwich norms, GELU,
+        # queries scaled by query_pre_attn_scalar, soft-capped logits
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     args = dict(
@@ -44,6 +54,15 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
     if kind == "qwen3_moe":
         args.update(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if kind == "mistral":
+        args.update(sliding_window=8)
+    if kind == "gemma3":
+        args.update(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                        "rope_theta": 1000000.0}},
+                    final_logit_softcapping=5.0)
     if kind == "olmoe":
         args.update(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=0.5, eos_token_id=None,
                     pad_token_id=None, bos_token_id=None)

@@ -85,16 +85,49 @@ class MLASpec:
 
 @dataclass(frozen=True, slots=True)
 class WindowSpec:
-    """Sliding-window layers (Gemma 3, gpt-oss, Mistral's configs): `layers`
-    attend to, and need to keep, only the latest `size` tokens; the others
-    keep the whole context. The planner's."""
+    """Sliding-window layers (Gemma 3, gpt-oss, Mistral's and Qwen's
+    configs): a query of `layers` attends to the latest `size` tokens (keys
+    after its position - size), so those layers need to keep only them; the
+    others keep the whole context. rope_theta: the window layers' own RoPE
+    base (Gemma 3's local base), None: the model's."""
     size: int
     layers: tuple[int, ...]
+    rope_theta: float | None = None
+
+    @classmethod
+    def from_hf(cls, raw: dict, num_layers: int) -> WindowSpec | None:
+        """The window layers as a config.json writes them (None: none):
+        layer_types' "sliding_attention" ones (transformers 5: Gemma 3,
+        gpt-oss, Qwen), else Gemma 3's older sliding_window_pattern (each
+        pattern-th layer global), else use_sliding_window (Qwen: the layers
+        from max_window_layers on), else Mistral's sliding_window (every
+        layer). Gemma 3's window layers' RoPE base: rope_parameters
+        ["sliding_attention"] or rope_local_base_freq."""
+        size = raw.get("sliding_window")
+        types = raw.get("layer_types")
+        if types:
+            layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        elif raw.get("sliding_window_pattern"):
+            n = int(raw["sliding_window_pattern"])
+            layers = tuple(i for i in range(num_layers) if (i + 1) % n)
+        elif raw.get("use_sliding_window"):
+            layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))
+        elif raw.get("model_type") == "mistral" and size:
+            layers = tuple(range(num_layers))
+        else:
+            return None
+        if not layers:
+            return None
+        if not size or int(size) < 1:
+            raise ValueError(f"a config with sliding-window layers needs sliding_window >= 1, got {size!r}")
+        local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+        theta = local.get("rope_theta") or raw.get("rope_local_base_freq")
+        return cls(int(size), layers, float(theta) if theta else None)
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "olmoe"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "olmoe" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -119,7 +152,25 @@ class ModelConfig:
     moe: MoESpec | None = None  # routed experts (None: a dense MLP in every layer)
     mla: MLASpec | None = None  # latent attention's cache (None: K and V per KV head)
     window: WindowSpec | None = None  # sliding-window layers (None: every layer keeps the whole context)
+    # Gemma 3: RMSNorms scale by (1 + w) (folded into w at load); the
+    # attention's and the MLP's outputs are normed before their residual adds
+    # (pre_feedforward_layernorm feeds the MLP); the embedding is scaled by
+    # embed_scale; queries by attn_scale instead of head_dim^-1/2; a GELU
+    # (tanh) gate; logits soft-capped as cap * tanh(logits / cap).
+    norm_plus_one: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    final_logit_softcap: float | None = None
     name: str = ""
+
+    def shape_summary(self) -> str:
+        """The start-up line's words for the architecture."""
+        window = f", {len(self.window.layers)} of them sliding windows of {self.window.size:,} tokens" \
+            if self.window else ""
+        return (f"{self.architecture}, {self.num_layers} layers, {self.num_heads} q / {self.num_kv_heads} kv heads, "
+                f"head_dim {self.head_dim}{window}")
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         """m_token = 2 * L * H_kv * d_head * b   (eq. 1, kv-cache-management);

@@ -176,8 +176,7 @@ class LLMEngine:
         self.last_step = StepStats()
         m_token = self.kv_format.bytes_per_token(mc)
         self.startup_summary = (
-            f"model {mc.name or self.model_path} ({mc.architecture}, {mc.num_layers} layers, "
-            f"{mc.num_heads} q / {mc.num_kv_heads} kv heads, head_dim {mc.head_dim}) on {self.device} "
+            f"model {mc.name or self.model_path} ({mc.shape_summary()}) on {self.device} "
             f"in {str(self.dtype).removeprefix('torch.')} ({why['dtype']})"
             f"{f', C kernels ({self.model.kernels.isa})' if self.model.kernels is not None else ''}\n"
             f"weights: {' + '.join(f'{f} {b / 1e6:,.1f} MB' for f, b in formats.items())} read per decode step "

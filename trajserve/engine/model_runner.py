@@ -207,7 +207,10 @@ class ModelRunner:
                 ctx = np.repeat(np.asarray(dec_ctx, dtype=np.int64), nblocks)
                 meta.pair_seq = self._tensor(pair_seq)
                 meta.pair_block = self._tensor(np.concatenate(dec_tables))
-                meta.pair_mask = self._tensor((starts[:, None] + self._in_block[None, :]) < ctx[:, None])
+                pos = starts[:, None] + self._in_block[None, :]
+                meta.pair_mask = self._tensor(pos < ctx[:, None])
+                if self.model.windowed:  # sliding-window layers mask by position too
+                    meta.pair_pos, meta.pair_ctx = self._tensor(pos), self._tensor(ctx)
         return meta
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -51,6 +51,9 @@ class LoRAManager:
         if model.moe is not None:  # its MLPs are experts: an adapter's gate/up/down have no one place to go
             raise ValueError("LoRA adapters on a mixture-of-experts model are not supported (its MLPs are routed "
                              "experts); serve it without --enable-lora / --lora-modules")
+        if model.sandwich_norms:  # its attention and MLP outputs are normed before the residual: not wired
+            raise ValueError(f"LoRA adapters on a {model.architecture} model are not supported; serve it without "
+                             "--enable-lora / --lora-modules")
         self.model = model
         self.max_rank = max_rank
         self.run_dtype = run_dtype  # --lora-dtype (lora/adapter.py load_adapter)

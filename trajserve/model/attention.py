@@ -26,11 +26,15 @@ wants: no transpose copy of K or V on the decode path. A q8_0 / q4_0 pool
 holds [num_blocks, H_kv, B, row bytes] (model/kv_quant.py): its gathered
 blocks are dequantized to the compute dtype, and write_kv quantizes.
 
+A sliding-window layer (window > 0) gives each query only its latest
+`window` keys (positions > its own - window, as transformers masks them);
+its blocks before that are never read.
+
 K/V of the current step are written into the pool (write_kv) before this runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +48,11 @@ class PrefillSeq:
     q_len: int
     ctx_len: int  # tokens in cache incl. this chunk
     block_ids: torch.Tensor  # [ceil(ctx_len / B)] long
-    # Additive causal mask over the cached prefix + chunk, built by the first
-    # layer and reused by the rest (a float mask also spares SDPA converting
-    # a boolean one per call: ~8 % of a 400-token chunk's attention).
-    mask: torch.Tensor | None = None
+    # Additive masks over the cached prefix + chunk by window (0: causal
+    # only), built by the first layer of each kind and reused by the rest (a
+    # float mask also spares SDPA converting a boolean one per call: ~8 % of
+    # a 400-token chunk's attention).
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -68,6 +73,11 @@ class AttentionMetadata:
     dec_tables: torch.Tensor | None = None  # [sum of blocks] long
     dec_table_start: torch.Tensor | None = None  # [D] long
     dec_ctx: torch.Tensor | None = None  # [D] long
+    # torch decode path, for windows: each pair slot's position, each pair's
+    # context length, and the pair masks by window (built once per step).
+    pair_pos: torch.Tensor | None = None  # [P, B] long
+    pair_ctx: torch.Tensor | None = None  # [P] long
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -88,35 +98,46 @@ def _blocks(cache: torch.Tensor, ids: torch.Tensor, d: int, dtype: torch.dtype) 
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kernels=None) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kernels=None, window: int = 0) -> torch.Tensor:
     """q: [T, H, d] (rows may be strided) -> out [T, H, d]. `kernels`: the
     CpuKernels that run the decodes and the prefill chunks (the metadata
-    then carries `dec_tables`, not the pair tensors)."""
+    then carries `dec_tables`, not the pair tensors). window > 0: a
+    sliding-window layer's attention."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         if kernels is not None:
             kernels.decode_attention(q, k_cache, v_cache, meta.dec_tables, meta.dec_table_start,
-                                     meta.dec_ctx, meta.decode_rows, scale, out)
+                                     meta.dec_ctx, meta.decode_rows, scale, out, window)
         else:
-            out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+            out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale, window)
     for s in meta.prefills:
         rows = slice(s.q_start, s.q_start + s.q_len)
         if kernels is not None:
-            kernels.prefill_attention(q[rows], k_cache, v_cache, s.block_ids, s.ctx_len, scale, out[rows])
+            kernels.prefill_attention(q[rows], k_cache, v_cache, s.block_ids, s.ctx_len, scale, out[rows], window)
         else:
-            out[rows] = _prefill(q[rows], k_cache, v_cache, s, scale)
+            out[rows] = _prefill(q[rows], k_cache, v_cache, s, scale, window)
     return out
 
 
+def _pair_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:
+    """Which pair slots hold a key the decode query sees."""
+    if not window:
+        return meta.pair_mask
+    m = meta.window_masks.get(window)
+    if m is None:
+        m = meta.window_masks[window] = meta.pair_mask & (meta.pair_pos > (meta.pair_ctx - 1 - window)[:, None])
+    return m
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     n, num_heads, d = q.shape
     kvh = k_cache.shape[1]
     group = num_heads // kvh
     seq, blk = meta.pair_seq, meta.pair_block
     qp = q.view(n, kvh, group, d)[seq] * scale  # [P, kvh, g, d]
     scores = torch.matmul(qp, _blocks(k_cache, blk, d, q.dtype).transpose(-1, -2)).float()  # [P, kvh, g, B]
-    scores.masked_fill_(~meta.pair_mask[:, None, None, :], float("-inf"))
+    scores.masked_fill_(~_pair_mask(meta, window)[:, None, None, :], float("-inf"))
     # Exact softmax over each sequence's pairs: global max per sequence first.
     pair_max = scores.amax(dim=-1)  # [P, kvh, g]
     seq_max = torch.full((n, kvh, group), float("-inf"), dtype=scores.dtype, device=q.device)
@@ -132,32 +153,40 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             s: PrefillSeq, scale: float) -> torch.Tensor:
+             s: PrefillSeq, scale: float, window: int = 0) -> torch.Tensor:
     kvh, d = k_cache.shape[1], q.shape[-1]
     # [nb, kvh, B, d] -> [1, kvh, ctx, d]
     kt = _blocks(k_cache, s.block_ids, d, q.dtype).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
     vt = _blocks(v_cache, s.block_ids, d, q.dtype).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-    if s.ctx_len == s.q_len:  # no cached prefix: plain causal
+    if s.ctx_len == s.q_len and not window:  # no cached prefix: plain causal
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        if s.mask is None:
-            # Query i sits at position ctx_len - q_len + i and sees keys <= it.
+        mask = s.masks.get(window)
+        if mask is None:
+            # Query i sits at position ctx_len - q_len + i and sees keys <= it
+            # (and, in a window, > it - window).
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device).unsqueeze(1)
-            hidden = torch.arange(s.ctx_len, device=q.device).unsqueeze(0) > qpos
-            s.mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=s.mask, scale=scale, enable_gqa=True)
+            kpos = torch.arange(s.ctx_len, device=q.device).unsqueeze(0)
+            hidden = (kpos > qpos) | (kpos <= qpos - window) if window else kpos > qpos
+            mask = s.masks[window] = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                hidden, float("-inf"))
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    window: int = 0) -> torch.Tensor:
     """Reference: causal attention over one contiguous sequence, K/V repeated
-    per head explicitly. q: [n, H, d], k/v: [n, H_kv, d]."""
+    per head explicitly (window > 0: query i sees keys > i - window).
+    q: [n, H, d], k/v: [n, H_kv, d]."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
     n = q.shape[0]
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    if window:
+        causal = causal.triu(1 - window)
     scores.masked_fill_(~causal, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)

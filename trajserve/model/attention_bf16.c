@@ -47,8 +47,8 @@
 /* Decode attention for (sequence, kv head h, query heads j0 .. j0 + nh) of
  * one query over ctx keys; q: the token's q row, out: its output row. */
 static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
-                              const uint16_t *v_cache, int64_t bs, const int64_t *table, int64_t ctx, int64_t h,
-                              int64_t j0, int64_t nh, float scale, float *out) {
+                              const uint16_t *v_cache, int64_t bs, const int64_t *table, int64_t lo, int64_t ctx,
+                              int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
     const int64_t group = hq / hkv, nv = d / 8;
     float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
     for (int64_t j = 0; j < nh; j++) {
@@ -61,13 +61,14 @@ static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
-    for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
-        const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB;
+    for (int64_t kb0 = lo / KB * KB; kb0 < ctx; kb0 += KB) {  // keys from lo: as cpu_kernels.c's decode_heads
+        const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, hid = lo > kb0 ? lo - kb0 : 0;
         const uint16_t *vp[KB];
         for (int64_t t = 0; t < nk; t += 8) {  // scores of 8 keys, the keys in the lanes
             const uint16_t *kp[8];
             for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
-                const int64_t key = kb0 + (t + u < nk ? t + u : nk - 1);
+                const int64_t i = t + u < nk ? t + u : nk - 1;
+                const int64_t key = kb0 + (i < hid ? hid : i);  // before the window: key lo's row
                 const int64_t off = ((table[key / bs] * hkv + h) * bs + key % bs) * d;
                 kp[u] = k_cache + off;
                 if (t + u < nk) vp[t + u] = v_cache + off;
@@ -93,7 +94,7 @@ static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d
         }
         for (int64_t j = 0; j < nh; j++) {
             float *sj = s + j * KB, *oj = o + j * d;
-            decode_softmax_block(sj, nk, m + j, l + j, oj, d, 1);
+            decode_softmax_block(sj, nk, m + j, l + j, oj, d, 1, hid);
             for (int64_t i0 = 0; i0 < nk; i0 += CHUNK) {  // keys in chunks of 32, even and odd keys apart
                 __m256 ev[32], od[32];
                 for (int64_t c = 0; c < nv; c++) ev[c] = od[c] = _mm256_setzero_ps();
@@ -117,11 +118,11 @@ static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d
     }
 }
 
-/* As ts_decode_attention (cpu_kernels.c), over a bf16 pool. d % 8 == 0, d <= 256. */
+/* As ts_decode_attention_q (cpu_kernels.c), over a bf16 pool. d % 8 == 0, d <= 256. */
 void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                               const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *tables,
                               const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
-                              float *out, int64_t ldo, int nthreads) {
+                              float *out, int64_t ldo, int64_t window, int nthreads) {
     const int64_t group = hq / hkv;
     const int64_t per = n * hkv >= nthreads && group <= MAX_GROUP ? group : 1, runs = group / per;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
@@ -130,8 +131,8 @@ void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq
             const unsigned csr = _mm_getcsr();
             _mm_setcsr(csr | FTZ_DAZ);
             const int64_t h = t / runs, j0 = (t % runs) * per;
-            decode_heads_bf16(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si], ctx[si],
-                              h, j0, per, scale, out + rows[si] * ldo);
+            decode_heads_bf16(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si],
+                              window_start(ctx[si] - 1, window), ctx[si], h, j0, per, scale, out + rows[si] * ldo);
             _mm_setcsr(csr);
         }
 }
@@ -142,7 +143,7 @@ void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq
  * AMX_MIN_QUERIES), for which a V^T copy of the whole context costs more. */
 void ts_prefill_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                                const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *table,
-                               int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
+                               int64_t ctx, float scale, float *out, int64_t ldo, int64_t window, int nthreads) {
     const int64_t group = hq / hkv, per = group <= MAX_GROUP ? group : 1, runs = group / per;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t i = n - 1; i >= 0; i--)
@@ -150,8 +151,8 @@ void ts_prefill_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t h
             const unsigned csr = _mm_getcsr();
             _mm_setcsr(csr | FTZ_DAZ);
             const int64_t h = t / runs, j0 = (t % runs) * per;
-            decode_heads_bf16(q + i * ldq, hq, hkv, d, k_cache, v_cache, bs, table, ctx - n + i + 1, h, j0, per,
-                              scale, out + i * ldo);
+            decode_heads_bf16(q + i * ldq, hq, hkv, d, k_cache, v_cache, bs, table, window_start(ctx - n + i, window),
+                              ctx - n + i + 1, h, j0, per, scale, out + i * ldo);
             _mm_setcsr(csr);
         }
 }

@@ -612,7 +612,10 @@ typedef __m256 qvec;
  * order as in the prefill kernel, where the queries are the lanes.
  * tables: the block ids of all sequences back to back, sequence s's from
  * table_start[s]; ctx[s]: tokens in its cache (incl. this one); q row and
- * out row of s: rows[s]. Requires d % 8 == 0 and d <= 256. */
+ * out row of s: rows[s]. window > 0: the query sees only the latest window
+ * keys (a sliding-window layer); the table's blocks before them are never
+ * read, so a window layer may have freed them. Requires d % 8 == 0 and
+ * d <= 256. */
 #define MAX_GROUP 16
 
 /* Values e0 .. e0 + 7 of a quantized row (e0 % 8 == 0) whose group's scale
@@ -652,7 +655,8 @@ static inline void row_scales(const uint8_t *row, const int fmt, int64_t d, floa
  * over its dequantized values for the rotated query, rotated back. */
 static inline __attribute__((always_inline)) void decode_heads(
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, const int fmt,
-    int64_t bs, const int64_t *table, int64_t ctx, int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
+    int64_t bs, const int64_t *table, int64_t lo, int64_t ctx, int64_t h, int64_t j0, int64_t nh, float scale,
+    float *out) {
     const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
     const int quant = fmt == TS_Q8_0 || fmt == TS_Q4_0;
     float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
@@ -667,14 +671,17 @@ static inline __attribute__((always_inline)) void decode_heads(
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
-    for (int64_t kb0 = 0; kb0 < ctx; kb0 += KB) {
-        const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB;
+    // Key blocks stay aligned at 0 (as in the prefill kernel); the window's
+    // first block starts before lo, its keys before lo are dropped.
+    for (int64_t kb0 = lo / KB * KB; kb0 < ctx; kb0 += KB) {
+        const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, hid = lo > kb0 ? lo - kb0 : 0;
         const float *vp[KB];
         for (int64_t t = 0; t < nk; t += 8) {
             const float *kp[8];
             const uint8_t *kb[8];
             for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
-                const int64_t key = kb0 + (t + u < nk ? t + u : nk - 1);
+                const int64_t i = t + u < nk ? t + u : nk - 1;
+                const int64_t key = kb0 + (i < hid ? hid : i);  // before the window: key lo's row (never a freed block)
                 const int64_t r = (table[key / bs] * hkv + h) * bs + key % bs;
                 if (quant) {
                     kb[u] = (const uint8_t *)k_cache + r * rb;
@@ -703,7 +710,7 @@ static inline __attribute__((always_inline)) void decode_heads(
         }
         for (int64_t j = 0; j < nh; j++) {
             float *sj = s + j * KB, *oj = o + j * d;
-            decode_softmax_block(sj, nk, m + j, l + j, oj, d, 0);
+            decode_softmax_block(sj, nk, m + j, l + j, oj, d, 0, hid);
             for (int64_t i = 0; i < nk; i++) {
                 const __m256 pi = _mm256_set1_ps(sj[i]);
                 for (int64_t e = 0; e < d; e += 8)
@@ -720,12 +727,12 @@ static inline __attribute__((always_inline)) void decode_heads(
 }
 
 static void decode_heads_any(const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
-                             const void *v_cache, int fmt, int64_t bs, const int64_t *table, int64_t ctx, int64_t h,
-                             int64_t j0, int64_t nh, float scale, float *out) {
+                             const void *v_cache, int fmt, int64_t bs, const int64_t *table, int64_t lo, int64_t ctx,
+                             int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
     switch (fmt) {  // a constant format in each copy: the quantized branches fold away
-        case TS_Q8_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q8_0, bs, table, ctx, h, j0, nh, scale, out); break;
-        case TS_Q4_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q4_0, bs, table, ctx, h, j0, nh, scale, out); break;
-        default: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_F32, bs, table, ctx, h, j0, nh, scale, out);
+        case TS_Q8_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q8_0, bs, table, lo, ctx, h, j0, nh, scale, out); break;
+        case TS_Q4_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q4_0, bs, table, lo, ctx, h, j0, nh, scale, out); break;
+        default: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_F32, bs, table, lo, ctx, h, j0, nh, scale, out);
     }
 }
 
@@ -736,7 +743,8 @@ static void decode_heads_any(const float *q, int64_t hq, int64_t hkv, int64_t d,
 void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,
                            int64_t d, const void *k_cache, const void *v_cache, int64_t bs,
                            const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
-                           const int64_t *rows, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
+                           const int64_t *rows, float scale, float *out, int64_t ldo, int kv_fmt, int64_t window,
+                           int nthreads) {
     const int64_t group = hq / hkv;
     // A task per (sequence, kv head) while there are as many as threads (at a
     // batch of 1 with 3 kv heads on 2 threads that beat 9 per-head tasks,
@@ -747,7 +755,7 @@ void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
         for (int64_t t = 0; t < hkv * runs; t++) {
             const int64_t h = t / runs, j0 = (t % runs) * per;
             decode_heads_any(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, tables + table_start[si],
-                         ctx[si], h, j0, per, scale, out + rows[si] * ldo);
+                             window_start(ctx[si] - 1, window), ctx[si], h, j0, per, scale, out + rows[si] * ldo);
         }
 }
 
@@ -756,7 +764,7 @@ void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                          const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
                          const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
     ts_decode_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, tables, table_start, ctx, rows, scale, out,
-                          ldo, TS_F32, nthreads);
+                          ldo, TS_F32, 0, nthreads);
 }
 
 /* Paged prefill attention for one sequence's chunk of n query tokens over
@@ -788,7 +796,11 @@ void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
  * -inf for the max and exactly 0 after exp, and key blocks are aligned at
  * 0, so a query's result does not depend on which chunk or query block it
  * was computed in (a real score of -inf, impossible with finite q and k,
- * would be treated as hidden).
+ * would be treated as hidden). window > 0 (a sliding-window layer): query
+ * i sees only keys > its position - window; key blocks before the first
+ * query's window are skipped and keys before it never read, the other
+ * hidden keys masked as the causal ones, so the result is again the decode
+ * kernel's for that query.
  * Requires d % 8 == 0. Returns the number of tasks that found no memory
  * (their outputs are not written; the caller raises). */
 /* s[i][0..QV nv) = qt^T k_i for keys i < nk (nk a multiple of 4; kp padded):
@@ -874,7 +886,8 @@ static inline int64_t hidden_rows(int64_t key, int64_t first) {
  * float32 pool's rows (queries rotated, outputs rotated back). */
 int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                            const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
-                           int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
+                           int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int64_t window,
+                           int nthreads) {
     const int64_t group = hq / hkv, nqb = (n + QB - 1) / QB, rb = kv_row_bytes(kv_fmt, d);
     const int quant = kv_fmt == TS_Q8_0 || kv_fmt == TS_Q4_0;
     int failed = 0;
@@ -885,6 +898,7 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
             const int64_t q0 = b * QB, rows = n - q0 < QB ? n - q0 : QB;
             const int64_t first = ctx - n + q0;           // position of the block's query 0
             const int64_t kend = first + rows;            // keys any of its queries sees
+            const int64_t lo = window_start(first, window);  // the first of them (a window layer's)
             const int nv = (int)((rows + QV - 1) / QV), R = QV * nv;  // query vectors, rows computed
             float *buf = malloc(sizeof(float) * (group * (2 * d * QB + 2 * QB) + KB * QB + (quant ? 2 * KB * d : 0)) +
                                 sizeof(float *) * 2 * KB);
@@ -916,10 +930,13 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
             // may read them (into output rows that are never stored): zero
             // them once, so no stale NaN or denormal from malloc enters an FMA.
             memset(s, 0, sizeof(float) * KB * QB);
-            for (int64_t kb0 = 0; kb0 < kend; kb0 += KB) {
+            for (int64_t kb0 = lo / KB * KB; kb0 < kend; kb0 += KB) {
                 const int64_t nk = kend - kb0 < KB ? kend - kb0 : KB, nk4 = (nk + 3) & ~(int64_t)3;
+                // Some query's window starts after this block's first key.
+                const int windowed = window > 0 && kb0 + window < first + R;
                 for (int64_t i = 0; i < nk4; i++) {
                     int64_t p = kb0 + (i < nk ? i : nk - 1);  // padding repeats the last key
+                    if (p < lo) p = lo;  // before every query's window: a seen key's row (never a freed block)
                     int64_t r = (table[p / bs] * hkv + h) * bs + p % bs;
                     if (!quant) {
                         kp[i] = (const float *)k_cache + r * d;
@@ -940,6 +957,10 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
                         for (int64_t i = 0; i < nk; i++)
                             for (int64_t r = 0, hr = hidden_rows(kb0 + i, first); r < hr && r < R; r++)
                                 s[i * QB + r] = -INFINITY;
+                    if (windowed)  // key p is before the window of rows r >= p - first + window
+                        for (int64_t i = 0; i < nk; i++)
+                            for (int64_t r = kb0 + i - first + window > 0 ? kb0 + i - first + window : 0; r < R; r++)
+                                s[i * QB + r] = -INFINITY;
                     float alpha[QB];
                     for (int64_t c = 0; c < R; c += QV) {
                         qvec mx = QLOAD(mj + c);
@@ -949,13 +970,16 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
                         for (int u = 0; u < 8; u++) part[u] = QZERO();
                         for (int64_t i = 0; i < nk; i++) {
                             qvec x = QLOAD(s + i * QB + c), e = QEXP(QSUB(x, mx));
-                            if (masked) e = QKEEP(x, e);  // hidden: exactly 0, not exp's ~1e-38
+                            if (masked || windowed) e = QKEEP(x, e);  // hidden: exactly 0, not exp's ~1e-38
                             QSTORE(s + i * QB + c, e);
                             part[i & 7] = QADD(part[i & 7], e);
                         }
                         qvec sum = QADD(QADD(QADD(part[0], part[4]), QADD(part[2], part[6])),
                                         QADD(QADD(part[1], part[5]), QADD(part[3], part[7])));
                         qvec a = QEXP(QSUB(QLOAD(mj + c), mx));  // m_old = -inf: ~0
+                        // A row whose window starts past this block saw no key yet (m_old = mx = -inf,
+                        // exp of their difference undefined): a = 0, so o and l stay 0 until its first key.
+                        if (windowed) a = QKEEP(mx, a);
                         QSTORE(alpha + c, a);
                         QSTORE(mj + c, mx);
                         QSTORE(lj + c, QFMA(QLOAD(lj + c), a, sum));
@@ -992,7 +1016,7 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                          const float *k_cache, const float *v_cache, int64_t bs, const int64_t *table,
                          int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
     return ts_prefill_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, table, ctx, scale, out, ldo, TS_F32,
-                                  nthreads);
+                                  0, nthreads);
 }
 
 /* exp8 and (in the avx512 build; else exp8 again) exp16 of x[0 .. n), n a

@@ -75,10 +75,10 @@ _SIGNATURES = {
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
-    "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _C],
-    "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
-    "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
-    "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
+    "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _I, _C],
+    "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _I, _C],
+    "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _I, _C],
+    "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _I, _C],
     "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
     "ts_prefill_attention_amx_decodes": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
     "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _C],
@@ -373,8 +373,10 @@ class CpuKernels:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          tables: torch.Tensor, table_start: torch.Tensor, ctx: torch.Tensor,
-                         rows: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-        """q, out: [T, H, d] (q may have a row stride); writes out[rows]."""
+                         rows: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0) -> None:
+        """q, out: [T, H, d] (q may have a row stride); writes out[rows].
+        window > 0: a sliding-window layer's, each query over its latest
+        `window` keys (the AMX kernels take no window: the vector ones run it)."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
         fmt = _pool_format(k_cache, v_cache, d)
@@ -382,20 +384,22 @@ class CpuKernels:
                 v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
                 rows.data_ptr(), scale, out.data_ptr(), out.stride(0))
         group = num_heads // k_cache.shape[1]
-        if fmt == 1 and self.amx_attention(d, k_cache.shape[2]) and group <= 16:
+        if fmt == 1 and not window and self.amx_attention(d, k_cache.shape[2]) and group <= 16:
             self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
         elif fmt == 1:
-            self.lib.ts_decode_attention_bf16(*args, self.threads())
-        elif fmt != 0 and self.amx_quantized(d, group):  # q8_0 / q4_0 rows read as bf16
+            self.lib.ts_decode_attention_bf16(*args, window, self.threads())
+        elif fmt != 0 and not window and self.amx_quantized(d, group):  # q8_0 / q4_0 rows read as bf16
             self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
         else:  # float32, or q8_0 / q4_0 rows dequantized as read
-            self.lib.ts_decode_attention_q(*args, fmt, self.threads())
+            self.lib.ts_decode_attention_q(*args, fmt, window, self.threads())
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor) -> None:
+                          block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor,
+                          window: int = 0) -> None:
         """One sequence's chunk: q, out [n, H, d] (row strides allowed), the
         chunk's last query at position ctx_len - 1; K/V of all ctx_len tokens
-        are in the blocks `block_ids` (in order)."""
+        are in the blocks `block_ids` (in order; window > 0: a sliding-window
+        layer's, whose blocks before the chunk's first window are not read)."""
         n, num_heads, d = q.shape
         _check_index(block_ids)
         bs = k_cache.shape[2]
@@ -407,17 +411,17 @@ class CpuKernels:
         args = (q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
                 bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0))
         failed = 0
-        if fmt == 1 and self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES:
+        if fmt == 1 and not window and self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES:
             failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
         elif fmt == 1:
-            self.lib.ts_prefill_attention_bf16(*args, self.threads())
-        elif fmt != 0 and self.amx_quantized(d, num_heads // k_cache.shape[1]):  # rows read as bf16
+            self.lib.ts_prefill_attention_bf16(*args, window, self.threads())
+        elif fmt != 0 and not window and self.amx_quantized(d, num_heads // k_cache.shape[1]):  # rows read as bf16
             if n >= AMX_MIN_QUERIES:
                 failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
             else:
                 self.lib.ts_prefill_attention_amx_decodes(*args, fmt, self.threads())
         else:  # float32, or q8_0 / q4_0 key blocks dequantized as read
-            failed = self.lib.ts_prefill_attention_q(*args, fmt, self.threads())
+            failed = self.lib.ts_prefill_attention_q(*args, fmt, window, self.threads())
         if failed:
             raise MemoryError(f"prefill attention: no memory for {failed} (query block, head) tasks")
 

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 
-from trajserve.config import ModelConfig, MoESpec
+from trajserve.config import ModelConfig, MoESpec, WindowSpec
 
 # HF model_type -> our architecture. Mistral is Llama with other defaults.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                  "olmoe": "olmoe"}
+                  "olmoe": "olmoe", "gemma3_text": "gemma3"}
+# hidden_act (Gemma: hidden_activation) -> ours.
+HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def _read_hf_config(d: Path) -> dict:
@@ -70,18 +72,26 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}"
         )
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; supported: silu")
+    if model_type == "gemma3":
+        raise ValueError("model_type 'gemma3' is Gemma 3's image-text checkpoint; supported: its text model "
+                         "(model_type gemma3_text, Gemma3ForCausalLM)")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if act not in HF_ACTIVATIONS or (act != "silu" and arch != "gemma3"):
+        raise ValueError(f"unsupported hidden_act {act!r}; supported: silu (gelu_pytorch_tanh in gemma3_text)")
     if raw.get("mlp_bias"):
         raise ValueError("unsupported mlp_bias=True; supported: MLP projections without bias")
-    if raw.get("use_sliding_window"):
-        raise ValueError("unsupported use_sliding_window=True; supported: full attention in every layer")
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise ValueError(f"unsupported {key}={raw[key]!r}; supported: none")
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
     layers = int(raw["num_hidden_layers"])
-    theta, rope_scaling = _hf_rope(raw)
+    params = raw.get("rope_parameters") or {}
+    by_type = "full_attention" in params  # transformers 5's RoPE per layer kind (Gemma 3)
+    theta, rope_scaling = _hf_rope({"rope_parameters": params["full_attention"]} if by_type else raw)
     # Qwen2 hard-codes q/k/v bias; Llama and Qwen3 take it from the config.
     bias = True if arch == "qwen2" else bool(raw.get("attention_bias", False))
+    gemma = arch == "gemma3"
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -94,15 +104,39 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=_context(raw, rope_scaling),
+        # Gemma 3's max_position_embeddings already counts its linear scaling.
+        max_position_embeddings=_context(raw, None if gemma else rope_scaling),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bias,
-        qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
         qk_norm_whole=arch == "olmoe",
         clip_qkv=float(raw["clip_qkv"]) if arch == "olmoe" and raw.get("clip_qkv") is not None else None,
         moe=_moe(raw, layers) if arch in ("qwen3_moe", "olmoe") else None,
+        window=_window(raw, layers),
+        norm_plus_one=gemma,
+        sandwich_norms=gemma,
+        embed_scale=hidden ** 0.5 if gemma else None,
+        attn_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
+        hidden_act=HF_ACTIVATIONS[act],
+        final_logit_softcap=float(raw["final_logit_softcapping"]) if raw.get("final_logit_softcapping") else None,
         name=str(raw.get("_name_or_path") or name),
     )
+
+
+def _window(raw: dict, num_layers: int) -> WindowSpec | None:
+    """The sliding-window layers (WindowSpec.from_hf), refusing what the
+    engine does not run: other layer kinds (chunked, bidirectional) and
+    window layers with a scaled RoPE of their own."""
+    types = raw.get("layer_types") or []
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; supported: full_attention, sliding_attention")
+    if types and len(types) != num_layers:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has {num_layers}")
+    local = (raw.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope_type {local['rope_type']!r} in sliding layers; supported: default")
+    return WindowSpec.from_hf(raw, num_layers)
 
 
 def _moe(raw: dict, num_layers: int) -> MoESpec | None:

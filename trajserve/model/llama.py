@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Qwen3, Qwen3-MoE, OLMoE) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, Gemma 3) over a paged KV cache.
 
 The forward takes a flat batch of tokens from many sequences (decode tokens
 and prefill chunks mixed) and returns hidden states only for the rows that
@@ -11,6 +11,12 @@ RMSNorm, RoPE + K/V store, paged decode and prefill attention, SiLU gate and
 residual adds; matrices kept in a GGUF block format (model/quant.py) run
 through quant_kernels.c. Elsewhere the plain torch forward, with any
 quantized matrix dequantized at load.
+
+Sliding-window layers (config.WindowSpec) attend to their latest tokens
+only (model/attention.py), with their own RoPE table where the window
+layers have their own base (Gemma 3). Gemma 3's (1 + w) norms are folded
+into w at load; its norms of the attention and MLP outputs
+(`attn_out_norm`, `mlp_out_norm`) run before the residual adds.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ if TYPE_CHECKING:
 
 
 class Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down", "moe", "in_norm", "post_norm", "q_norm", "k_norm")
+    __slots__ = ("qkv", "o", "gate_up", "down", "moe", "in_norm", "post_norm", "q_norm", "k_norm",
+                 "attn_out_norm", "mlp_out_norm", "window", "cos", "sin")
 
 
 class LlamaModel:
@@ -46,13 +53,19 @@ class LlamaModel:
         c = config
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.scale = c.head_dim ** -0.5
+        self.scale = c.attn_scale or c.head_dim ** -0.5
+        self.windowed = c.window is not None
 
         def w(name: str, cast: torch.dtype = dtype) -> torch.Tensor:
             t = weights[name]
             if isinstance(t, QuantizedWeight):  # no kernels to run it as stored
                 t = t.dequantize()
             return t.to(device=self.device, dtype=cast).contiguous()
+
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's norms scale by (1 + w): the same float32 product with w folded.
+            t = w(name, torch.float32)
+            return t + 1.0 if c.norm_plus_one else t
 
         mk = use_onednn(self.device, dtype)
         self.kernels = None
@@ -87,7 +100,7 @@ class LlamaModel:
             wt = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
             return Linear(wt, b, mk, self.kernels)
 
-        self.norm = w("model.norm.weight", torch.float32)
+        self.norm = norm("model.norm.weight")
         self.lm_head = lin("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
         # Tied: embedding rows are read out of the head's panels (float or quantized).
         self.embed_panels = None
@@ -110,7 +123,9 @@ class LlamaModel:
                 """(gate|up, down) of the SiLU MLP under prefix m: on the C
                 kernels gate|up returns the activation, on torch gate|up."""
                 gu = quantized(m + "gate_proj.weight", m + "up_proj.weight", one_format=True)
-                if gu is not None:
+                if c.hidden_act != "silu":  # the product only; forward applies the activation
+                    gate_up = lin(m + "gate_proj.weight", m + "up_proj.weight")
+                elif gu is not None:
                     gate_up = QGateUpSilu(gu[0].pack(), gu[1].pack(), self.kernels)
                 elif self.kernels is not None:
                     gate_up = GateUpSilu(w(m + "gate_proj.weight"), w(m + "up_proj.weight"), self.kernels)
@@ -125,12 +140,25 @@ class LlamaModel:
                             [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)], self.kernels is not None)
             else:
                 L.gate_up, L.down = mlp(p + "mlp.")
-            L.in_norm = w(p + "input_layernorm.weight", torch.float32)
-            L.post_norm = w(p + "post_attention_layernorm.weight", torch.float32)
-            L.q_norm = w(p + "self_attn.q_norm.weight", torch.float32) if c.qk_norm else None
-            L.k_norm = w(p + "self_attn.k_norm.weight", torch.float32) if c.qk_norm else None
+            L.in_norm = norm(p + "input_layernorm.weight")
+            L.q_norm = norm(p + "self_attn.q_norm.weight") if c.qk_norm else None
+            L.k_norm = norm(p + "self_attn.k_norm.weight") if c.qk_norm else None
+            if c.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output
+                L.attn_out_norm = norm(p + "post_attention_layernorm.weight")
+                L.post_norm = norm(p + "pre_feedforward_layernorm.weight")
+                L.mlp_out_norm = norm(p + "post_feedforward_layernorm.weight")
+            else:
+                L.post_norm = norm(p + "post_attention_layernorm.weight")
+                L.attn_out_norm = L.mlp_out_norm = None
             self.layers.append(L)
         self.cos, self.sin = cos_sin_table(c.head_dim, max_len, c.rope_theta, c.rope_scaling, self.device)
+        local = (cos_sin_table(c.head_dim, max_len, c.window.rope_theta, None, self.device)
+                 if c.window is not None and c.window.rope_theta is not None else (self.cos, self.sin))
+        windows = set(c.window.layers) if c.window is not None else set()
+        for i, L in enumerate(self.layers):
+            L.window = c.window.size if i in windows else 0
+            L.cos, L.sin = local if i in windows else (self.cos, self.sin)
+        self.embed_scale = torch.tensor(c.embed_scale, dtype=torch.float32) if c.embed_scale else None
 
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE
@@ -201,9 +229,8 @@ class LlamaModel:
                                          sample_meta, lora)
         c = self.config
         T = input_ids.shape[0]
-        x = self.embed[input_ids]
-        cos = self.cos[positions].to(self.dtype)
-        sin = self.sin[positions].to(self.dtype)
+        x = self._scaled(self.embed[input_ids])
+        tables = {}  # (cos, sin) rows of this step's positions per RoPE table
         last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = self._rms(x, L.in_norm)
@@ -214,7 +241,9 @@ class LlamaModel:
             qk = qkv[:, : self.q_size + self.kv_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim)
             v = qkv[:, self.q_size + self.kv_size:].view(T, c.num_kv_heads, c.head_dim)
             # One rotation for q and k heads together: half the RoPE ops.
-            qk = apply_rope(qk, cos, sin)
+            if id(L.cos) not in tables:
+                tables[id(L.cos)] = (L.cos[positions].to(self.dtype), L.sin[positions].to(self.dtype))
+            qk = apply_rope(qk, *tables[id(L.cos)])
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
             if before_layer is not None:
                 before_layer(i)
@@ -223,8 +252,8 @@ class LlamaModel:
                 q, x, meta = q[sample_rows], x[sample_rows], sample_meta
                 lora = lora.subset(sample_rows) if lora is not None else None
                 sample_rows = slice(None)
-            a = paged_attention(q, k_cache, v_cache, meta, self.scale).reshape(x.shape[0], self.q_size)
-            x = x + L.o(a)
+            a = paged_attention(q, k_cache, v_cache, meta, self.scale, window=L.window).reshape(x.shape[0], self.q_size)
+            x = x + self._out_norm(L.o(a), L.attn_out_norm)
             if lora is not None:
                 lora.add(i, ("o_proj",), a, (x,))
             h = self._rms(x, L.post_norm)
@@ -236,12 +265,33 @@ class LlamaModel:
             pre = lora.gate_up_pre(i, h, inter) if lora is not None else None
             if pre is not None:
                 gu = gu + pre.to(gu.dtype)
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            x = x + L.down(act)
+            act = self._gate(gu)
+            x = x + self._out_norm(L.down(act), L.mlp_out_norm)
             if lora is not None:
                 lora.add(i, ("down_proj",), act, (x,))
         x = self._rms(x[sample_rows], self.norm)
-        return self.lm_head(x).float()
+        return self._softcap(self.lm_head(x).float())
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Embedding rows times Gemma's embed_scale (a float32 product, as transformers')."""
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def _gate(self, gu: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation of a gate|up product: act(gate) * up."""
+        inter = gu.shape[-1] // 2
+        if self.config.hidden_act == "gelu_tanh":
+            return F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+        return F.silu(gu[:, :inter]) * gu[:, inter:]
+
+    def _out_norm(self, y: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """Gemma's norm of a sublayer's output before its residual add."""
+        if weight is None:
+            return y
+        return self.kernels.rms_norm(y, weight, self.config.rms_norm_eps) if self.kernels else self._rms(y, weight)
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _lora_qkv(self, lora: LoRARows, layer: int, h: torch.Tensor, qkv: torch.Tensor) -> None:
         """Adapter products of q, k and v into their columns of the fused output."""
@@ -263,6 +313,7 @@ class LlamaModel:
             x = K.dequant_rows(self.embed_panels, input_ids)
         else:
             x = cpu_kernels.packed_rows(self.lm_head.packed, input_ids).contiguous()
+        x = self._scaled(x)
         last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = K.rms_norm(x, L.in_norm, eps)
@@ -272,7 +323,7 @@ class LlamaModel:
             self._norm_qkv(L, qkv)
             if before_layer is not None:
                 before_layer(i)
-            K.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.cos, self.sin, positions,
+            K.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, L.cos, L.sin, positions,
                          k_cache, v_cache, meta.slot_block, meta.slot_offset)
             q = qkv[:, : self.q_size]
             if i == last and sample_meta is not None:  # from here on x holds the sampled rows only
@@ -280,11 +331,18 @@ class LlamaModel:
                 lora = lora.subset(sample_rows) if lora is not None else None
                 sample_rows = slice(None)
             n = x.shape[0]
-            a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale, K)
+            a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale, K,
+                                L.window)
             a = a.view(n, self.q_size)
-            L.o(a, out=x)
+            if L.attn_out_norm is None:
+                L.o(a, out=x)
+            else:  # Gemma (no adapters: lora/manager.py)
+                x += K.rms_norm(L.o(a), L.attn_out_norm, eps)
             if L.moe is not None:  # routed experts (no adapters on a MoE model: lora/manager.py)
                 x += L.moe(K.rms_norm(x, L.post_norm, eps))
+                continue
+            if c.hidden_act != "silu":  # Gemma: gate|up is the product, the GELU here
+                x += self._out_norm(L.down(self._gate(L.gate_up(K.rms_norm(x, L.post_norm, eps)))), L.mlp_out_norm)
                 continue
             if lora is None:
                 L.down(L.gate_up(K.rms_norm(x, L.post_norm, eps)), out=x)
@@ -294,4 +352,4 @@ class LlamaModel:
             act = L.gate_up(h, lora.gate_up_pre(i, h, c.intermediate_size))
             L.down(act, out=x)
             lora.add(i, ("down_proj",), act, (x,))
-        return self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps))
+        return self._softcap(self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps)))

@@ -132,6 +132,8 @@ def expected_weight_names(cfg: ModelConfig) -> list[str]:
         if cfg.qk_norm:
             names += [pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"]
         names.append(pre + "post_attention_layernorm.weight")
+        if cfg.sandwich_norms:  # Gemma: a norm before the MLP and one on its output
+            names += [pre + "pre_feedforward_layernorm.weight", pre + "post_feedforward_layernorm.weight"]
         if cfg.moe is not None and i in cfg.moe.layers:  # the router, then each expert's MLP
             names.append(pre + "mlp.gate.weight")
             names += [pre + f"mlp.experts.{e}.{p}_proj.weight" for e in range(cfg.moe.num_experts)
@@ -175,6 +177,8 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "model.norm.weight": (h,),
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
+        "pre_feedforward_layernorm.weight": (h,),
+        "post_feedforward_layernorm.weight": (h,),
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
         "self_attn.v_proj.weight": (kv, h),

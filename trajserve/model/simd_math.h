@@ -123,23 +123,33 @@ static inline void bf16_store8(uint16_t *p, __m256 x) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+/* The first key a query at position pos sees under a sliding window of
+ * `window` keys (0: no window, keys from 0): transformers' kv > pos - window. */
+static inline int64_t window_start(int64_t pos, int64_t window) {
+    return window > 0 && pos >= window ? pos - window + 1 : 0;
+}
+
 /* One decode query's softmax step over a key block's scores sj[0..nk), in
  * place, for the decode kernels of cpu_kernels.c and attention_bf16.c: the
  * running max m and sum l updated (l = fma(l, a, sum of p), the sum with key
  * i in lane i % 8, then hsum8's tree), the o row rescaled by a = exp8(m_old
- * - m) (d floats), p_i = exp8(s_i - m) (lanes past nk exactly 0; rounded to
- * bf16 with round_bf16). The prefill kernels do these operations lane by lane. */
+ * - m) (d floats), p_i = exp8(s_i - m) (lanes past nk, and the first hid:
+ * keys before a sliding window, exactly 0 and out of the max; rounded to bf16
+ * with round_bf16). The prefill kernels do these operations lane by lane. */
 static inline __attribute__((always_inline)) void decode_softmax_block(float *sj, int64_t nk, float *m, float *l,
-                                                                      float *o, int64_t d, const int round_bf16) {
+                                                                      float *o, int64_t d, const int round_bf16,
+                                                                      int64_t hid) {
     float mx = *m;
-    for (int64_t i = 0; i < nk; i++) mx = sj[i] > mx ? sj[i] : mx;
+    for (int64_t i = hid; i < nk; i++) mx = sj[i] > mx ? sj[i] : mx;
     const __m256 mxv = _mm256_set1_ps(mx);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < nk; t += 8) {
         __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + t), mxv));
-        if (nk - t < 8) {  // lanes past the context: exactly 0
+        if (nk - t < 8 || hid > t) {  // lanes past the context or before the window: exactly 0
             const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - t)), lane)));
+            const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(nk - t)), lane);
+            const __m256i before = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(hid - t)), lane);
+            p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_andnot_si256(before, past)));
         }
         if (round_bf16) p = bf16_float8(bf16_bits8(p));
         _mm256_storeu_ps(sj + t, p);

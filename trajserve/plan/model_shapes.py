@@ -163,34 +163,11 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
         mla=MLASpec(int(raw["kv_lora_rank"]), int(raw.get("qk_rope_head_dim") or 64),
                     int(raw.get("qk_nope_head_dim") or 128), int(raw.get("v_head_dim") or 128),
                     int(raw.get("q_lora_rank") or 0)) if raw.get("kv_lora_rank") else None,
-        window=_window(raw, int(raw["num_hidden_layers"])),
+        window=WindowSpec.from_hf(raw, int(raw["num_hidden_layers"])),
         name=str(raw.get("_name_or_path") or f.parent.name),
     )
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
     return cfg, dtype, "max_position_embeddings" in raw  # without it, 2048 above is only a stand-in
-
-
-def _window(raw: dict, layers: int) -> WindowSpec | None:
-    """Sliding-window layers: layer_types' "sliding_attention" ones (Gemma 3,
-    gpt-oss, Qwen3 as transformers writes them), else Gemma 3's older
-    sliding_window_pattern (each pattern-th layer global), else
-    use_sliding_window (Qwen2: the layers from max_window_layers on)."""
-    size = raw.get("sliding_window")
-    types = raw.get("layer_types")
-    if types:
-        windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-    elif raw.get("sliding_window_pattern"):
-        n = int(raw["sliding_window_pattern"])
-        windowed = tuple(i for i in range(layers) if (i + 1) % n)
-    elif raw.get("use_sliding_window"):
-        windowed = tuple(range(int(raw.get("max_window_layers") or 0), layers))
-    else:
-        return None
-    if not windowed:
-        return None
-    if not size or int(size) < 1:
-        raise ValueError(f"a config with sliding-window layers needs sliding_window >= 1, got {size!r}")
-    return WindowSpec(int(size), windowed)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:

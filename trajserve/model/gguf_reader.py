@@ -19,10 +19,10 @@ import gguf
 import numpy as np
 import torch
 
-from trajserve.config import ModelConfig, MoESpec
+from trajserve.config import ModelConfig, MoESpec, WindowSpec
 from trajserve.model.quant import QuantizedWeight, target_format
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3")
 # llama.cpp's architecture name -> ours (config.ModelConfig.architecture)
 _ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 # Whether the chosen experts' weights are renormalised where a file does not
@@ -108,9 +108,12 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     num_layers = int(get("block_count", required=True))
     q_norm = tensor_shapes.get("blk.0.attn_q_norm.weight")
     scaling_type = get("rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: none, llama3 (rope_freqs)")
+    if scaling_type not in (None, "none", "linear"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: none, linear, "
+                         "llama3 (rope_freqs)")
     rope_scaling = None
+    if scaling_type == "linear" and float(get("rope.scaling.factor", 1.0)) != 1.0:
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     if "rope_freqs.weight" in tensor_names:
         factors = gguf.quants.dequantize(*_raw(reader, "rope_freqs.weight")).reshape(-1)
         rope_scaling = _llama3_scaling_from_factors(factors, head_dim, theta)
@@ -120,6 +123,8 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
                       int(get("expert_feed_forward_length") or get("feed_forward_length", required=True)),
                       bool(get("expert_weights_norm", _NORM_TOPK.get(arch, False))), tuple(range(num_layers)))
     clip = get("attention.clamp_kqv")
+    gemma = arch == "gemma3"
+    softcap = get("final_logit_softcapping")
     return ModelConfig(
         architecture=_ARCHITECTURES.get(arch, arch),
         vocab_size=int(vocab),
@@ -140,8 +145,33 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         qk_norm_whole=q_norm is not None and q_norm[0] == heads * head_dim != head_dim,
         clip_qkv=float(clip) if clip else None,
         moe=moe,
+        window=_gguf_window(get, num_layers) if gemma else None,
+        # Gemma 3 (llama.cpp's graph): the converter stored its norms' (1 + w)
+        # already; the query scale is llama.cpp's rule, which the file does not say.
+        sandwich_norms=gemma,
+        embed_scale=hidden ** 0.5 if gemma else None,
+        attn_scale=((hidden // heads) if num_layers == 62 else head_dim) ** -0.5 if gemma else None,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        final_logit_softcap=float(softcap) if gemma and softcap else None,
         name=str(gguf_value(reader, "general.name", "") or ""),
     )
+
+
+def _gguf_window(get, num_layers: int) -> WindowSpec | None:
+    """Gemma 3's window layers as llama.cpp reads them: attention.sliding_window
+    tokens in every layer but each pattern-th (sliding_window_pattern, 6
+    where the file does not say; an array names each layer's kind), their
+    RoPE base rope.freq_base_swa (10,000 where the file does not say)."""
+    size = get("attention.sliding_window")
+    if not size:
+        return None
+    pattern = get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        layers = tuple(i for i, swa in enumerate(pattern[:num_layers]) if swa)
+    else:
+        n = int(pattern)
+        layers = tuple(i for i in range(num_layers) if n == 0 or i % n < n - 1)
+    return WindowSpec(int(size), layers, float(get("rope.freq_base_swa", 10000.0))) if layers else None
 
 
 def _llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict:
@@ -197,6 +227,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
 }
+# Gemma 3's: ffn_norm is the norm before its MLP, two more norm the attention's and the MLP's outputs.
+_GEMMA3_LAYER_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                       "post_attention_norm.weight": "post_attention_layernorm.weight",
+                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 # A MoE layer's experts, stacked [experts, out, in] in one tensor each: split
 # into one matrix per expert under HF names (model.layers.i.mlp.experts.e.*).
 _GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
@@ -210,13 +244,14 @@ _GGUF_GLOBAL_NAMES = {
 _GGUF_CONFIG_TENSORS = {"rope_freqs.weight"}
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES and layer.isdigit():
-            return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[rest]}"
+        names = _GGUF_LAYER_NAMES | _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _GGUF_LAYER_NAMES
+        if rest in names and layer.isdigit():
+            return f"model.layers.{layer}.{names[rest]}"
     return None
 
 
@@ -265,7 +300,7 @@ def _gguf_tensors(
     wanted = []
     unknown = []
     for t in reader.tensors:
-        hf = gguf_to_hf_name(t.name)
+        hf = gguf_to_hf_name(t.name, cfg.architecture)
         rest = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else ""
         if hf is not None:
             wanted.append((hf, t, None))

@@ -193,7 +193,10 @@ def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster):
 def test_a_killed_replica_loses_no_request_and_comes_back(cluster):
     url = cluster.url
     prompts = [f"Write a short note number {i} about caching:" for i in range(6)]
-    bodies = [("/v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0}) for p in prompts]
+    # Long enough replies that every request is still decoding when the busiest replica is killed
+    # (24-token replies over a warm cache had all finished by then on a fast CPU: nothing to retry).
+    bodies = [("/v1/completions", {"prompt": p, "max_tokens": 160, "temperature": 0, "ignore_eos": True})
+              for p in prompts]
     want = [r.json()["choices"][0]["text"] for r in asyncio.run(_gather(url, bodies))]
     retries0 = _metric(httpx.get(url + "/metrics", timeout=30).text, "trajserve_router_retries_total")
 

@@ -1,6 +1,7 @@
 """Hints written for other engines (server/hints.py), on the real model:
 vLLM's kv_hints envelope and Dynamo's nvext.agent_hints / agent_context
-reach the session's pause; what is not applied, or unknown, is counted."""
+reach the session's pause and the request's priority; what is not applied, or
+unknown, is counted."""
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,7 @@ def test_dynamo_agent_context_names_the_conversation_and_hints_reach_it(client):
     assert s["origin"] == "nvext.agent_context" and s["state"] == "paused"
     assert s["decision"]["decision"] == "keep"  # speculative_prefill: warm for the next turn
     assert counted(client, "agent_hints", "speculative_prefill", "applied") == 1
-    assert counted(client, "agent_hints", "priority", "not_applied") == 1  # no priority scheduling
+    assert counted(client, "agent_hints", "priority", "applied") == 1  # the request's priority (-5)
     assert counted(client, "agent_hints", "osl", "not_applied") == 1
 
 

@@ -4,7 +4,8 @@ per kind, sandwich norms, GELU, soft-capped logits) written by transformers,
 windows of 8 tokens under prompts of 17-40: greedy tokens over 64 as
 transformers generates them, and the same tokens whatever the chunk size,
 block size, batch, warm prefix cache (a hit resumes exactly), preemption,
-host-tier reload or speculation; LoRA on Gemma 3 refused by name."""
+host-tier reload, speculation or a session paused to each tier; LoRA on
+Gemma 3 refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -123,3 +124,37 @@ def test_lora_on_gemma3_is_refused_by_name(tmp_path):
     save_with_tokenizer(tiny_hf_model("gemma3"), tmp_path)
     with pytest.raises(ValueError, match="gemma3 model are not supported"):
         _engine(tmp_path, enable_lora=True)
+
+
+@pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
+def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
+    """Two turns of a session over a window model, paused between them
+    (kept, on the host or disk tier, or dropped and recomputed): the second
+    turn's greedy tokens are those of the turns run without a pause."""
+    from trajserve.sessions.config import SessionConfig
+    from trajserve.sessions.manager import SessionManager
+
+    d, _ = model_dir
+    eng = _engine(d)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt, observation = _prompts()[2], list(range(40, 61))
+    mgr = SessionManager(eng, SessionConfig(disk_dir=str(tmp_path / "kv")))
+    try:
+        s = mgr.open(prompt)
+        s.generate(params)
+        s.history.extend(observation)
+        want = s.generate(params).outputs[0].token_ids
+        s.close()
+        eng.kv.clear_cache()
+        s = mgr.open(prompt)
+        s.generate(params)
+        s.pause(decision=decision)
+        mgr.flush()
+        assert s.residency.value == {"keep": "kept", "drop": "dropped"}.get(decision, "offloaded")
+        assert (s.saved_blocks > 0) == (decision in ("host", "disk"))  # the state went down to its tier
+        s.resume(observation)
+        assert s.generate(params).outputs[0].token_ids == want
+        s.close()
+    finally:
+        mgr.shutdown()
+        eng.close()

@@ -24,6 +24,12 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
 ROPE_SCALINGS = ("linear", "yarn")
 # --tool-prompt's values: how tools reach a model whose chat template shows none (model/tool_prompt.py).
 TOOL_PROMPTS = ("hermes",)
+# --scheduling's values: the order of waiting requests and of preemption
+# victims (engine/scheduler.py): arrival; priority, then arrival; priority,
+# then the program's attained service (engine/attained_service.py).
+SCHEDULING = ("fcfs", "priority", "program")
+# A request's priority: lower runs first (vLLM's direction), 0 by default.
+PRIORITY_RANGE = (-1000, 1000)
 # --speculative's values (engine/engine.py says what auto becomes).
 SPECULATIVE = ("auto", "off", "ngram", "suffix")
 # An adapter's name (the request's `model` field picks it; a metrics label):
@@ -237,8 +243,16 @@ class SchedulerConfig:
     num_speculative_tokens: int = 8
     # LoRA (trajserve/lora/): distinct adapters one step may run (slots).
     max_loras: int = 4
+    # The order of the waiting queue and of preemption victims (SCHEDULING):
+    # fcfs; priority (a request's priority, then arrival); program (priority,
+    # then the least service its program has attained, halving every
+    # program_half_life_s).
+    scheduling: str = "fcfs"
+    program_half_life_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.scheduling not in SCHEDULING:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING)}, got {self.scheduling!r}")
         if self.max_prefill_chunk is None:
             object.__setattr__(self, "max_prefill_chunk", self.max_num_batched_tokens)
 

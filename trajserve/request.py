@@ -52,6 +52,11 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     cache_salt: str | None = None  # tenant: requests share cached state only within a salt
+    # Scheduling (engine/scheduler.py): lower priority values run first; the
+    # program (a session, a conversation) whose attained service orders it
+    # under --scheduling program (None: the request is its own program).
+    priority: int = 0
+    program: str | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     # Timing (monotonic seconds): TTFT and inter-token times.
     first_token_time: float | None = None

@@ -29,7 +29,8 @@ from trajserve.engine.invalidation import scopes_of_salt, stale_prefix
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelExecutor, ModelRunner, allocate_kv_pool
 from trajserve.engine.output_processor import OutputProcessor, RequestGroup
-from trajserve.engine.scheduler import Scheduler
+from trajserve.engine.scheduler import Scheduler, check_priority
+from trajserve.engine.startup_line import startup_line
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
@@ -174,29 +175,22 @@ class LLMEngine:
         self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler, prompt_logits))
         self._ids = itertools.count()
         self.last_step = StepStats()
-        m_token = self.kv_format.bytes_per_token(mc)
-        self.startup_summary = (
-            f"model {mc.name or self.model_path} ({mc.shape_summary()}) on {self.device} "
-            f"in {str(self.dtype).removeprefix('torch.')} ({why['dtype']})"
-            f"{f', C kernels ({self.model.kernels.isa})' if self.model.kernels is not None else ''}\n"
-            f"weights: {' + '.join(f'{f} {b / 1e6:,.1f} MB' for f, b in formats.items())} read per decode step "
-            f"(quantization {self.quantization}: {why['quantization']})\n"
-            f"KV cache: {self.kv_format.name} ({why['kv']}) | m_token = {m_token:,} B "
-            f"(eq. 1) | block = {cc.block_size} tokens = {self.block_bytes:,} B | {self.num_blocks:,} blocks | "
-            f"capacity {self.kv.token_capacity:,} tokens | max_model_len {self.max_model_len:,}{why.get('rope', '')}\n"
-            f"speculative decoding: {self.speculative} ({why['speculative']})"
-            + (f"\n{self.lora.summary()}" if self.lora is not None else ""))
+        self.startup_summary = startup_line(self, formats, why)
         log.info(self.startup_summary)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None, lora=None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None, lora=None,
+                    priority: int = 0, program: str | None = None) -> str:
         """Validate and queue. Raises ValueError (naming the limit) before
         anything is allocated; requests already in flight are unaffected.
         `lora`: a loaded adapter's name (or LoRAAdapter) to run the request
-        with; None for the base model."""
+        with; None for the base model. `priority` (lower first) and `program`
+        (the session or conversation it is a call of) order it under
+        --scheduling priority / program."""
         if self.closed:
             raise RuntimeError("this engine is closed (LLM.close / LLMEngine.close): make a new one")
+        check_priority(priority)
         adapter = self.adapter(lora)
         params = params or SamplingParams()
         self._validate_params(params)
@@ -220,7 +214,8 @@ class LLMEngine:
         matcher = self._matcher(params)  # a constraint that does not compile fails here, before queuing
         seqs = [Request(sid, ids, self._seq_params(params, i), cap,
                         frozenset(self.tokenizer.eos_token_ids), arrival_time=now, cache_salt=cache_salt,
-                        matcher=matcher.deep_copy() if matcher is not None and i else matcher, lora=adapter)
+                        matcher=matcher.deep_copy() if matcher is not None and i else matcher, lora=adapter,
+                        priority=priority, program=program)
                 for i, sid in enumerate(seq_ids)]
         if adapter is not None:
             self.lora.used(rid, adapter, seqs[0].cache_scope, len(ids))
@@ -266,7 +261,8 @@ class LLMEngine:
             cid = f"{request_id}.fork{next(self._ids)}"
             child = Request(cid, parent.prompt_token_ids, self._seq_params(params, j + 1),
                             parent.max_total_tokens, parent.eos_token_ids, arrival_time=now,
-                            cache_salt=parent.cache_salt, first_token_time=parent.first_token_time,
+                            cache_salt=parent.cache_salt, priority=parent.priority, program=parent.program,
+                            first_token_time=parent.first_token_time,
                             last_token_time=parent.last_token_time,
                             matcher=matcher.deep_copy() if matcher is not None else None, lora=parent.lora)
             if parent.lora is not None:

@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import (KERNEL_PATHS, KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, ROPE_SCALINGS, SPECULATIVE, TOOL_PROMPTS,
-                              CacheConfig, EngineConfig, SchedulerConfig)
+from trajserve.config import (KERNEL_PATHS, KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, ROPE_SCALINGS, SCHEDULING,
+                              SPECULATIVE, TOOL_PROMPTS, CacheConfig, EngineConfig, SchedulerConfig)
 from trajserve.units import parse_bytes
 
 _UNSET = object()
@@ -100,6 +100,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("admission_ceiling", "scheduler.admission_ceiling", "--admission-ceiling",
            "tau_high: admit while active U_KV stays below it (kv-cache-management, eq. 8); a session's kept "
            "state moves down a tier above it", type=float),
+    Option("scheduling", "scheduler.scheduling", "--scheduling",
+           "the order of waiting requests and of preemption victims: fcfs (arrival), priority (a request's "
+           "priority field, lower first, then arrival) or program (priority, then the least service its "
+           "program, a session or conversation, has attained: short agent programs first)", choices=SCHEDULING),
+    Option("program_half_life_s", "scheduler.program_half_life_s", "--program-half-life-s",
+           "under --scheduling program: seconds in which a program's attained service halves", type=float),
     Option("speculative", "scheduler.speculative", "--speculative",
            "speculative decoding: ngram (drafts from the sequence's own context: prompt lookup), suffix "
            "(also from finished sequences of the same cache_salt) or off; drafts are verified in the batch, "

@@ -5,14 +5,19 @@ kv-cache-management "分块预填充调度". Each step:
 
   1. running decodes first (one token each), so a long prompt never stalls
      the streams already producing tokens;
-  2. then running partial prefills, then waiting requests (FCFS), each cut to
-     min(remaining, token budget left, per-request chunk cap);
+  2. then running partial prefills, then waiting requests, each cut to
+     min(remaining, token budget left, per-request chunk cap), in the
+     order --scheduling says: fcfs (arrival), priority (a request's
+     priority, then arrival) or program (priority, then the least service
+     its program has attained: engine/attained_service.py); the queue's
+     head waits for room, so a big prompt is not starved;
   3. when the pool is short mid-step, first release paused agent state (the
      KV manager's reclaimer), then preempt a running request and re-queue it
      at the front: with a pricer (kv/preemption.py) the one cheapest to bring
      back, its blocks swapped to the host tier or dropped for recompute by
      the break-even rule; without one the newest, recomputed (its blocks stay
-     as cold cache either way until the pool needs them);
+     as cold cache either way until the pool needs them); under priority or
+     program scheduling only the lowest priority running is a candidate;
   4. admission ceiling: while active blocks (U_KV without the cold cache)
      would exceed tau_high (0.88) of the pool, the queue head waits, unless
      nothing runs; forks above it queue as new requests (they hit the
@@ -35,7 +40,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trajserve.config import SchedulerConfig
+from trajserve.config import PRIORITY_RANGE, SchedulerConfig
+from trajserve.engine.attained_service import AttainedService
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.request import Request, RequestStatus
@@ -105,12 +111,17 @@ class Scheduler:
         self.num_cached_prompt_tokens = 0
         # n > 1: a request's other sequences, forked off it when its prefill ends.
         self.pending_samples: dict[str, list[Request]] = {}
+        self.ordered = config.scheduling != "fcfs"
+        self.service = AttainedService(config.program_half_life_s) if config.scheduling == "program" else None
+        self.now = 0.0  # the clock of the last update (the engine's, or the simulator's)
 
     def reconfigure(self, **changes) -> None:
         """The step's limits changed on a live engine (calibration measures
         one chunk size after another): a new config, the ceiling as it was.
         The config itself is frozen, so what an engine was built with stays
         what its EngineConfig says."""
+        if changes.get("scheduling", self.config.scheduling) != self.config.scheduling:
+            raise ValueError("the scheduling policy is fixed when the scheduler is built")
         self.config = dataclasses.replace(self.config, **changes)
 
     @contextlib.contextmanager
@@ -146,6 +157,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def rank(self, req: Request) -> tuple:
+        """The policy's order (smaller first): priority, then under program
+        scheduling the service the request's program has attained."""
+        if self.service is None:
+            return (req.priority,)
+        return (req.priority, self.service.of(req.program or req.request_id, self.now))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -160,6 +178,13 @@ class Scheduler:
         # running request per step (the simulator's hot path).
         decodes = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+        if self.ordered:  # the budget goes to the first in the policy's order (stable: oldest first on a tie)
+            decodes.sort(key=self.rank)
+            prefills.sort(key=self.rank)
+            if len(self.waiting) > 1:
+                ranked = sorted(self.waiting, key=self.rank)  # stable: a preempted request stays ahead of its peers
+                self.waiting.clear()
+                self.waiting.extend(ranked)
         running = RequestStatus.RUNNING
         block_ids = self.kv.block_ids
         allocate = self.kv.allocate_slots
@@ -277,6 +302,9 @@ class Scheduler:
         cands = [r for r in reversed(self.running) if r.request_id not in scheduled]
         if not cands:
             raise AssertionError("pool exhausted by requests already scheduled this step")
+        if self.ordered:  # the lowest priority goes first (a request may be its own victim)
+            worst = max(r.priority for r in cands)
+            cands = [r for r in cands if r.priority == worst]
         if self.pricer is None or len(cands) == 1:
             return cands[0]
         B = self.kv.block_size
@@ -334,6 +362,10 @@ class Scheduler:
         running = RequestStatus.RUNNING
         if self.pending_samples:
             self._fork_samples(out)
+        self.now = now
+        if self.service is not None:  # rows computed: service attained by each chunk's program
+            for chunk in out.chunks:
+                self.service.add(chunk.request.program or chunk.request.request_id, chunk.num_tokens, now)
         cache_computed = self.kv.cache_computed
         B = self.kv.block_size
         for chunk in out.chunks:
@@ -418,6 +450,15 @@ class Scheduler:
         if not _remove_identical(self.running, req):
             _remove_identical(self.waiting, req)
         self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_scope)
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority: an integer in PRIORITY_RANGE (ValueError naming
+    the field and the range otherwise; a bool is not a priority)."""
+    lo, hi = PRIORITY_RANGE
+    if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority <= hi:
+        raise ValueError(f"priority must be an integer in [{lo}, {hi}] (lower runs first), got {priority!r}")
+    return priority
 
 
 def _remove_identical(seq: list[Request] | deque[Request], req: Request) -> bool:

@@ -47,8 +47,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from trajserve.config import PRIORITY_RANGE
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server import cache_breakpoints
 from trajserve.server.context_edits import ContextEdit
@@ -153,6 +154,7 @@ class CountTokensRequest(BaseModel):
     metadata: Metadata | None = None
     # trajserve extensions, as on the OpenAI endpoints
     cache_salt: str | None = None
+    priority: StrictInt | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     session_id: str | None = None
     tool_wait_s: float | None = Field(default=None, ge=0)
     tool: str | None = None
@@ -167,7 +169,7 @@ class CountTokensRequest(BaseModel):
         for i, m in enumerate(self.messages):
             _check_results_answer_uses(m, self.messages[i - 1] if i else None, f"messages.{i}.content")
             msgs.extend(_chat_messages(m, f"messages.{i}.content"))
-        body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt,
+        body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt, "priority": self.priority,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision, **sampling}
         if self.ignored_tools and not _said:  # once; the types are the client's text, kept out of the log

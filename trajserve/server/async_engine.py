@@ -104,7 +104,8 @@ class AsyncEngine:
         return fut
 
     async def add(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-                  request_id: str | None = None, lora: str | None = None) -> tuple[str, asyncio.Queue]:
+                  request_id: str | None = None, lora: str | None = None, priority: int = 0,
+                  program: str | None = None) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns its id and the queue its outputs arrive on.
         Raises ValueError (bad input) or QueueFull before anything is queued."""
         loop = asyncio.get_running_loop()
@@ -114,7 +115,8 @@ class AsyncEngine:
             waiting = len(engine.scheduler.waiting)
             if waiting >= self.max_waiting:
                 raise QueueFull(waiting, self.max_waiting, retry_after_s=1.0)
-            rid = engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt, lora=lora)
+            rid = engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt, lora=lora,
+                                     priority=priority, program=program)
             self._streams[rid] = _Stream(loop, q)
             return rid
 
@@ -122,10 +124,11 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
+                       lora: str | None = None, priority: int = 0,
+                       program: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step until it finishes. Leaving
         early (client gone, generator closed) aborts it and frees its blocks."""
-        rid, q = await self.add(prompt, params, cache_salt, lora=lora)
+        rid, q = await self.add(prompt, params, cache_salt, lora=lora, priority=priority, program=program)
         finished = False
         loop = asyncio.get_running_loop()
         check_at = loop.time() + DISCONNECT_CHECK_S

@@ -18,7 +18,9 @@ conversation the request belongs to: server/conversations.py):
   action release                            drop the turn's state when it ends
   speculative_prefill: true                 keep the state on the device for the next turn
   agent_context trajectory_id / program_id  the conversation (a trajectory is one line of calls)
-  priority, strict_priority, osl            accepted, not applied: the scheduler has no priorities
+  priority                                  the request's priority (Dynamo's higher-first, negated
+                                            into ours, lower first; a request's own priority wins)
+  strict_priority, osl                      accepted, not applied
 
 A request's own tool_wait_s / tool / tool_decision win over any hint.
 Unknown actions are ignored and counted; a hint that needs a session
@@ -30,10 +32,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
+from trajserve.config import PRIORITY_RANGE
 from trajserve.server.conversations import KEY_MAX
 
 ACTIONS = ("retain_full_prompt", "tool_wait", "release")
-NOT_APPLIED = ("priority", "strict_priority", "osl")
+NOT_APPLIED = ("strict_priority", "osl")
+SESSIONLESS = ("priority",)  # hints that apply to any request, a session's turn or not
 
 
 class KvHintAction(BaseModel):
@@ -86,6 +90,16 @@ def _number(payload: dict, key: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 10**7 else None
 
 
+def priority_from_hints(nvext: NvExt | None) -> int | None:
+    """Dynamo's agent_hints.priority (higher first) as a trajserve priority
+    (lower first), clamped into PRIORITY_RANGE; None without one."""
+    hinted = nvext.agent_hints.priority if nvext is not None and nvext.agent_hints is not None else None
+    if hinted is None:
+        return None
+    lo, hi = PRIORITY_RANGE
+    return max(lo, min(hi, -hinted))
+
+
 def pause_from_hints(kv_hints: KvHints | None, nvext: NvExt | None) -> tuple[dict, list[tuple[str, str, str]]]:
     """The pause the hints ask for ({"wait", "tool", "decision"}, any of
     them) and what was read: (source, hint, outcome) with outcome applied
@@ -111,6 +125,8 @@ def pause_from_hints(kv_hints: KvHints | None, nvext: NvExt | None) -> tuple[dic
         for name in NOT_APPLIED:
             if getattr(hints, name) is not None:
                 seen.append(("agent_hints", name, "not_applied"))
+        if hints.priority is not None:
+            seen.append(("agent_hints", "priority", "applied"))
         if hints.speculative_prefill:
             pause.setdefault("decision", "keep")
             seen.append(("agent_hints", "speculative_prefill", "applied"))

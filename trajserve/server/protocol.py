@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt
 
+from trajserve.config import PRIORITY_RANGE
 from trajserve.sampling import SamplingParams
 from trajserve.server.conversations import KEY_MAX
 from trajserve.server.generation_defaults import NONE as NO_DEFAULTS
@@ -92,6 +93,9 @@ class _Common(BaseModel):
     nvext: NvExt | None = None
     # Agent / tenant extensions.
     cache_salt: str | None = Field(default=None, description="requests share cached KV only within one salt")
+    priority: StrictInt | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+                                       description="lower runs first under --scheduling priority / program "
+                                                   "(vLLM's); default 0")
     session_id: str | None = Field(default=None, description="pins a trajectory (or header X-Session-Id)")
     tool_wait_s: float | None = Field(default=None, ge=0, description="a tool pause follows this turn: "
                                       "the session's state waits where the keep policy puts it")

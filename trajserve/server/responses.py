@@ -57,8 +57,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from trajserve.config import PRIORITY_RANGE
 from trajserve.outputs import RequestOutput
 from trajserve.server.conversations import KEY_MAX
 from trajserve.server.hints import KvHints, NvExt
@@ -146,6 +147,7 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None
     seed: int | None = None
     cache_salt: str | None = None
+    priority: StrictInt | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
     session_id: str | None = None
     tool_wait_s: float | None = Field(default=None, ge=0)
     tool: str | None = None
@@ -236,7 +238,7 @@ class ResponsesRequest(BaseModel):
         body = {"model": self.model, "messages": msgs, "max_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
-                "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
+                "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt, "priority": self.priority,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision, "kv_hints": self.kv_hints, "nvext": self.nvext,
                 "prompt_cache_retention": self.prompt_cache_retention}

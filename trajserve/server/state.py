@@ -27,7 +27,7 @@ from trajserve.server.conversations import conversation_id, inferred_tool, linea
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
 from trajserve.server.generation_defaults import NONE as NO_DEFAULTS
 from trajserve.server.generation_defaults import GenerationDefaults
-from trajserve.server.hints import pause_from_hints
+from trajserve.server.hints import SESSIONLESS, pause_from_hints, priority_from_hints
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.openai_format import chat_message
 from trajserve.server.prefix_break import TurnShape, diagnose
@@ -140,12 +140,14 @@ class ServerState:
                            param="max_tokens", code="context_length_exceeded")
 
     async def start(self, prompt, sp, salt, request: Request, stream: bool, param: str = "messages",
-                    lora: str | None = None) -> streams.Outputs:
+                    lora: str | None = None, order: dict | None = None) -> streams.Outputs:
         """Queue the request now (so bad input fails before a stream starts)
         and return its output iterator. param: the request's prompt field
-        (named by a context error); lora: the adapter (check_model)."""
+        (named by a context error); lora: the adapter (check_model); order:
+        its priority and program (order())."""
         try:
-            gen = self.aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected, lora=lora)
+            gen = self.aengine.generate(prompt, sp, salt, None if stream else request.is_disconnected, lora=lora,
+                                        **(order or {}))
             first = await anext(gen)
         except StopAsyncIteration:  # the client left before the first output: nothing to send
             first = None
@@ -210,6 +212,14 @@ class ServerState:
                 return None
         return await self.aengine.call(turn)
 
+    @staticmethod
+    def order(req, sess) -> dict:
+        """Where the scheduler puts the request (--scheduling priority /
+        program): its priority field, else Dynamo's hint, else 0; its
+        program: the session or conversation it is a turn of."""
+        priority = req.priority if req.priority is not None else priority_from_hints(req.nvext)
+        return {"priority": priority or 0, "program": sess.session_id if sess is not None else None}
+
     def _read_hints(self, req, sess) -> None:
         """Other engines' hint envelopes (server/hints.py): the pause they ask
         for, kept for the turn's end; each hint counted."""
@@ -218,7 +228,7 @@ class ServerState:
         pause, seen = pause_from_hints(req.kv_hints, req.nvext)
         for source, hint, outcome in seen:
             self.metrics.hints.labels(source, hint, "no_session" if outcome == "applied" and sess is None
-                                      else outcome).inc()
+                                      and hint not in SESSIONLESS else outcome).inc()
         req.hinted_pause = pause
 
     def end_session(self, sess, final: RequestOutput | None, req) -> None:
@@ -357,7 +367,7 @@ class ServerState:
             self._diagnose(sess, req, ids)
         self._read_hints(req, sess)
         try:
-            outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora)
+            outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora, order=self.order(req, sess))
         except APIError:
             self.end_session(sess, None, req)
             raise

@@ -47,7 +47,8 @@ def add_simulate_parser(p: argparse.ArgumentParser) -> None:
 
     # The engine's own rows (engine/options.py), at a GPU replica's defaults.
     e = add_engine_args(p, only=("num_blocks", "block_size", "watermark", "enable_prefix_caching", "max_num_seqs",
-                             "max_num_batched_tokens", "max_prefill_chunk", "admission_ceiling"),
+                             "max_num_batched_tokens", "max_prefill_chunk", "admission_ceiling",
+                             "scheduling", "program_half_life_s"),
                         defaults={"max_num_seqs": 256, "max_num_batched_tokens": 8192},
                         helps={"num_blocks": "KV pool (default: device memory, eqs. 3-5)"})
     e.add_argument("--spec-accept", type=float, default=None, metavar="A",

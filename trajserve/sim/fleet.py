@@ -139,7 +139,7 @@ class Fleet:
                 j = self.router.route(req_view, [self._load(i) for i in range(n)])
                 rid = f"{s.name}#{s.next}"
                 req = Request(rid, prompt, greedy_params(max(1, call.output_len)), self.cap,
-                              arrival_time=clock, cache_salt=call.cache_salt)
+                              arrival_time=clock, cache_salt=call.cache_salt, program=s.name)
                 if call.output_ids is not None:
                     self.cores[j][1].forced[rid] = call.output_ids
                 live[rid] = (s, req_view, j)

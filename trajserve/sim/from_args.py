@@ -46,7 +46,8 @@ def setup_from_args(args: argparse.Namespace, profile: dict | None = None):
         raise ValueError(f"--max-prefill-chunk must be >= 1 (unset: the token budget), got {args.max_prefill_chunk}")
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                             max_prefill_chunk=args.max_prefill_chunk,
-                            admission_ceiling=args.admission_ceiling)
+                            admission_ceiling=args.admission_ceiling, scheduling=args.scheduling,
+                            program_half_life_s=args.program_half_life_s)
     if profile is None and args.profile:
         profile = load_profile(args.profile)
     if profile is not None:

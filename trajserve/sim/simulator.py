@@ -311,7 +311,7 @@ class Simulator:
             n_out = max(2, n_out)  # branches need a token of their own after the shared first one
         rid = f"{s.name}#{s.next}"
         req = Request(rid, prompt, greedy_params(n_out), self.cap, arrival_time=arrival,
-                      cache_salt=call.cache_salt)
+                      cache_salt=call.cache_salt, program=s.name)  # an agent session's calls: one program
         live[rid] = (s, call, False)
         if call.output_ids is not None:
             forced[rid] = call.output_ids
@@ -325,7 +325,8 @@ class Simulator:
         s, call, _ = live[rid]
         children = [Request(f"{rid}.b{j + 1}", parent.prompt_token_ids, parent.sampling_params,
                             parent.max_total_tokens, arrival_time=parent.arrival_time,
-                            cache_salt=parent.cache_salt, first_token_time=parent.first_token_time,
+                            cache_salt=parent.cache_salt, program=parent.program,
+                            first_token_time=parent.first_token_time,
                             last_token_time=parent.last_token_time) for j in range(k)]
         self.sched.fork(parent, children)
         for j, child in enumerate(children):

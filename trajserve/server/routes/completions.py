@@ -48,7 +48,8 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
     if req.stream:
         # Every prompt is queued before the stream starts: one the engine
         # refuses is a 400 for the request, and the others are aborted.
-        started = await asyncio.gather(*(st.start(p, sp, req.cache_salt, request, True, "prompt", lora)
+        order = st.order(req, sess)
+        started = await asyncio.gather(*(st.start(p, sp, req.cache_salt, request, True, "prompt", lora, order)
                                          for p in prompts), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
         if failed:
@@ -67,7 +68,8 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
     async def one(p):
         final = None
         try:
-            final = await streams.last(await st.start(p, sp, req.cache_salt, request, False, "prompt", lora))
+            final = await streams.last(await st.start(p, sp, req.cache_salt, request, False, "prompt", lora,
+                                                      st.order(req, sess)))
             return final
         finally:
             st.end_session(sess, final, req)

@@ -1,0 +1,89 @@
+"""A request's priority and program through the four APIs: the body's
+`priority` (lower first) or Dynamo's agent_hints.priority (higher first,
+negated), the program a named conversation's session; bad priorities a 4xx
+naming the field."""
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trajserve.server.config import ServerConfig
+
+ENDPOINTS = {
+    "chat": ("/v1/chat/completions", lambda extra: {"messages": [{"role": "user", "content": "Say hi."}],
+                                                    "max_tokens": 3, **extra}),
+    "completions": ("/v1/completions", lambda extra: {"prompt": "Say hi.", "max_tokens": 3, **extra}),
+    "messages": ("/v1/messages", lambda extra: {"messages": [{"role": "user", "content": "Say hi."}],
+                                                "max_tokens": 3, **extra}),
+    "responses": ("/v1/responses", lambda extra: {"input": "Say hi.", "max_output_tokens": 3, **extra}),
+}
+
+
+@pytest.fixture
+def client(engine_f32, monkeypatch):
+    from trajserve.server.app import build_app
+
+    engine_f32.kv.clear_cache()
+    seen = []
+    add = engine_f32.add_request
+
+    def recording(*a, **kw):
+        seen.append((kw.get("priority"), kw.get("program")))
+        return add(*a, **kw)
+    monkeypatch.setattr(engine_f32, "add_request", recording)
+    app = build_app(engine_f32, ServerConfig(served_model_names=("m",)))
+    app.state.engine.start()
+    try:
+        with TestClient(app) as c:
+            c.seen = seen
+            yield c
+    finally:
+        app.state.engine.shutdown()
+        app.state.sessions.shutdown()
+
+
+def _post(client, api, **extra):
+    path, body = ENDPOINTS[api]
+    return client.post(path, json={"model": "m", "temperature": 0, **body(extra)})
+
+
+@pytest.mark.parametrize("api", list(ENDPOINTS))
+def test_the_bodys_priority_reaches_the_scheduler(client, api):
+    r = _post(client, api, priority=-7)
+    assert r.status_code == 200, r.text
+    assert client.seen[-1] == (-7, None)
+    assert _post(client, api).status_code == 200
+    assert client.seen[-1] == (0, None)  # the default
+
+
+def test_dynamos_hint_is_negated_and_the_body_wins(client):
+    hinted = {"agent_hints": {"priority": 5}}
+    assert _post(client, "chat", nvext=hinted).status_code == 200
+    assert client.seen[-1][0] == -5  # higher first there, lower first here
+    assert _post(client, "chat", nvext={"agent_hints": {"priority": 10**9}}).status_code == 200
+    assert client.seen[-1][0] == -1000  # clamped into the range
+    assert _post(client, "chat", nvext=hinted, priority=3).status_code == 200
+    assert client.seen[-1][0] == 3
+
+
+def test_a_conversations_calls_are_one_program(client):
+    for _ in range(2):
+        assert _post(client, "chat", prompt_cache_key="thread-1").status_code == 200
+    (a, pa), (b, pb) = client.seen[-2:]
+    assert pa is not None and pa == pb and pa.startswith("conv-")  # the session's id, never the client's key
+
+
+@pytest.mark.parametrize("api", list(ENDPOINTS))
+@pytest.mark.parametrize("bad", [1.5, True, "1", 10**6, -10**6, [1], {"p": 1}])
+def test_a_bad_priority_is_a_4xx_naming_the_field(client, api, bad):
+    r = _post(client, api, priority=bad)
+    # a field of the wrong type or range: 422 on the chat and completions endpoints, 400 on the others (their APIs')
+    assert r.status_code == (422 if api in ("chat", "completions") else 400), r.text
+    assert "priority" in r.json()["error"]["message"]
+    assert client.seen == []  # nothing queued
+
+
+def test_a_nan_priority_is_a_4xx(client):
+    r = client.post("/v1/chat/completions", content=b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
+                    b' "priority": NaN}', headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500 and "priority" in r.text, r.text

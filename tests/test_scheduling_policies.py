@@ -1,0 +1,155 @@
+"""--scheduling fcfs | priority | program on the scheduler with a stand-in
+model (tests/test_scheduler.py's: the next token a hash of the history):
+the order calls are admitted and preempted in, the attained service that
+orders programs, and the same tokens under every policy."""
+import math
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from test_scheduler import drive, make_requests, next_token, reference
+from trajserve.config import SchedulerConfig
+from trajserve.engine.attained_service import AttainedService
+from trajserve.engine.scheduler import Scheduler, check_priority
+from trajserve.kv.cache_manager import KVCacheManager
+
+
+def _admitted_order(policy: str, reqs, kv_blocks: int = 1000, **cfg) -> list[str]:
+    kv = KVCacheManager(kv_blocks, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, scheduling=policy, **cfg), kv)
+    for r in reqs:
+        sched.add(r)
+    order = []
+
+    def check(out):
+        for c in out.chunks:
+            if c.start == 0 and c.request.request_id not in order:
+                order.append(c.request.request_id)
+    drive(sched, kv, check)
+    for r in reqs:  # every policy computes the same tokens
+        assert r.all_token_ids[len(r.prompt_token_ids):] == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+    return order
+
+
+def test_priority_admits_lower_values_first_and_arrival_breaks_ties():
+    def reqs():
+        rs = make_requests([(20, 3)] * 4)
+        for r, p in zip(rs, [5, 0, 3, 0]):
+            r.priority = p
+        return rs
+    assert _admitted_order("fcfs", reqs()) == ["r0", "r1", "r2", "r3"]
+    assert _admitted_order("priority", reqs()) == ["r1", "r3", "r2", "r0"]
+
+
+def test_program_scheduling_puts_the_least_served_program_first():
+    """A long program's next call arrived first; a new program's first call
+    after it. FCFS and priority serve the long program; program scheduling
+    the new one, until the service it has attained passes the other's."""
+    def reqs():
+        rs = make_requests([(20, 3), (20, 3), (20, 3)])
+        rs[0].program, rs[1].program, rs[2].program = "long", "short", "long"
+        return rs
+    for policy in ("fcfs", "priority"):
+        assert _admitted_order(policy, reqs()) == ["r0", "r1", "r2"]
+    kv = KVCacheManager(1000, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, scheduling="program"), kv)
+    sched.now = time.monotonic()  # drive()'s clock
+    sched.service.add("long", 5000, sched.now)  # what its earlier calls were served
+    rs = reqs()
+    for r in rs:
+        sched.add(r)
+    order = []
+    drive(sched, kv, lambda out: order.extend(c.request.request_id for c in out.chunks
+                                              if c.start == 0 and c.request.request_id not in order))
+    assert order == ["r1", "r0", "r2"]
+    # 20 prompt rows and 2 decode rows (the third output is sampled, never computed)
+    assert sched.service.of("short", sched.now) == pytest.approx(22, rel=0.01)
+
+
+def test_priority_outranks_attained_service():
+    kv = KVCacheManager(1000, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, scheduling="program"), kv)
+    sched.service.add("busy", 10**6, 0.0)
+    rs = make_requests([(20, 2), (20, 2)])
+    rs[0].program, rs[1].program = "idle", "busy"
+    rs[1].priority = -1
+    for r in rs:
+        sched.add(r)
+    assert sched.schedule().chunks[0].request is rs[1]
+
+
+def test_attained_service_halves_every_half_life_and_stays_bounded(monkeypatch):
+    s = AttainedService(60.0)
+    s.add("a", 100, 0.0)
+    assert s.of("a", 60.0) == pytest.approx(50.0) and s.of("a", 120.0) == pytest.approx(25.0)
+    s.add("a", 10, 60.0)
+    assert s.of("a", 60.0) == pytest.approx(60.0)
+    assert s.of("never", 5.0) == 0.0
+    import trajserve.engine.attained_service as mod
+    monkeypatch.setattr(mod, "MAX_PROGRAMS", 8)
+    for i in range(20):
+        s.add(f"p{i}", i + 1, 60.0)
+    assert len(s) <= 8 and s.of("p19", 60.0) == 20  # the most-served stay
+    with pytest.raises(ValueError, match="half-life"):
+        AttainedService(0.0)
+
+
+@pytest.mark.parametrize("policy, victim", [("fcfs", "r1"), ("priority", "r0"), ("program", "r0")])
+def test_the_lowest_priority_running_request_is_preempted_first(policy, victim):
+    """Two requests grow until the pool is short: FCFS preempts the newest
+    (r1, the urgent one); priority and program scheduling the one of
+    the lowest priority (r0), whatever its age."""
+    kv = KVCacheManager(6, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, scheduling=policy), kv)
+    rs = make_requests([(30, 40), (30, 40)])
+    rs[0].priority, rs[1].priority = 5, 0
+    sched.add(rs[0])
+    sched.schedule()  # r0 admitted first
+    sched.add(rs[1])
+    first = {}
+
+    def check(out):
+        for r in out.preempted:
+            first.setdefault("victim", r.request_id)
+    drive(sched, kv, check)
+    assert first["victim"] == victim
+    for r in rs:
+        assert r.all_token_ids[30:] == reference(r.prompt_token_ids, 40)
+
+
+@settings(max_examples=25, deadline=None)
+@given(specs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 12), st.integers(-2, 2), st.integers(0, 3)),
+                      min_size=1, max_size=10),
+       blocks=st.integers(18, 40), policy=st.sampled_from(["fcfs", "priority", "program"]))
+def test_every_policy_computes_every_request_exactly(specs, blocks, policy):
+    """Any mix of priorities and programs, under a pool that forces
+    preemption (each fits alone: 72 tokens in 18 blocks of 4): every
+    request gets the tokens it gets alone."""
+    kv = KVCacheManager(blocks, 4, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, scheduling=policy), kv)
+    rs = make_requests([(p, m) for p, m, _, _ in specs])
+    for r, (_, _, prio, prog) in zip(rs, specs):
+        r.priority, r.program = prio, f"prog{prog}"
+        sched.add(r)
+    drive(sched, kv)
+    for r in rs:
+        assert r.all_token_ids[len(r.prompt_token_ids):] == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "1", 10**6, -10**6, math.nan, None])
+def test_a_bad_priority_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=r"priority must be an integer in \[-1000, 1000\]"):
+        check_priority(bad)
+
+
+def test_an_unknown_policy_is_refused_and_the_policy_is_fixed():
+    with pytest.raises(ValueError, match="scheduling must be one of fcfs, priority, program"):
+        SchedulerConfig(scheduling="lifo")
+    sched = Scheduler(SchedulerConfig(scheduling="priority"), KVCacheManager(10, 16, 0.0))
+    sched.reconfigure(max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="fixed"):
+        sched.reconfigure(scheduling="fcfs")
+
+
+assert next_token  # the stand-in model the helpers drive

@@ -34,10 +34,12 @@ def test_break_even_prices():
 def test_victim_is_the_newest_or_the_cheapest_to_bring_back(pricer):
     """A (oldest) needs a block for its next decode and the pool is full: the
     victim is C (the newest, 6 computed blocks) by default, B (1 computed
-    block, cheapest to recompute) with the break-even pricer."""
+    block, cheapest to recompute) with the break-even pricer. Arrival order
+    (fcfs) decides who asks for the block first, as the scenario needs."""
     kv = KVCacheManager(12, B, 0.0, enable_prefix_caching=True)
     rates = CostRates(prefill_tokens_per_s=1000.0, host_bytes_per_s=1e9, disk_bytes_per_s=1e9)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_prefill_chunk=256, admission_ceiling=1.0), kv,
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_prefill_chunk=256, admission_ceiling=1.0,
+                                      scheduling="fcfs"), kv,
                       PreemptionPricer(rates, 1000, B, can_swap=lambda n: False) if pricer else None)
     reqs = {name: Request(name, unique(i * 50, n), greedy(6), 10**6)
             for i, (name, n) in enumerate((("A", 16), ("B", 5), ("C", 24)))}

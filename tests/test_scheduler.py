@@ -93,10 +93,10 @@ def test_preemption_recompute_gives_identical_output():
     assert kv.pool.num_free == 12
 
 
-def test_preempts_newest_first():
+def test_fcfs_preempts_newest_first():
     kv = KVCacheManager(6, 4, 0.0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_prefill_chunk=100,
-                                      admission_ceiling=1.0), kv)
+                                      admission_ceiling=1.0, scheduling="fcfs"), kv)
     # 38 tokens each would not fit the 24-token pool even alone: the engine
     # caps a request at the pool's capacity, so it finishes with "length".
     a, b, c = make_requests([(8, 30), (8, 30), (7, 30)], max_total_tokens=kv.token_capacity)

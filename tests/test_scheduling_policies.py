@@ -153,3 +153,29 @@ def test_an_unknown_policy_is_refused_and_the_policy_is_fixed():
 
 
 assert next_token  # the stand-in model the helpers drive
+
+
+@pytest.mark.parametrize("policy, head_priority, served, taken", [
+    ("fcfs", -5, 0, False),         # FCFS never displaces a running call
+    ("priority", -5, 0, True),      # an urgent call takes the slot of a default one
+    ("priority", 0, 0, False),      # an equal one waits
+    ("program", 0, 10_000, True),   # a new program displaces one that has had 10,000 tokens
+    ("program", 0, 400, False),     # ... not one that has had 430 (30 prompt rows + 400) <= 2 x 0 + 512
+])
+def test_a_full_house_gives_the_queues_head_a_slot_only_when_it_outranks(policy, head_priority, served, taken):
+    kv = KVCacheManager(1000, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, scheduling=policy), kv)
+    long_call, head = make_requests([(30, 50), (20, 4)])
+    long_call.program, head.program = "long", "new"
+    head.priority = head_priority
+    sched.add(long_call)
+    sched.now = time.monotonic()
+    sched.update(sched.schedule(), {}, sched.now)  # running, its prompt computed
+    if sched.service is not None:
+        sched.service.add("long", served, sched.now)
+    sched.add(head)
+    out = sched.schedule()
+    assert (out.preempted == [long_call]) == taken
+    nxt = sched.schedule() if taken else None
+    if taken:  # the head runs the step after, the displaced call waits behind it
+        assert [c.request for c in nxt.chunks] == [head] and list(sched.waiting) == [long_call]

@@ -226,12 +226,16 @@ def test_estimated_waits_start_from_the_prior_then_follow_observed_waits():
 def test_memory_bound_fleet_policy_beats_always_keep():
     """The spec's pitfall (keeping paused state resident whatever the wait)
     on a pool that holds a fraction of the fleet: the policy finishes the same
-    work sooner, and every mode finishes every call."""
+    work sooner, and every mode finishes every call. In arrival order (fcfs):
+    the makespan is what is compared, and program scheduling trades it for
+    fairness between programs (it equalises the agents' service, so more of
+    them hold state at once; there the policy and always-keep end within 1 %)."""
     spec = AgentSpec(trajectories=64, turns=6, tool_wait="exp:5", seed=0)
     out = {}
     for mode in ("policy", "keep", "drop", "cache"):
         s = SimSetup(Hardware.from_device(get_device("h100")), ModelCost.from_spec(get_model("llama-3-70b"), 8),
-                     12_000, B, SchedulerConfig(256, 8192, 8192), keep_policy=mode, host_kv_bytes=2**40,
+                     12_000, B, SchedulerConfig(256, 8192, 8192, scheduling="fcfs"), keep_policy=mode,
+                     host_kv_bytes=2**40,
                      disk_kv_bytes=2**43)
         sim, tokens = s.simulator()
         res = sim.run(agent_sessions(spec, tokens))

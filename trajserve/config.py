@@ -243,11 +243,13 @@ class SchedulerConfig:
     num_speculative_tokens: int = 8
     # LoRA (trajserve/lora/): distinct adapters one step may run (slots).
     max_loras: int = 4
-    # The order of the waiting queue and of preemption victims (SCHEDULING):
-    # fcfs; priority (a request's priority, then arrival); program (priority,
-    # then the least service its program has attained, halving every
-    # program_half_life_s).
-    scheduling: str = "fcfs"
+    # The order of the waiting queue, of the step's budget and of preemption
+    # victims (SCHEDULING): fcfs; priority (a request's priority, then
+    # arrival); program (priority, then the least service its program has
+    # attained, halving every program_half_life_s): the default, as `bench
+    # programs` measured it (short agent programs' p99 about half FCFS's,
+    # long programs' throughput kept: docs/benchmarks.md).
+    scheduling: str = "program"
     program_half_life_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -46,6 +46,14 @@ from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.request import Request, RequestStatus
 
+# Under --scheduling program the queue's head takes a running call's slot
+# when that call's program has attained more than PREEMPT_SERVICE_RATIO
+# times the head's service plus PREEMPT_SERVICE_MIN tokens: a new program
+# (no service) displaces one that has had a few calls, while two programs
+# within a factor of two of each other do not trade a slot back and forth.
+PREEMPT_SERVICE_RATIO = 2.0
+PREEMPT_SERVICE_MIN = 512
+
 if TYPE_CHECKING:
     from trajserve.speculative.proposer import DraftProposer
 
@@ -185,6 +193,10 @@ class Scheduler:
                 ranked = sorted(self.waiting, key=self.rank)  # stable: a preempted request stays ahead of its peers
                 self.waiting.clear()
                 self.waiting.extend(ranked)
+            if self.waiting and len(self.running) >= self.config.max_num_seqs:
+                self._preempt_for(self.waiting[0], out)
+                decodes = [r for r in decodes if r.status is RequestStatus.RUNNING]
+                prefills = [r for r in prefills if r.status is RequestStatus.RUNNING]
         running = RequestStatus.RUNNING
         block_ids = self.kv.block_ids
         allocate = self.kv.allocate_slots
@@ -283,6 +295,18 @@ class Scheduler:
             if kv.num_active_blocks + need > self.ceiling_blocks:
                 kv.yield_holds(hit)
         return kv.num_active_blocks + need <= self.ceiling_blocks
+
+    def _preempt_for(self, head: Request, out: SchedulerOutput) -> None:
+        """Every slot is taken and the queue's head outranks the last in the
+        policy's order that runs: that one goes back to the queue (its
+        computed blocks to the prefix cache, so its recompute mostly hits),
+        and the head takes its slot next step. Under program scheduling, of
+        equal priorities, only by the PREEMPT_SERVICE_* rule above."""
+        victim = max(reversed(self.running), key=self.rank)  # the newest among equals
+        if head.priority < victim.priority or (
+                self.service is not None and head.priority == victim.priority
+                and self.rank(victim)[1] > PREEMPT_SERVICE_RATIO * self.rank(head)[1] + PREEMPT_SERVICE_MIN):
+            self._preempt(victim, out)
 
     def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """allocate_slots just failed for req: preempt the newest request not

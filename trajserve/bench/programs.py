@@ -1,0 +1,207 @@
+"""`trajserve bench programs`: short and long agent programs at once on the
+real engine, under each scheduling policy (--scheduling fcfs, priority,
+program; engine/scheduler.py).
+
+A program is an agent's line of calls. --long programs of --long-calls calls
+start together; --short programs of --short-calls calls arrive spread over
+the first --arrival-window-s seconds, while the long ones run. Each call
+sends the whole conversation again (its history, the reply, a tool result
+of random length) and gets a --reply-tokens greedy reply; between calls the
+program waits for its tool: a gap between the main agent's calls in the
+Claude Code traces (at most --wait-cap trace seconds) times --wait-scale.
+The engine runs at most --max-num-seqs calls at once (4 here), so calls
+queue as they do on a loaded server, over a pool of --kv-cache-memory (2 GiB
+here, the same for every policy). The same seeded workload runs under
+each policy in turn, in one process, each on a fresh engine.
+
+Per policy and class: the program's end-to-end time (its first call's
+arrival to its last call's last token), p50 and p99; the long programs'
+throughput (the tokens their calls computed, per second of the long
+programs' makespan). Greedy replies must be the same under every policy
+(a policy changes the order calls run in, never a token).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from trajserve.bench.agent_workload import preamble, task, tool_result
+
+POLICIES = ("fcfs", "priority", "program")
+TARGETS = {  # against fcfs, in one run
+    "short_p99_over_fcfs": ("<=", 0.5),
+    "long_throughput_over_fcfs": (">=", 0.9),
+}
+
+
+@dataclass
+class Program:
+    name: str
+    kind: str  # "short" | "long"
+    arrival: float
+    first: list[int]  # the first call's prompt
+    turns: list[tuple[list[int], float]]  # per later call: its tool result's tokens, the wait before it
+    # run state
+    history: list[int] = field(default_factory=list)
+    calls: int = 0
+    due: float = 0.0
+    rid: str | None = None
+    end: float | None = None
+    computed: int = 0  # prompt tokens computed (not from the cache) and outputs
+    replies: list[list[int]] = field(default_factory=list)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def build_workload(tok, args, rng: random.Random) -> list[Program]:
+    from trajserve.bench.agent_waits import trace_gaps
+
+    gaps = trace_gaps(args)
+    pre = preamble(tok, args.preamble_tokens)
+    programs = []
+    for i in range(args.long + args.short):
+        kind = "long" if i < args.long else "short"
+        n = args.long_calls if kind == "long" else args.short_calls
+        arrival = 0.05 * i if kind == "long" else rng.uniform(0.0, args.arrival_window_s)
+        turns = []
+        for _ in range(n - 1):
+            text = tool_result(tok, rng, rng.randint(args.tool_min_tokens, args.tool_max_tokens))
+            obs = f"<|im_end|>\n<|im_start|>user\nTool output:\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            turns.append((tok.encode(obs, add_special_tokens=False), rng.choice(gaps) * args.wait_scale))
+        first = tok.encode_chat([{"role": "system", "content": pre}, {"role": "user", "content": task(i)}])
+        programs.append(Program(f"{kind}{i}", kind, arrival, first, turns))
+    return programs
+
+
+def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
+    from trajserve.engine.engine import LLMEngine
+    from trajserve.sampling import SamplingParams
+
+    engine = LLMEngine(dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, scheduling=policy)))
+    progs = [dataclasses.replace(p, history=[], replies=[]) for p in workload]
+    for p in progs:
+        p.due = p.arrival
+    by_rid: dict[str, Program] = {}
+    sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
+    t0 = time.monotonic()
+    try:
+        while any(p.end is None for p in progs):
+            now = time.monotonic() - t0
+            for p in progs:
+                if p.end is None and p.rid is None and p.due <= now:
+                    ids = p.first if p.calls == 0 else p.history + p.turns[p.calls - 1][0]
+                    p.rid = engine.add_request(ids, sp, program=p.name)
+                    by_rid[p.rid] = p
+            if not engine.has_unfinished_requests():
+                time.sleep(max(0.0, min(p.due for p in progs if p.end is None and p.rid is None) - now))
+                continue
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                p = by_rid.pop(out.request_id)
+                reply = list(out.outputs[0].token_ids)
+                p.replies.append(reply)
+                p.computed += len(out.prompt_token_ids) - out.num_cached_tokens + len(reply)
+                p.history = list(out.prompt_token_ids) + reply
+                p.calls, p.rid = p.calls + 1, None
+                done = time.monotonic() - t0
+                if p.calls == len(p.turns) + 1:
+                    p.end = done
+                else:
+                    p.due = done + p.turns[p.calls - 1][1]
+    finally:
+        engine.close()
+    out = {"policy": policy, "replies": {p.name: p.replies for p in progs}}
+    for kind in ("short", "long"):
+        e2e = [p.end - p.arrival for p in progs if p.kind == kind]
+        out[kind] = {"programs": len(e2e), "p50_s": statistics.median(e2e), "p99_s": _percentile(e2e, 0.99),
+                     "mean_s": statistics.fmean(e2e)}
+    longs = [p for p in progs if p.kind == "long"]
+    span = max(p.end for p in longs) - min(p.arrival for p in longs)
+    out["long"]["tokens_per_s"] = sum(p.computed for p in longs) / span
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from trajserve.bench.common import command_line, machine_info
+    from trajserve.engine.engine import LLMEngine
+    from trajserve.engine.options import config_from_args
+
+    cfg = config_from_args(args)
+    probe = LLMEngine(cfg)
+    tok = probe.tokenizer
+    probe.close()
+    workload = build_workload(tok, args, random.Random(args.workload_seed))
+    results = {}
+    for policy in args.policies.split(","):
+        if policy not in POLICIES:
+            raise ValueError(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
+        results[policy] = run_policy(cfg, workload, policy, args)
+    base = results.get("fcfs")
+    same = all(r["replies"] == next(iter(results.values()))["replies"] for r in results.values())
+    report = {"command": command_line(), "machine": machine_info(), "same_replies": same,
+              "workload": {"long": [args.long, args.long_calls], "short": [args.short, args.short_calls],
+                           "reply_tokens": args.reply_tokens, "max_num_seqs": cfg.scheduler.max_num_seqs},
+              "policies": {k: {c: v[c] for c in ("short", "long")} for k, v in results.items()}}
+    if base is not None:
+        for k, v in results.items():
+            report["policies"][k]["short_p99_over_fcfs"] = v["short"]["p99_s"] / base["short"]["p99_s"]
+            report["policies"][k]["long_throughput_over_fcfs"] = v["long"]["tokens_per_s"] / base["long"]["tokens_per_s"]
+    best = report["policies"].get("program", {})
+    report["targets"] = {name: {"want": f"{op} {bound}", "got": best.get(name),
+                                "met": best.get(name) is not None and (best[name] <= bound if op == "<="
+                                                                       else best[name] >= bound)}
+                         for name, (op, bound) in TARGETS.items()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{args.long} long programs x {args.long_calls} calls, {args.short} short x {args.short_calls}, "
+          f"replies of {args.reply_tokens} tokens, at most {cfg.scheduler.max_num_seqs} calls at once")
+    print(f"{'policy':<9} {'short p50':>10} {'short p99':>10} {'long p50':>9} {'long p99':>9} {'long tok/s':>10} "
+          f"{'short p99 / fcfs':>17} {'long tok/s / fcfs':>18}")
+    for k, v in report["policies"].items():
+        print(f"{k:<9} {v['short']['p50_s']:>9.2f}s {v['short']['p99_s']:>9.2f}s {v['long']['p50_s']:>8.2f}s "
+              f"{v['long']['p99_s']:>8.2f}s {v['long']['tokens_per_s']:>10.1f} "
+              f"{v.get('short_p99_over_fcfs', float('nan')):>17.2f} {v.get('long_throughput_over_fcfs', float('nan')):>18.2f}")
+    print(f"greedy replies the same under every policy: {same}")
+    for name, t in report["targets"].items():
+        print(f"target {name} {t['want']}: {t['got'] if t['got'] is None else round(t['got'], 3)} "
+              f"({'met' if t['met'] else 'NOT met'})")
+    print(json.dumps(report))
+    return 0 if same else 1
+
+
+def add_parser(bsub) -> None:
+    from trajserve.engine.options import add_engine_args
+
+    s = bsub.add_parser("programs", help="short and long agent programs at once under each --scheduling "
+                        "policy: program end-to-end p50 / p99 per class")
+    s.add_argument("--long", type=int, default=4, help="long programs")
+    s.add_argument("--long-calls", type=int, default=10)
+    s.add_argument("--short", type=int, default=16, help="short programs")
+    s.add_argument("--short-calls", type=int, default=2)
+    s.add_argument("--arrival-window-s", type=float, default=10.0,
+                   help="short programs arrive at uniform times in [0, this]")
+    s.add_argument("--reply-tokens", type=int, default=24)
+    s.add_argument("--preamble-tokens", type=int, default=600)
+    s.add_argument("--tool-min-tokens", type=int, default=40)
+    s.add_argument("--tool-max-tokens", type=int, default=200)
+    s.add_argument("--wait-trace", default="claude-code", metavar="DIR",
+                   help="tool waits: the gaps between calls in these Claude Code traces ('claude-code': the "
+                   "repository's)")
+    s.add_argument("--wait-cap", type=float, default=60.0, help="longest trace gap kept, in trace seconds")
+    s.add_argument("--wait-scale", type=float, default=0.02, help="trace seconds to seconds here")
+    s.add_argument("--policies", default=",".join(POLICIES))
+    s.add_argument("--workload-seed", type=int, default=0)
+    s.add_argument("--json", action="store_true", help="print only JSON")
+    # One pool size for every policy's engine (a fraction of free memory would vary between them).
+    add_engine_args(s, defaults={"max_num_seqs": 4, "kv_cache_memory": "2GiB"})
+    s.set_defaults(func=run)

@@ -11,14 +11,10 @@ import pytest
 import torch
 
 from test_loader import hf_params
+from test_reference_hf_tiny import chunked_logits
 from tiny_models import tiny_hf_model
-from trajserve.engine.model_runner import ModelRunner, allocate_kv_pool
-from trajserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.model.llama import LlamaModel
 from trajserve.model.loader import load_weights
-from trajserve.request import Request
-from trajserve.sampling import SamplingParams
 
 # HF name (after model.layers.i.) -> llama.cpp's, written here independently of the loader's table.
 LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
@@ -85,21 +81,9 @@ def test_a_gemma3_gguf_scores_as_transformers(tmp_path, layer_types, pattern, cp
     assert cfg.window.layers == tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfg.final_logit_softcap == 5.0
     model = LlamaModel(cfg, weights, 256, torch.float32, "cpu", use_cpu_kernels=cpu_kernels)
-    block = 4
-    kv = KVCacheManager(64, block, 0.0)
-    runner = ModelRunner(model, allocate_kv_pool(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim,
-                                                 torch.float32, "cpu"), block)
     torch.manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (90,)).tolist()
-    req = Request("a", ids, SamplingParams(), 10**6)
-    assert kv.allocate_slots("a", len(ids))
-    table = kv.table("a").block_ids
-    rows = []
-    for start, end in ((0, 7), (7, 89), (89, 90)):
-        batch = runner.prepare(SchedulerOutput([ScheduledChunk(req, start, end - start, table)]))
-        batch.sample_rows = torch.arange(end - start)
-        batch.sample_meta = None
-        rows.append(runner.run(batch))
+    logits = chunked_logits(model, ids)
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(torch.cat(rows), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)

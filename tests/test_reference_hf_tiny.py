@@ -50,22 +50,29 @@ def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrid
     assert (cfg.window is not None) == (kind in ("mistral", "gemma3") or "use_sliding_window" in overrides)
     model = LlamaModel(cfg, weights, 256, torch.float32, "cpu", use_cpu_kernels=cpu_kernels)
     assert (model.kernels is not None) == (cpu_kernels and load_kernels() is not None)
-    block = 4
+    torch.manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (90,)).tolist()  # > original_max_position_embeddings
+    logits = chunked_logits(model, ids)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def chunked_logits(model: LlamaModel, ids: list[int], block: int = 4) -> torch.Tensor:
+    """Every row's logits of `ids` through a paged pool of `block`-token
+    blocks: a first chunk of 7, a chunk over that cached prefix, then the
+    last token as a decode."""
+    cfg = model.config
     kv = KVCacheManager(64, block, 0.0)
     runner = ModelRunner(model, allocate_kv_pool(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim,
                                                  torch.float32, "cpu"), block)
-    torch.manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (90,)).tolist()  # > original_max_position_embeddings
     req = Request("a", ids, SamplingParams(), 10**6)
     assert kv.allocate_slots("a", len(ids))
     table = kv.table("a").block_ids
     rows = []
-    # Prefill chunk, a chunk over the cached prefix, then one decode token.
-    for start, end in ((0, 7), (7, 89), (89, 90)):
+    for start, end in ((0, 7), (7, len(ids) - 1), (len(ids) - 1, len(ids))):
         batch = runner.prepare(SchedulerOutput([ScheduledChunk(req, start, end - start, table)]))
         batch.sample_rows = torch.arange(end - start)
         batch.sample_meta = None  # every row through the whole last layer
         rows.append(runner.run(batch))
-    with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(torch.cat(rows), ref, atol=1e-4, rtol=1e-4)
+    return torch.cat(rows)

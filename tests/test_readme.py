@@ -96,7 +96,7 @@ def test_the_readme_plan_examples_run(capsys, tmp_path, monkeypatch):
         assert main(argv) == 0, f"trajserve {' '.join(argv)}"
         out = capsys.readouterr().out
         answers = {"spec": "best draft length", "offload": "copy per round", "reads": "b_KV", "request": "TTFT",
-                   "goodput": "R_good", "task": "saves nothing", "lora": "one adapter"}
+                   "goodput": "R_good", "task": "saves nothing", "lora": "one adapter", "choose": "chosen: D"}
         if argv[1] in answers:  # a question beyond capacity: its own table
             assert answers[argv[1]] in out
         else:

@@ -82,7 +82,8 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="write concurrency vs context to this file")
     p.set_defaults(func=cmd_plan)
     questions = p.add_subparsers(dest="question", metavar="QUESTION",
-                                 help="spec | offload | reads | request: chapter 8's other sizing questions")
+                                 help="spec | offload | reads | request | goodput | task | lora | choose: "
+                                      "chapter 8's other sizing questions")
     from trajserve.commands.plan_questions import add_questions
     add_questions(questions)
 

@@ -54,6 +54,9 @@ def add_questions(questions) -> None:
     add_goodput_parser(questions.add_parser("goodput", help="Little's law, R_good, GPU time and energy per good result"))
     add_task_parser(questions.add_parser("task", help="a task's time when its stages speed up (Amdahl), with setup"))
     add_lora_parser(questions.add_parser("lora", help="LoRA adapters on one base model: bytes, and the KV they take"))
+    from trajserve.commands.plan_choose import add_choose_parser
+    add_choose_parser(questions.add_parser("choose", help="the configuration a deadline and a memory budget "
+                                           "leave (8.6.3): memory, time, GPU-s per good result"))
 
 
 def add_lora_parser(p: argparse.ArgumentParser) -> None:

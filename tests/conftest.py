@@ -72,7 +72,8 @@ def scripted():
     # tokens the prefix cache is said to have served.
     state = {"reply": "", "prompts": [], "params": [], "end": ("stop", None), "cached": 0}
 
-    async def generate(prompt, params, cache_salt=None, is_disconnected=None, lora=None, priority=0, program=None):
+    async def generate(prompt, params, cache_salt=None, is_disconnected=None, lora=None, priority=0, program=None,
+                       deadline_s=None):
         state["prompts"].append(prompt)
         state["params"].append(params)
         text = state["reply"]

@@ -50,6 +50,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from trajserve.config import PRIORITY_RANGE
+from trajserve.server.goodput import DEADLINE_MAX_MS
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server import cache_breakpoints
 from trajserve.server.context_edits import ContextEdit
@@ -155,6 +156,7 @@ class CountTokensRequest(BaseModel):
     # trajserve extensions, as on the OpenAI endpoints
     cache_salt: str | None = None
     priority: StrictInt | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    deadline_ms: float | None = Field(default=None, gt=0, le=DEADLINE_MAX_MS, allow_inf_nan=False)
     session_id: str | None = None
     tool_wait_s: float | None = Field(default=None, ge=0)
     tool: str | None = None
@@ -170,6 +172,7 @@ class CountTokensRequest(BaseModel):
             _check_results_answer_uses(m, self.messages[i - 1] if i else None, f"messages.{i}.content")
             msgs.extend(_chat_messages(m, f"messages.{i}.content"))
         body = {"model": self.model, "messages": msgs, "cache_salt": self.cache_salt, "priority": self.priority,
+                "deadline_ms": self.deadline_ms,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision, **sampling}
         if self.ignored_tools and not _said:  # once; the types are the client's text, kept out of the log

@@ -32,6 +32,7 @@ from trajserve.server.body_cap import BodyCap
 from trajserve.server.config import DEFAULT, ServerConfig
 from trajserve.server.errors import error_response, install_handlers
 from trajserve.server.header_limits import HeaderLimits
+from trajserve.server.goodput import SLO
 from trajserve.server.metrics import CountResponses, ServerMetrics
 from trajserve.server.routes import admin, chat, completions, lora, messages, responses, sessions
 from trajserve.server.state import ServerState, calls_format_for
@@ -76,7 +77,8 @@ def build_app(engine: LLMEngine, config: ServerConfig = DEFAULT) -> FastAPI:
             raise ValueError(f"--lora-modules: {', '.join(clash)} is also a served model name")
     # Touched only on the engine thread (through aengine.call / submit).
     manager = SessionManager(engine, config.sessions) if engine.kv.prefix_caching else None
-    metrics = ServerMetrics(lambda: aengine.snapshot, engine.block_bytes)
+    slo = SLO(*(None if ms is None else ms / 1e3 for ms in (config.slo_ttft_ms, config.slo_itl_ms)))
+    metrics = ServerMetrics(lambda: aengine.snapshot, engine.block_bytes, slo)
     aengine = AsyncEngine(engine, config.max_waiting, on_finished=metrics.observe,
                           extra_metrics=(lambda: {"sessions": manager.metrics()}) if manager is not None else None)
     state = ServerState(aengine, names, metrics, manager, calls_format, config.generation)

@@ -48,11 +48,12 @@ class StepFailed(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    deadline_s: float | None = None  # the request's own, for goodput (server/goodput.py)
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT.max_waiting,
-                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_finished: Callable[[RequestOutput, float | None], None] | None = None,
                  extra_metrics: Callable[[], dict] | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
@@ -105,7 +106,7 @@ class AsyncEngine:
 
     async def add(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                   request_id: str | None = None, lora: str | None = None, priority: int = 0,
-                  program: str | None = None) -> tuple[str, asyncio.Queue]:
+                  program: str | None = None, deadline_s: float | None = None) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns its id and the queue its outputs arrive on.
         Raises ValueError (bad input) or QueueFull before anything is queued."""
         loop = asyncio.get_running_loop()
@@ -117,18 +118,19 @@ class AsyncEngine:
                 raise QueueFull(waiting, self.max_waiting, retry_after_s=1.0)
             rid = engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt, lora=lora,
                                      priority=priority, program=program)
-            self._streams[rid] = _Stream(loop, q)
+            self._streams[rid] = _Stream(loop, q, deadline_s)
             return rid
 
         return await self.call(add), q
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
                        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                       lora: str | None = None, priority: int = 0,
-                       program: str | None = None) -> AsyncIterator[RequestOutput]:
+                       lora: str | None = None, priority: int = 0, program: str | None = None,
+                       deadline_s: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step until it finishes. Leaving
         early (client gone, generator closed) aborts it and frees its blocks."""
-        rid, q = await self.add(prompt, params, cache_salt, lora=lora, priority=priority, program=program)
+        rid, q = await self.add(prompt, params, cache_salt, lora=lora, priority=priority, program=program,
+                                deadline_s=deadline_s)
         finished = False
         loop = asyncio.get_running_loop()
         check_at = loop.time() + DISCONNECT_CHECK_S
@@ -167,10 +169,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         def job(engine: LLMEngine) -> None:
-            self._streams.pop(request_id, None)
+            st = self._streams.pop(request_id, None)
             out = engine.abort_request(request_id)
             if out is not None and self.on_finished is not None:
-                self.on_finished(out)
+                self.on_finished(out, st.deadline_s if st is not None else None)
         self._inbox.put((job, None, None))
         self._wake.set()
 
@@ -196,7 +198,7 @@ class AsyncEngine:
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                         if self.on_finished is not None:
-                            self.on_finished(out)
+                            self.on_finished(out, st.deadline_s if st is not None else None)
                     if st is not None:
                         st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
                 self._refresh_snapshot()
@@ -222,11 +224,10 @@ class AsyncEngine:
         loop stops for everyone (the caller's fatal path)."""
         log.exception("a step failed; aborting the requests in flight and going on")
         aborted = self.engine.abort_in_flight()
-        for out in aborted.values():
-            if out is not None and self.on_finished is not None:
-                self.on_finished(out)
-        for rid in aborted:
+        for rid, out in aborted.items():
             st = self._streams.pop(rid, None)
+            if out is not None and self.on_finished is not None:
+                self.on_finished(out, st.deadline_s if st is not None else None)
             if st is not None:
                 st.loop.call_soon_threadsafe(st.queue.put_nowait, StepFailed(
                     f"the step this request ran in failed ({e!r}); it was aborted, and the server goes on"))

@@ -39,6 +39,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="sampling defaults for requests that name none, as vLLM's: temperature, top_p, top_k, "
                         "repetition_penalty; and max_new_tokens, a cap on every reply (e.g. '{\"temperature\": 0, "
                         "\"max_new_tokens\": 512}': greedy replies for harnesses that send no temperature)")
+    s.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="the SLO's time to first token: /metrics counts the requests that meet it (goodput)")
+    s.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
+                   help="the SLO's time between output tokens (a request's mean): goodput counts against it too")
     s.add_argument("--tool-call-parser", choices=("auto", *FORMATS), default=DEFAULT.tool_call_parser,
                    help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
                         "for Qwen, Llama 3's JSON form)")

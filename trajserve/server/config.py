@@ -28,12 +28,18 @@ class ServerConfig:
     tool_call_parser: str = "auto"  # how the model writes tool calls (server/state.py calls_format_for)
     sessions: SessionConfig = field(default_factory=_server_sessions)
     generation: GenerationDefaults = GenerationDefaults()  # sampling defaults and the reply cap
+    # The SLO goodput counts against (server/goodput.py): None, no target.
+    slo_ttft_ms: float | None = None
+    slo_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_waiting, int) or self.max_waiting < 1:
             raise ValueError(f"--max-waiting must be >= 1, got {self.max_waiting}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
+        for flag, v in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms)):
+            if v is not None and not (0 < v < float("inf")):
+                raise ValueError(f"{flag} must be a positive number of milliseconds, got {v}")
         if self.api_keys is not None and not all(self.api_keys):
             raise ValueError("--api-key: a key must not be empty")
 
@@ -56,6 +62,7 @@ class ServerConfig:
                    max_body_bytes=args.max_body_bytes, api_keys=tuple(keys) if keys is not None else None,
                    allowed_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
                    generation=GenerationDefaults.parse(args.override_generation_config),
+                   slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
                    sessions=SessionConfig(idle_ttl_s=args.session_ttl or None, max_sessions=args.max_sessions or None,
                                           idle_keep_factor=args.idle_keep_factor))
 

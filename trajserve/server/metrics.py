@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from trajserve.outputs import RequestOutput
 from trajserve.server import log_guard
+from trajserve.server.goodput import OUTCOMES, SLO, WINDOW_S, Goodput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 BREAK_BUCKETS = (16, 64, 256, 1024, 4096, 16384, 65536)  # token positions
@@ -197,10 +198,25 @@ class LogCollector(Collector):
             yield fam
 
 
+class _GoodputCollector:
+    def __init__(self, goodput: Goodput) -> None:
+        self.goodput = goodput
+
+    def collect(self) -> Iterator:
+        fam = GaugeMetricFamily("trajserve_goodput_requests_per_second",
+                                f"R_good: finished requests on time over the last {WINDOW_S:g} s, per second (8.6.2)")
+        fam.add_metric([], self.goodput.rate())
+        yield fam
+
+
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], dict], bytes_per_block: int) -> None:
+    def __init__(self, snapshot: Callable[[], dict], bytes_per_block: int, slo: SLO = SLO()) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self.goodput = Goodput(slo)
+        self.slo_requests = Counter("trajserve_slo_requests", "finished requests by outcome against the SLO and "
+                                    "their own deadline: " + ", ".join(OUTCOMES) + " (server/goodput.py)",
+                                    ["outcome"], registry=r)
         self.ttft = Histogram("trajserve_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("trajserve_inter_token_latency_seconds", "time between output tokens",
                              buckets=LATENCY_BUCKETS, registry=r)
@@ -230,6 +246,7 @@ class ServerMetrics:
         self.http_responses = Counter("trajserve_http_responses", "HTTP responses by status code", ["code"],
                                       registry=r)
         r.register(_SnapshotCollector(snapshot, bytes_per_block))
+        r.register(_GoodputCollector(self.goodput))
         r.register(LogCollector())
 
     def observe_break(self, b) -> None:
@@ -237,7 +254,8 @@ class ServerMetrics:
         self.breaks.labels(b.cause).inc()
         self.break_lost.labels(b.cause).inc(b.lost_tokens)
 
-    def observe(self, out: RequestOutput) -> None:
+    def observe(self, out: RequestOutput, deadline_s: float | None = None) -> None:
+        self.slo_requests.labels(self.goodput.record(out, deadline_s)).inc()
         m = out.metrics
         if m.ttft is not None:
             self.ttft.observe(m.ttft)

@@ -16,6 +16,7 @@ from trajserve.sampling import SamplingParams
 from trajserve.server.conversations import KEY_MAX
 from trajserve.server.generation_defaults import NONE as NO_DEFAULTS
 from trajserve.server.generation_defaults import GenerationDefaults
+from trajserve.server.goodput import DEADLINE_MAX_MS
 from trajserve.server.hints import KvHints, NvExt
 from trajserve.server.tool_calls import hermes_text
 from trajserve.structured import StructuredOutput
@@ -93,6 +94,9 @@ class _Common(BaseModel):
     nvext: NvExt | None = None
     # Agent / tenant extensions.
     cache_salt: str | None = Field(default=None, description="requests share cached KV only within one salt")
+    deadline_ms: float | None = Field(default=None, gt=0, le=DEADLINE_MAX_MS, allow_inf_nan=False,
+                                      description="arrival to the last token, for goodput (or header "
+                                                  "x-trajserve-deadline-ms)")
     priority: StrictInt | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
                                        description="lower runs first under --scheduling priority / program "
                                                    "(vLLM's); default 0")

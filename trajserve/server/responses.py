@@ -60,6 +60,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from trajserve.config import PRIORITY_RANGE
+from trajserve.server.goodput import DEADLINE_MAX_MS
 from trajserve.outputs import RequestOutput
 from trajserve.server.conversations import KEY_MAX
 from trajserve.server.hints import KvHints, NvExt
@@ -148,6 +149,7 @@ class ResponsesRequest(BaseModel):
     seed: int | None = None
     cache_salt: str | None = None
     priority: StrictInt | None = Field(default=None, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    deadline_ms: float | None = Field(default=None, gt=0, le=DEADLINE_MAX_MS, allow_inf_nan=False)
     session_id: str | None = None
     tool_wait_s: float | None = Field(default=None, ge=0)
     tool: str | None = None
@@ -239,6 +241,7 @@ class ResponsesRequest(BaseModel):
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
                 "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt, "priority": self.priority,
+                "deadline_ms": self.deadline_ms,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision, "kv_hints": self.kv_hints, "nvext": self.nvext,
                 "prompt_cache_retention": self.prompt_cache_retention}

@@ -27,6 +27,7 @@ from trajserve.server.conversations import conversation_id, inferred_tool, linea
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
 from trajserve.server.generation_defaults import NONE as NO_DEFAULTS
 from trajserve.server.generation_defaults import GenerationDefaults
+from trajserve.server.goodput import DEADLINE_HEADER, check_deadline_ms
 from trajserve.server.hints import SESSIONLESS, pause_from_hints, priority_from_hints
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.openai_format import chat_message
@@ -213,12 +214,25 @@ class ServerState:
         return await self.aengine.call(turn)
 
     @staticmethod
-    def order(req, sess) -> dict:
+    def order(req, sess, request: Request) -> dict:
         """Where the scheduler puts the request (--scheduling priority /
         program): its priority field, else Dynamo's hint, else 0; its
-        program: the session or conversation it is a turn of."""
+        program: the session or conversation it is a turn of. And its own
+        deadline, for goodput: the body's deadline_ms, else the header."""
         priority = req.priority if req.priority is not None else priority_from_hints(req.nvext)
-        return {"priority": priority or 0, "program": sess.session_id if sess is not None else None}
+        deadline_ms = req.deadline_ms
+        header = request.headers.get(DEADLINE_HEADER)
+        if deadline_ms is None and header is not None:
+            try:
+                value = float(header)
+            except ValueError:
+                value = header[:64]  # named as it came (cut), never parsed further
+            try:
+                deadline_ms = check_deadline_ms(value, DEADLINE_HEADER)
+            except ValueError as e:
+                raise APIError(400, str(e), param=DEADLINE_HEADER) from None
+        return {"priority": priority or 0, "program": sess.session_id if sess is not None else None,
+                "deadline_s": None if deadline_ms is None else deadline_ms / 1e3}
 
     def _read_hints(self, req, sess) -> None:
         """Other engines' hint envelopes (server/hints.py): the pause they ask
@@ -367,7 +381,8 @@ class ServerState:
             self._diagnose(sess, req, ids)
         self._read_hints(req, sess)
         try:
-            outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora, order=self.order(req, sess))
+            outs = await self.start(ids, sp, req.cache_salt, request, req.stream, lora=lora,
+                                    order=self.order(req, sess, request))
         except APIError:
             self.end_session(sess, None, req)
             raise

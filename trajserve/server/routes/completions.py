@@ -48,7 +48,7 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
     if req.stream:
         # Every prompt is queued before the stream starts: one the engine
         # refuses is a 400 for the request, and the others are aborted.
-        order = st.order(req, sess)
+        order = st.order(req, sess, request)
         started = await asyncio.gather(*(st.start(p, sp, req.cache_salt, request, True, "prompt", lora, order)
                                          for p in prompts), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
@@ -69,7 +69,7 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
         final = None
         try:
             final = await streams.last(await st.start(p, sp, req.cache_salt, request, False, "prompt", lora,
-                                                      st.order(req, sess)))
+                                                      st.order(req, sess, request)))
             return final
         finally:
             st.end_session(sess, final, req)

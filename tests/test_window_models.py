@@ -158,3 +158,20 @@ def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp
     finally:
         mgr.shutdown()
         eng.close()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "gemma3"}, "Gemma 3's image-text checkpoint; supported: its text model"),
+    ({"layer_types": ["chunked_attention"] * 4}, r"unsupported layer_types \['chunked_attention'\]"),
+    ({"attn_logit_softcapping": 50.0}, "unsupported attn_logit_softcapping=50.0"),
+    ({"sliding_window": None}, "needs sliding_window >= 1"),
+])
+def test_what_the_engine_does_not_run_is_refused_by_name(tmp_path, change, message):
+    import json
+
+    from trajserve.model.hf_reader import _hf_config
+
+    tiny_hf_model("gemma3").config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text()) | change
+    with pytest.raises(ValueError, match=message):
+        _hf_config(raw)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import random
 import statistics
 import time
@@ -153,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
               "policies": {k: {c: v[c] for c in ("short", "long")} for k, v in results.items()}}
     if base is not None:
         for k, v in results.items():
-            report["policies"][k]["short_p99_over_fcfs"] = v["short"]["p99_s"] / base["short"]["p99_s"]
-            report["policies"][k]["long_throughput_over_fcfs"] = v["long"]["tokens_per_s"] / base["long"]["tokens_per_s"]
+            row = report["policies"][k]
+            row["short_p99_over_fcfs"] = v["short"]["p99_s"] / base["short"]["p99_s"]
+            row["long_throughput_over_fcfs"] = v["long"]["tokens_per_s"] / base["long"]["tokens_per_s"]
     best = report["policies"].get("program", {})
     report["targets"] = {name: {"want": f"{op} {bound}", "got": best.get(name),
                                 "met": best.get(name) is not None and (best[name] <= bound if op == "<="
@@ -170,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     for k, v in report["policies"].items():
         print(f"{k:<9} {v['short']['p50_s']:>9.2f}s {v['short']['p99_s']:>9.2f}s {v['long']['p50_s']:>8.2f}s "
               f"{v['long']['p99_s']:>8.2f}s {v['long']['tokens_per_s']:>10.1f} "
-              f"{v.get('short_p99_over_fcfs', float('nan')):>17.2f} {v.get('long_throughput_over_fcfs', float('nan')):>18.2f}")
+              f"{v.get('short_p99_over_fcfs', math.nan):>17.2f} "
+              f"{v.get('long_throughput_over_fcfs', math.nan):>18.2f}")
     print(f"greedy replies the same under every policy: {same}")
     for name, t in report["targets"].items():
         print(f"target {name} {t['want']}: {t['got'] if t['got'] is None else round(t['got'], 3)} "

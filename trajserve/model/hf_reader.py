@@ -67,14 +67,14 @@ def _context(raw: dict, scaling: dict | None) -> int:
 
 def _hf_config(raw: dict, name: str = "") -> ModelConfig:
     model_type = raw.get("model_type")
+    if model_type == "gemma3":
+        raise ValueError("model_type 'gemma3' is Gemma 3's image-text checkpoint; supported: its text model "
+                         "(model_type gemma3_text, Gemma3ForCausalLM)")
     arch = HF_MODEL_TYPES.get(model_type)
     if arch is None:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}"
         )
-    if model_type == "gemma3":
-        raise ValueError("model_type 'gemma3' is Gemma 3's image-text checkpoint; supported: its text model "
-                         "(model_type gemma3_text, Gemma3ForCausalLM)")
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if act not in HF_ACTIVATIONS or (act != "silu" and arch != "gemma3"):
         raise ValueError(f"unsupported hidden_act {act!r}; supported: silu (gelu_pytorch_tanh in gemma3_text)")

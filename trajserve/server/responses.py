@@ -240,8 +240,8 @@ class ResponsesRequest(BaseModel):
         body = {"model": self.model, "messages": msgs, "max_tokens": self.max_output_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stream": self.stream, "stream_options": {"include_usage": True} if self.stream else None,
-                "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt, "priority": self.priority,
-                "deadline_ms": self.deadline_ms,
+                "parallel_tool_calls": self.parallel_tool_calls, "cache_salt": self.cache_salt,
+                "priority": self.priority, "deadline_ms": self.deadline_ms,
                 "session_id": self.session_id, "tool_wait_s": self.tool_wait_s, "tool": self.tool,
                 "tool_decision": self.tool_decision, "kv_hints": self.kv_hints, "nvext": self.nvext,
                 "prompt_cache_retention": self.prompt_cache_retention}

@@ -102,3 +102,18 @@ def test_a_bad_deadline_is_a_4xx_naming_it(client, extra, headers, where):
 def test_slo_flags_must_be_positive():
     with pytest.raises(ValueError, match="--slo-ttft-ms must be a positive number"):
         ServerConfig(slo_ttft_ms=0)
+
+
+def test_a_bad_deadline_header_leaves_no_session_turn_open(client):
+    """The header is read after the conversation's turn began: a 400 ends it."""
+    for stream in (False, True):
+        r = client.post("/v1/completions", headers={"x-trajserve-deadline-ms": "soon"},
+                        json={"model": "m", "prompt": "Hi.", "max_tokens": 2, "stream": stream,
+                              "prompt_cache_key": "thread-1"})
+        assert r.status_code == 400 and "x-trajserve-deadline-ms" in r.text
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "Hi.", "max_tokens": 2,
+                                                 "prompt_cache_key": "thread-1"})
+        assert r.status_code == 200
+    sessions = client.get("/v1/sessions").json()["data"]
+    assert all(x["state"] in ("idle", "paused") for x in sessions)  # none left mid-turn
+    assert sum(x["turns"] for x in sessions) == 2  # the two good requests ran as turns

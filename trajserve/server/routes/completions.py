@@ -45,10 +45,14 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
     await st.compile_constraint(sp)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     sess = await st.begin_session(req, request, len(prompts), lora, prompts[0] if len(prompts) == 1 else None)
+    try:
+        order = st.order(req, sess, request)
+    except APIError:  # a bad deadline header: the turn never ran
+        st.end_session(sess, None, req)
+        raise
     if req.stream:
         # Every prompt is queued before the stream starts: one the engine
         # refuses is a 400 for the request, and the others are aborted.
-        order = st.order(req, sess, request)
         started = await asyncio.gather(*(st.start(p, sp, req.cache_salt, request, True, "prompt", lora, order)
                                          for p in prompts), return_exceptions=True)
         failed = [r for r in started if isinstance(r, BaseException)]
@@ -68,8 +72,7 @@ async def completions(req: CompletionRequest, request: Request, st: ServerState 
     async def one(p):
         final = None
         try:
-            final = await streams.last(await st.start(p, sp, req.cache_salt, request, False, "prompt", lora,
-                                                      st.order(req, sess, request)))
+            final = await streams.last(await st.start(p, sp, req.cache_salt, request, False, "prompt", lora, order))
             return final
         finally:
             st.end_session(sess, final, req)

@@ -17,7 +17,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on():
     engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64)))
     ae = AsyncEngine(engine)
     ended = []
-    ae.on_finished = ended.append
+    ae.on_finished = lambda out, deadline_s: ended.append(out)
     ae.start()
     real, calls = engine.sampler.sample, []
 

@@ -175,3 +175,13 @@ def test_what_the_engine_does_not_run_is_refused_by_name(tmp_path, change, messa
     raw = json.loads((tmp_path / "config.json").read_text()) | change
     with pytest.raises(ValueError, match=message):
         _hf_config(raw)
+
+
+def test_an_older_gemma3_config_names_its_windows_by_pattern():
+    from trajserve.config import WindowSpec
+
+    raw = {"model_type": "gemma3_text", "sliding_window": 512, "rope_local_base_freq": 10000.0}
+    assert WindowSpec.from_hf(raw, 12) == WindowSpec(512, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10), 10000.0)
+    assert WindowSpec.from_hf(raw | {"sliding_window_pattern": 3}, 6).layers == (0, 1, 3, 4)
+    assert WindowSpec.from_hf({"model_type": "mistral", "sliding_window": 4096}, 2).layers == (0, 1)
+    assert WindowSpec.from_hf({"model_type": "mistral", "sliding_window": None}, 2) is None

@@ -105,7 +105,7 @@ class WindowSpec:
         """The window layers as a config.json writes them (None: none):
         layer_types' "sliding_attention" ones (transformers 5: Gemma 3,
         gpt-oss, Qwen), else Gemma 3's older sliding_window_pattern (each
-        pattern-th layer global), else use_sliding_window (Qwen: the layers
+        pattern-th layer global; 6 where a gemma3_text config omits it), else use_sliding_window (Qwen: the layers
         from max_window_layers on), else Mistral's sliding_window (every
         layer). Gemma 3's window layers' RoPE base: rope_parameters
         ["sliding_attention"] or rope_local_base_freq."""
@@ -113,8 +113,8 @@ class WindowSpec:
         types = raw.get("layer_types")
         if types:
             layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-        elif raw.get("sliding_window_pattern"):
-            n = int(raw["sliding_window_pattern"])
+        elif raw.get("sliding_window_pattern") or raw.get("model_type") == "gemma3_text":
+            n = int(raw.get("sliding_window_pattern") or 6)  # Gemma 3's period where its config leaves it out
             layers = tuple(i for i in range(num_layers) if (i + 1) % n)
         elif raw.get("use_sliding_window"):
             layers = tuple(range(int(raw.get("max_window_layers") or 0), num_layers))

@@ -1,6 +1,6 @@
 """Goodput, live (inference-optimization 8.6.2): R_good = sum Q_i D_i / T_obs,
 the results per second that are correct (Q_i; taken as 1: no client reports
-correctness here yet) and on time (D_i).
+correctness here) and on time (D_i).
 
 A finished request is on time when it meets every target that applies:
 the server's SLO (`serve --slo-ttft-ms`, `--slo-itl-ms`: the time to the

@@ -1,6 +1,8 @@
-"""Run `trajserve serve` in a subprocess on an ephemeral 127.0.0.1 port."""
+"""Run `trajserve serve` in a subprocess on an ephemeral 127.0.0.1 port,
+or the server's app in process over an engine (`served`)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -10,6 +12,25 @@ import time
 import httpx
 
 from test_cli import _command
+
+
+@contextlib.contextmanager
+def served(engine, config):
+    """A TestClient on the app over `engine` (its cache cleared), its engine
+    loop running; the loop and the sessions shut down after."""
+    from fastapi.testclient import TestClient
+
+    from trajserve.server.app import build_app
+
+    engine.kv.clear_cache()
+    app = build_app(engine, config)
+    app.state.engine.start()
+    try:
+        with TestClient(app) as c:
+            yield c
+    finally:
+        app.state.engine.shutdown()
+        app.state.sessions.shutdown()
 
 
 class ServerProcess:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from fastapi.testclient import TestClient
 
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from server_util import served
 from trajserve.server.config import ServerConfig
 from trajserve.server.goodput import SLO, WINDOW_S, Goodput, check_deadline_ms, outcome
 
@@ -50,17 +50,8 @@ def test_a_bad_deadline_is_refused_by_name(bad):
 
 @pytest.fixture
 def client(engine_f32):
-    from trajserve.server.app import build_app
-
-    engine_f32.kv.clear_cache()
-    app = build_app(engine_f32, ServerConfig(served_model_names=("m",), slo_ttft_ms=60_000, slo_itl_ms=60_000))
-    app.state.engine.start()
-    try:
-        with TestClient(app) as c:
-            yield c
-    finally:
-        app.state.engine.shutdown()
-        app.state.sessions.shutdown()
+    with served(engine_f32, ServerConfig(served_model_names=("m",), slo_ttft_ms=60_000, slo_itl_ms=60_000)) as c:
+        yield c
 
 
 def _chat(client, headers=None, **extra):

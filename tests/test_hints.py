@@ -5,24 +5,15 @@ unknown, is counted."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
+from server_util import served
 from trajserve.server.config import ServerConfig
 
 
 @pytest.fixture
 def client(engine_f32):
-    from trajserve.server.app import build_app
-
-    engine_f32.kv.clear_cache()
-    app = build_app(engine_f32, ServerConfig(served_model_names=("m",)))
-    app.state.engine.start()
-    try:
-        with TestClient(app) as c:
-            yield c
-    finally:
-        app.state.engine.shutdown()
-        app.state.sessions.shutdown()
+    with served(engine_f32, ServerConfig(served_model_names=("m",))) as c:
+        yield c
 
 
 def chat(client, text="Say hi.", **extra):

@@ -5,8 +5,8 @@ naming the field."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
+from server_util import served
 from trajserve.server.config import ServerConfig
 
 ENDPOINTS = {
@@ -21,9 +21,6 @@ ENDPOINTS = {
 
 @pytest.fixture
 def client(engine_f32, monkeypatch):
-    from trajserve.server.app import build_app
-
-    engine_f32.kv.clear_cache()
     seen = []
     add = engine_f32.add_request
 
@@ -31,15 +28,9 @@ def client(engine_f32, monkeypatch):
         seen.append((kw.get("priority"), kw.get("program")))
         return add(*a, **kw)
     monkeypatch.setattr(engine_f32, "add_request", recording)
-    app = build_app(engine_f32, ServerConfig(served_model_names=("m",)))
-    app.state.engine.start()
-    try:
-        with TestClient(app) as c:
-            c.seen = seen
-            yield c
-    finally:
-        app.state.engine.shutdown()
-        app.state.sessions.shutdown()
+    with served(engine_f32, ServerConfig(served_model_names=("m",))) as c:
+        c.seen = seen
+        yield c
 
 
 def _post(client, api, **extra):

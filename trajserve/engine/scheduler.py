@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -165,12 +165,22 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def rank(self, req: Request) -> tuple:
-        """The policy's order (smaller first): priority, then under program
-        scheduling the service the request's program has attained."""
+    def ranking(self) -> Callable[[Request], tuple]:
+        """The policy's order for this step (smaller first): priority, then
+        under program scheduling the service the request's program has
+        attained, decayed once per program (a step sorts the running and
+        the waiting requests, many of them calls of the same programs)."""
         if self.service is None:
-            return (req.priority,)
-        return (req.priority, self.service.of(req.program or req.request_id, self.now))
+            return lambda req: (req.priority,)
+        of, now, served = self.service.of, self.now, {}
+
+        def rank(req: Request) -> tuple:
+            program = req.program or req.request_id
+            s = served.get(program)
+            if s is None:
+                s = served[program] = of(program, now)
+            return (req.priority, s)
+        return rank
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -187,14 +197,15 @@ class Scheduler:
         decodes = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
         if self.ordered:  # the budget goes to the first in the policy's order (stable: oldest first on a tie)
-            decodes.sort(key=self.rank)
-            prefills.sort(key=self.rank)
+            rank = self.ranking()
+            decodes.sort(key=rank)
+            prefills.sort(key=rank)
             if len(self.waiting) > 1:
-                ranked = sorted(self.waiting, key=self.rank)  # stable: a preempted request stays ahead of its peers
+                ranked = sorted(self.waiting, key=rank)  # stable: a preempted request stays ahead of its peers
                 self.waiting.clear()
                 self.waiting.extend(ranked)
             if self.waiting and len(self.running) >= self.config.max_num_seqs:
-                self._preempt_for(self.waiting[0], out)
+                self._preempt_for(self.waiting[0], out, rank)
                 decodes = [r for r in decodes if r.status is RequestStatus.RUNNING]
                 prefills = [r for r in prefills if r.status is RequestStatus.RUNNING]
         running = RequestStatus.RUNNING
@@ -296,16 +307,16 @@ class Scheduler:
                 kv.yield_holds(hit)
         return kv.num_active_blocks + need <= self.ceiling_blocks
 
-    def _preempt_for(self, head: Request, out: SchedulerOutput) -> None:
+    def _preempt_for(self, head: Request, out: SchedulerOutput, rank: Callable[[Request], tuple]) -> None:
         """Every slot is taken and the queue's head outranks the last in the
         policy's order that runs: that one goes back to the queue (its
         computed blocks to the prefix cache, so its recompute mostly hits),
         and the head takes its slot next step. Under program scheduling, of
         equal priorities, only by the PREEMPT_SERVICE_* rule above."""
-        victim = max(reversed(self.running), key=self.rank)  # the newest among equals
+        victim = max(reversed(self.running), key=rank)  # the newest among equals
         if head.priority < victim.priority or (
                 self.service is not None and head.priority == victim.priority
-                and self.rank(victim)[1] > PREEMPT_SERVICE_RATIO * self.rank(head)[1] + PREEMPT_SERVICE_MIN):
+                and rank(victim)[1] > PREEMPT_SERVICE_RATIO * rank(head)[1] + PREEMPT_SERVICE_MIN):
             self._preempt(victim, out)
 
     def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:

@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from test_scheduler import drive, make_requests, next_token, reference
 from trajserve.config import SchedulerConfig
 from trajserve.engine.attained_service import AttainedService
-from trajserve.engine.scheduler import Scheduler, check_priority
+from trajserve.engine.scheduler import Scheduler
+from trajserve.request import check_priority
 from trajserve.kv.cache_manager import KVCacheManager
 
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from trajserve.config import PRIORITY_RANGE
 from trajserve.kv.scope import CacheScope
 from trajserve.sampling import SamplingParams
 
@@ -136,3 +137,12 @@ class Request:
         if self.num_output_tokens >= sp.max_tokens or self.num_tokens >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def check_priority(priority: object) -> int:
+    """A request's priority: an integer in PRIORITY_RANGE (ValueError naming
+    the field and the range otherwise; a bool is not a priority)."""
+    lo, hi = PRIORITY_RANGE
+    if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority <= hi:
+        raise ValueError(f"priority must be an integer in [{lo}, {hi}] (lower runs first), got {priority!r}")
+    return priority

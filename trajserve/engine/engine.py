@@ -29,7 +29,7 @@ from trajserve.engine.invalidation import scopes_of_salt, stale_prefix
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelExecutor, ModelRunner, allocate_kv_pool
 from trajserve.engine.output_processor import OutputProcessor, RequestGroup
-from trajserve.engine.scheduler import Scheduler, check_priority
+from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.startup_line import startup_line
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.block_table import blocks_for
@@ -48,7 +48,7 @@ from trajserve.model.rope import stretched_rope
 from trajserve.model.sampler import Sampler
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer, read_chat_template
 from trajserve.outputs import CompletionOutput, RequestOutput
-from trajserve.request import Request, RequestStatus
+from trajserve.request import Request, RequestStatus, check_priority
 from trajserve.sampling import SamplingParams
 from trajserve.speculative.proposer import DraftProposer, SpecConfig, resolve_speculative
 from trajserve.structured import GrammarCompiler

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trajserve.config import PRIORITY_RANGE, SchedulerConfig
+from trajserve.config import SchedulerConfig
 from trajserve.engine.attained_service import AttainedService
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
@@ -485,15 +485,6 @@ class Scheduler:
         if not _remove_identical(self.running, req):
             _remove_identical(self.waiting, req)
         self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_scope)
-
-
-def check_priority(priority: object) -> int:
-    """A request's priority: an integer in PRIORITY_RANGE (ValueError naming
-    the field and the range otherwise; a bool is not a priority)."""
-    lo, hi = PRIORITY_RANGE
-    if not isinstance(priority, int) or isinstance(priority, bool) or not lo <= priority <= hi:
-        raise ValueError(f"priority must be an integer in [{lo}, {hi}] (lower runs first), got {priority!r}")
-    return priority
 
 
 def _remove_identical(seq: list[Request] | deque[Request], req: Request) -> bool:

@@ -1,6 +1,7 @@
 """Our Llama-family forward vs transformers on tiny random Llama (with Llama 3,
 linear and YaRN RoPE scaling), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), MoE,
-sliding-window (Mistral, Qwen2) and Gemma 3 checkpoints (windows shorter than the prompt):
+sliding-window (Mistral, Qwen2), Gemma 3 (windows shorter than the prompt) and DeepSeek V2 / V3
+(latent attention, grouped routing, shared experts) checkpoints:
 chunked prefill through the paged cache plus a decode step, every row; with
 the C kernels (cpu_kernels.c) and with the torch forward."""
 from pathlib import Path
@@ -40,6 +41,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
     ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1, "num_hidden_layers": 3}),
     ("gemma3", {}),
     ("gemma3", {"final_logit_softcapping": None, "tie_word_embeddings": False}),
+    ("deepseek_v2", {}),
+    ("deepseek_v2", {"q_lora_rank": None, "topk_method": "greedy", "first_k_dense_replace": 0}),
+    ("deepseek_v2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707}}),
+    ("deepseek_v3", {}),
 ])
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch"])
 def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrides: dict, cpu_kernels: bool):
@@ -64,8 +70,9 @@ def chunked_logits(model: LlamaModel, ids: list[int], block: int = 4) -> torch.T
     last token as a decode."""
     cfg = model.config
     kv = KVCacheManager(64, block, 0.0)
-    runner = ModelRunner(model, allocate_kv_pool(cfg.num_layers, 64, block, cfg.num_kv_heads, cfg.head_dim,
-                                                 torch.float32, "cpu"), block)
+    pools, heads, row = cfg.kv_pool_shape
+    runner = ModelRunner(model, allocate_kv_pool(cfg.num_layers, 64, block, heads, row, torch.float32, "cpu",
+                                                 tensors=pools), block)
     req = Request("a", ids, SamplingParams(), 10**6)
     assert kv.allocate_slots("a", len(ids))
     table = kv.table("a").block_ids

@@ -8,6 +8,10 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
     """A 2-layer random model; norms and biases randomized too, so a norm
     loaded into the wrong slot (or left at its init of ones) shows."""
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV2ForCausalLM,
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         LlamaConfig,
@@ -38,6 +42,12 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         # linearly scaled global RoPE, (1 + w) norms, sandwich norms, GELU,
         # queries scaled by query_pre_attn_scalar, soft-capped logits
         "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+        # latent attention (a latent of 32, RoPE keys of 8, a q bottleneck of
+        # 48), layer 0 dense, the next routed: 8 experts of 32, grouped, one
+        # shared expert
+        "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
+        # V3's router: sigmoid scores, a correction bias, renormalised weights
+        "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     args = dict(
@@ -63,6 +73,14 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
                                      "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                         "rope_theta": 1000000.0}},
                     final_logit_softcapping=5.0)
+    if kind in ("deepseek_v2", "deepseek_v3"):
+        args.update(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                    v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                    n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2)
+        # V2: 3 experts a token, all from the best of 2 groups (top_k 2 from 2 groups never differs from no groups)
+        args.update({"deepseek_v2": dict(topk_method="group_limited_greedy", routed_scaling_factor=1.5, n_group=2,
+                                         topk_group=1, num_experts_per_tok=3),
+                     "deepseek_v3": dict(norm_topk_prob=True, routed_scaling_factor=2.5)}[kind])
     if kind == "olmoe":
         args.update(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=0.5, eos_token_id=None,
                     pad_token_id=None, bos_token_id=None)
@@ -75,6 +93,9 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
                 p.normal_()
             elif ".experts." in name or name.endswith("mlp.gate.weight"):
                 p.normal_(std=0.2)  # experts that move the logits, a router that tells them apart
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek V3: a bias that changes the choice
+                b.normal_(std=0.1)
     return model.eval()
 
 

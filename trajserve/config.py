@@ -52,7 +52,18 @@ class MoESpec:
     expert_size: int
     norm_topk_prob: bool
     layers: tuple[int, ...]
-    shared_size: int = 0  # an always-on shared expert's intermediate size (DeepSeek, Qwen2-MoE); planner only
+    shared_size: int = 0  # an always-on shared expert's intermediate size (DeepSeek, Qwen2-MoE)
+    # DeepSeek's routers: "softmax" or "sigmoid" scores (V3: plus a learned
+    # correction bias that picks the experts but does not weight them); the
+    # chosen experts only from the best topk_group of n_group groups
+    # (group_score: a group's "max" score (V2) or its best two's sum, "top2"
+    # (V3)); the weights times routed_scale.
+    scoring: str = "softmax"
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    routed_scale: float = 1.0
 
     @classmethod
     def from_hf(cls, raw: dict, num_layers: int) -> MoESpec | None:
@@ -73,7 +84,23 @@ class MoESpec:
         first = int(raw.get("first_k_dense_replace") or 0)
         routed = tuple(i for i in range(num_layers) if i >= first and i not in dense and (i + 1) % step == 0)
         shared = int(raw.get("shared_expert_intermediate_size") or 0) or int(raw.get("n_shared_experts") or 0) * size
-        return cls(experts, top_k, size, bool(raw.get("norm_topk_prob", False)), routed, shared)
+        kind = raw.get("model_type")
+        if kind not in ("deepseek_v2", "deepseek_v3"):
+            return cls(experts, top_k, size, bool(raw.get("norm_topk_prob", False)), routed, shared)
+        v3 = kind == "deepseek_v3"
+        method = raw.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+        methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+        if method not in methods:
+            raise ValueError(f"unsupported topk_method {method!r} for {kind}; supported: {', '.join(methods)}")
+        grouped = v3 or method == "group_limited_greedy"
+        n_group, topk_group = (int(raw.get("n_group") or 1), int(raw.get("topk_group") or 1)) if grouped else (1, 1)
+        if experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group {n_group} must divide the {experts} experts and topk_group {topk_group} "
+                             f"be in [1, n_group]")
+        # V2's router never renormalises its top_k weights (its norm_topk_prob is unread).
+        return cls(experts, top_k, size, v3 and bool(raw.get("norm_topk_prob", False)), routed, shared,
+                   "sigmoid" if v3 else "softmax", v3, n_group, topk_group, "top2" if v3 else "max",
+                   float(raw.get("routed_scaling_factor") or 1.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +108,27 @@ class MLASpec:
     """Multi-head latent attention (DeepSeek V2/V3): a layer caches, per
     token, one compressed latent of kv_lora_rank values and one RoPE key of
     qk_rope_head_dim shared by every head, instead of per-head K and V;
-    queries go through a q_lora_rank bottleneck (0: none). The planner's."""
+    queries go through a q_lora_rank bottleneck (0: none). The engine's
+    pool keeps that latent and RoPE key as one row (model/mla.py)."""
     kv_lora_rank: int
     qk_rope_head_dim: int
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int = 0
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> MLASpec | None:
+        """A config.json's latent attention (None: none), DeepSeek V2 / V3's defaults where it is silent."""
+        if not raw.get("kv_lora_rank"):
+            return None
+        return cls(int(raw["kv_lora_rank"]), int(raw.get("qk_rope_head_dim") or 64),
+                   int(raw.get("qk_nope_head_dim") or 128), int(raw.get("v_head_dim") or 128),
+                   int(raw.get("q_lora_rank") or 0))
+
+    @property
+    def row(self) -> int:
+        """Values a token caches per layer: its latent, then its RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +175,7 @@ class WindowSpec:
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "olmoe" | "gemma3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "olmoe" | "gemma3" | "deepseek2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -175,8 +217,18 @@ class ModelConfig:
         """The start-up line's words for the architecture."""
         window = f", {len(self.window.layers)} of them sliding windows of {self.window.size:,} tokens" \
             if self.window else ""
+        if self.mla is not None:
+            m = self.mla
+            return (f"{self.architecture}, {self.num_layers} layers, {self.num_heads} heads, latent attention: "
+                    f"{m.kv_lora_rank} + {m.qk_rope_head_dim} RoPE values cached a token and layer")
         return (f"{self.architecture}, {self.num_layers} layers, {self.num_heads} q / {self.num_kv_heads} kv heads, "
                 f"head_dim {self.head_dim}{window}")
+
+    @property
+    def kv_pool_shape(self) -> tuple[int, int, int]:
+        """What the pool keeps per token and layer: (tensors, heads, values
+        a row): K and V of each KV head, or MLA's one latent row."""
+        return (1, 1, self.mla.row) if self.mla is not None else (2, self.num_kv_heads, self.head_dim)
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         """m_token = 2 * L * H_kv * d_head * b   (eq. 1, kv-cache-management);

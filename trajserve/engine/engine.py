@@ -123,15 +123,19 @@ class LLMEngine:
         mc = self.model_config
         cc = config.cache
         # kv_format: what a pool row is (model/kv_quant.py); kv_dtype: the pool tensors' dtype (uint8 for q8_0 / q4_0).
-        self.kv_format, why["kv"] = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels,
-                                                     mc.head_dim, cc.block_size, mc.num_heads // mc.num_kv_heads)
+        pools, pool_heads, row = mc.kv_pool_shape  # K and V per KV head, or a latent row
+        if mc.mla is not None and cc.kv_cache_dtype not in ("auto", str(self.dtype).removeprefix("torch.")):
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {cc.kv_cache_dtype} is not supported for latent "
+                             f"attention ({mc.architecture}: rows of {row} values); supported: auto, the compute dtype")
+        self.kv_format, why["kv"] = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.attention_kernels,
+                                                     row, cc.block_size, mc.num_heads // pool_heads)
         self.kv_dtype = self.kv_format.storage
         lora_bytes = LoRASlots.max_bytes(mc, config.scheduler.max_loras, config.max_lora_rank)  # kept free
         self.num_blocks = num_blocks_for(cc, mc, self.kv_format, self.device, lora_bytes if config.lora_enabled else 0)
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
                                  enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)
-        kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, mc.num_kv_heads,
-                                     mc.head_dim, self.kv_format, self.device)
+        kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, pool_heads, row,
+                                     self.kv_format, self.device, tensors=pools)
         self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None  # adapters
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size, self.lora.slots if self.lora else None,
                                   lora_kernels="lora" not in config.kernel_paths_off)
@@ -142,8 +146,8 @@ class LLMEngine:
         # A stretched RoPE stores other keys: blocks on disk must not pass for the unstretched model's.
         rope = f";rope={config.rope_scaling}x{config.rope_factor:g}" if config.rope_scaling else ""
         self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized) + rope),
-                                           self.kv_format.disk_name, (mc.num_layers, 2, mc.num_kv_heads, cc.block_size,
-                                            self.kv_format.row_elems(mc.head_dim)))
+                                           self.kv_format.disk_name, (mc.num_layers, pools, pool_heads, cc.block_size,
+                                            self.kv_format.row_elems(row)))
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
             self.lower = LowerTiers(self.runner.read_blocks, self.runner.write_blocks, cc.host_cache_bytes,
@@ -158,7 +162,8 @@ class LLMEngine:
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
         sc = config.scheduler
-        self.speculative, why["speculative"] = resolve_speculative(sc.speculative, self.model.kernels is not None)
+        self.speculative, why["speculative"] = resolve_speculative(sc.speculative,
+                                                                     self.model.attention_kernels is not None)
         if proposer is not None:
             self.speculative, why["speculative"] = proposer.config.method, "a proposer passed to the engine"
         elif self.speculative != "off":

@@ -64,15 +64,20 @@ class PreparedBatch:
 
 
 def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                     head_dim: int, fmt, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                     head_dim: int, fmt, device, tensors: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K and V per layer, [num_blocks, H_kv, B, row]: fmt a KVFormat
-    (model/kv_quant.py; a q8_0 / q4_0 row is bytes) or a float torch dtype."""
+    (model/kv_quant.py; a q8_0 / q4_0 row is bytes) or a float torch dtype.
+    tensors=1 (a latent attention's rows, ModelConfig.kv_pool_shape): one
+    tensor a layer, standing as both K and V (the same object twice)."""
     from trajserve.model.kv_quant import kv_format
 
     f = kv_format(fmt) if isinstance(fmt, torch.dtype) else fmt
     shape = (num_blocks, num_kv_heads, block_size, f.row_elems(head_dim))
-    return [(torch.zeros(shape, dtype=f.storage, device=device), torch.zeros(shape, dtype=f.storage, device=device))
-            for _ in range(num_layers)]
+    out = []
+    for _ in range(num_layers):
+        k = torch.zeros(shape, dtype=f.storage, device=device)
+        out.append((k, k if tensors == 1 else torch.zeros(shape, dtype=f.storage, device=device)))
+    return out
 
 
 class ModelRunner:
@@ -196,7 +201,7 @@ class ModelRunner:
         if dec_rows:
             meta.decode_rows = self._tensor(np.asarray(dec_rows, dtype=np.int64))
             nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
-            if self.model.kernels is not None:  # the C kernel reads the tables as they are
+            if self.model.attention_kernels is not None:  # the C kernel reads the tables as they are
                 meta.dec_tables = self._tensor(np.concatenate(dec_tables))
                 meta.dec_table_start = self._tensor(np.cumsum(nblocks) - nblocks)
                 meta.dec_ctx = self._tensor(np.asarray(dec_ctx, dtype=np.int64))
@@ -219,7 +224,8 @@ class ModelRunner:
         destination in the same step still gives its old content."""
         for k, v in self.kv_caches:
             k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+            if v is not k:
+                v.index_copy_(0, dst, v.index_select(0, src))
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """KV of these blocks as [n, layers, 2, kv_heads, block_size, head_dim] on
@@ -232,7 +238,8 @@ class ModelRunner:
         data = data.to(self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, idx, data[:, layer, 0])
-            v.index_copy_(0, idx, data[:, layer, 1])
+            if v is not k:
+                v.index_copy_(0, idx, data[:, layer, 1])
 
     def run(self, batch: PreparedBatch) -> torch.Tensor:
         """Float32 logits [len(batch.sample_rows), vocab]: with prompt spans,

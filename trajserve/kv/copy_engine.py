@@ -28,21 +28,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V pools [num_blocks, H_kv, B, d]
-HostBlocks = list[torch.Tensor] | torch.Tensor  # blocks of [layers, 2, H_kv, B, d]
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V pools [num_blocks, H_kv, B, d] (MLA: V is K)
+HostBlocks = list[torch.Tensor] | torch.Tensor  # blocks of [layers, 2, H_kv, B, d] (MLA: [layers, 1, 1, B, row])
 
 
 def gather_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     """KV of these blocks as [n, layers, 2, H_kv, B, d] on the host (the
-    layout the host and disk tiers store)."""
+    layout the host and disk tiers store; a latent attention's pool:
+    [n, layers, 1, 1, B, row], its one tensor a layer)."""
     k0 = kv_caches[0][0]
     idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
     # Gathered straight into the one output (2.2 -> 3.0 GB/s on a 2-core Xeon
     # for 64 blocks of SmolLM2, against stacking per-layer gathers twice).
-    out = torch.empty((len(block_ids), len(kv_caches), 2, *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
+    one = kv_caches[0][1] is k0  # a latent attention's pool: one tensor a layer (K and V the same)
+    out = torch.empty((len(block_ids), len(kv_caches), 1 if one else 2, *k0.shape[1:]), dtype=k0.dtype,
+                      device=k0.device)
     for layer, (k, v) in enumerate(kv_caches):
         out[:, layer, 0] = k.index_select(0, idx)
-        out[:, layer, 1] = v.index_select(0, idx)
+        if not one:
+            out[:, layer, 1] = v.index_select(0, idx)
     return out.cpu()
 
 
@@ -193,7 +197,8 @@ class CopyEngine:
                     # Gathered per layer: layer 0 is on the device after 1/L of the copy.
                     src = torch.stack([b[layer] for b in data]).to(self.device, non_blocking=True)
                     k.index_copy_(0, idx, src[:, 0])
-                    v.index_copy_(0, idx, src[:, 1])
+                    if v is not k:
+                        v.index_copy_(0, idx, src[:, 1])
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
                 job.seconds = time.perf_counter() - t

@@ -1,7 +1,8 @@
 """Lower KV tiers: host memory and disk (spec kv-cache-management "分层辅助存储").
 
 A saved state is a run of full blocks, stored as one tensor per block,
-[layers, 2 (K, V), kv_heads, block_size, head_dim], under a key chosen by
+[layers, 2 (K, V), kv_heads, block_size, head_dim] (a latent attention's:
+[layers, 1, 1, block_size, its row]), under a key chosen by
 the caller (the prefix cache: a block's chained hash; sessions: a counter
 of their own). The device pool stays the only place attention reads from:
 a reload copies blocks back into freshly allocated device blocks.
@@ -27,7 +28,7 @@ identity):
     namespace   16-byte digest of the cache namespace (model id, cache_salt)
     block hash  the block's chained hash (radix_cache.chain_hash: its tokens
                 and every token before it, under the namespace)
-    dtype, shape  the KV layout [layers, 2 (K, V), kv_heads, block_size, head_dim]
+    dtype, shape  the KV layout [layers, 2 (K, V), kv_heads, block_size, head_dim] (MLA: [layers, 1, 1, ...])
     payload bytes, then a checksum over the header before it and the payload
 
 Checksum: xxh3-64 (the `xxhash` package). It is 64 bits where CRC-32 is 32,
@@ -91,7 +92,7 @@ class BlockLayout:
     """What every block of one engine shares: the model and the KV layout."""
     model: bytes  # 16-byte fingerprint
     dtype: str  # "float32", "bfloat16", ...
-    shape: tuple[int, ...]  # one block: [layers, 2, kv_heads, block_size, head_dim]
+    shape: tuple[int, ...]  # one block: [layers, 2, kv_heads, block_size, head_dim] (MLA: [layers, 1, 1, block_size, row])
 
     @classmethod
     def of(cls, model: bytes, dtype: torch.dtype | str, shape: tuple[int, ...]) -> BlockLayout:

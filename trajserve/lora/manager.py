@@ -48,6 +48,9 @@ def check_name(name: object) -> str:
 class LoRAManager:
     def __init__(self, model: ModelConfig, max_loras: int, max_rank: int, lora_dir: str | None = None,
                  device="cpu", run_dtype: str = "auto") -> None:
+        if model.mla is not None:  # no q/k/v projections for an adapter's q_proj, k_proj, v_proj
+            raise ValueError(f"LoRA adapters on a {model.architecture} model are not supported (latent attention); "
+                             "serve it without --enable-lora / --lora-modules")
         if model.moe is not None:  # its MLPs are experts: an adapter's gate/up/down have no one place to go
             raise ValueError("LoRA adapters on a mixture-of-experts model are not supported (its MLPs are routed "
                              "experts); serve it without --enable-lora / --lora-modules")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from trajserve.config import ModelConfig, MoESpec, WindowSpec
+from trajserve.config import MLASpec, ModelConfig, MoESpec, WindowSpec
 
 # HF model_type -> our architecture. Mistral is Llama with other defaults.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                  "olmoe": "olmoe", "gemma3_text": "gemma3"}
+                  "olmoe": "olmoe", "gemma3_text": "gemma3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 # hidden_act (Gemma: hidden_activation) -> ours.
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -83,6 +83,9 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
     for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if raw.get(key):
             raise ValueError(f"unsupported {key}={raw[key]!r}; supported: none")
+    mla = MLASpec.from_hf(raw) if arch == "deepseek2" else None
+    if arch == "deepseek2" and (mla is None or raw.get("attention_bias")):
+        raise ValueError(f"a {model_type} config needs kv_lora_rank (latent attention) and no attention_bias")
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
     layers = int(raw["num_hidden_layers"])
@@ -99,8 +102,9 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         intermediate_size=int(raw["intermediate_size"]),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
+        num_kv_heads=heads if mla else int(raw.get("num_key_value_heads") or heads),
+        # A latent attention's RoPE rows are qk_rope_head_dim wide (its cache: ModelConfig.kv_pool_shape).
+        head_dim=mla.qk_rope_head_dim if mla else int(raw.get("head_dim") or hidden // heads),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
@@ -111,7 +115,8 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
         qk_norm_whole=arch == "olmoe",
         clip_qkv=float(raw["clip_qkv"]) if arch == "olmoe" and raw.get("clip_qkv") is not None else None,
-        moe=_moe(raw, layers) if arch in ("qwen3_moe", "olmoe") else None,
+        moe=_moe(raw, layers) if arch in ("qwen3_moe", "olmoe", "deepseek2") else None,
+        mla=mla,
         window=_window(raw, layers),
         norm_plus_one=gemma,
         sandwich_norms=gemma,
@@ -148,6 +153,38 @@ def _moe(raw: dict, num_layers: int) -> MoESpec | None:
     return spec
 
 
+def _rope_interleaved(raw: dict) -> bool:
+    """DeepSeek's RoPE dims come in interleaved pairs (x0, x1), (x2, x3), ...
+    (V2 always; V3 unless rope_interleave is false)."""
+    return raw.get("model_type") == "deepseek_v2" or (raw.get("model_type") == "deepseek_v3"
+                                                       and raw.get("rope_interleave", True))
+
+
+def deinterleave_rope_rows(w: torch.Tensor, heads: int, head_rows: int, rope: int) -> torch.Tensor:
+    """w's rows regrouped so that each head's last `rope` rows, in
+    interleaved pairs, come evens first, then odds: the rotate-half layout
+    (model/rope.py apply_rope) of the same rotation. Queries and keys
+    regrouped alike keep every score."""
+    w = w.reshape(heads, head_rows, *w.shape[1:]).clone()
+    tail = w[:, head_rows - rope:]
+    w[:, head_rows - rope:] = torch.cat([tail[:, 0::2], tail[:, 1::2]], dim=1)
+    return w.reshape(heads * head_rows, *w.shape[2:])
+
+
+def _latent_rope_rows(out: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """De-interleave DeepSeek's RoPE rows of q (q_b_proj or q_proj) and of k_pe (kv_a_proj_with_mqa's last rows)."""
+    m = cfg.mla
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.self_attn."
+        q = p + ("q_b_proj.weight" if m.q_lora_rank else "q_proj.weight")
+        if q in out:
+            out[q] = deinterleave_rope_rows(out[q], cfg.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim,
+                                            m.qk_rope_head_dim)
+        if p + "kv_a_proj_with_mqa.weight" in out:
+            out[p + "kv_a_proj_with_mqa.weight"] = deinterleave_rope_rows(out[p + "kv_a_proj_with_mqa.weight"], 1,
+                                                                          m.row, m.qk_rope_head_dim)
+
+
 def _safetensors_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -179,4 +216,6 @@ def _hf_tensors(d: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | tor
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    if cfg.mla is not None and _rope_interleaved(_read_hf_config(d)):
+        _latent_rope_rows(out, cfg)
     return out

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, Gemma 3) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, Gemma 3, DeepSeek V2 / V3)
+over a paged KV cache.
 
 The forward takes a flat batch of tokens from many sequences (decode tokens
 and prefill chunks mixed) and returns hidden states only for the rows that
@@ -16,7 +17,10 @@ Sliding-window layers (config.WindowSpec) attend to their latest tokens
 only (model/attention.py), with their own RoPE table where the window
 layers have their own base (Gemma 3). Gemma 3's (1 + w) norms are folded
 into w at load; its norms of the attention and MLP outputs
-(`attn_out_norm`, `mlp_out_norm`) run before the residual adds.
+(`attn_out_norm`, `mlp_out_norm`) run before the residual adds. DeepSeek's
+latent attention (model/mla.py) takes the place of q/k/v and o; its
+attention runs in torch over the latent rows (the C attention kernels take
+per-head K and V of up to 256 values), its products on the C kernels.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from trajserve.config import ModelConfig
 from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, paged_attention, write_kv
 from trajserve.model.linear import GateUpSilu, Linear, QGateUpSilu, QLinear, QLinearParts, use_onednn
+from trajserve.model.mla import LatentAttention, mla_scale
 from trajserve.model.moe import MoE
 from trajserve.model.quant import QuantizedWeight
 from trajserve.model.rope import apply_rope, cos_sin_table
@@ -39,7 +44,7 @@ if TYPE_CHECKING:
 
 
 class Layer:
-    __slots__ = ("qkv", "o", "gate_up", "down", "moe", "in_norm", "post_norm", "q_norm", "k_norm",
+    __slots__ = ("qkv", "o", "mla", "gate_up", "down", "moe", "in_norm", "post_norm", "q_norm", "k_norm",
                  "attn_out_norm", "mlp_out_norm", "window", "cos", "sin")
 
 
@@ -114,11 +119,16 @@ class LlamaModel:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             L = Layer()
-            L.qkv = lin(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
-                        bias=tuple(p + f"self_attn.{x}_proj.bias" for x in "qkv") if c.attention_bias else ())
-            # Some Llama/Qwen3 checkpoints with attention_bias also bias o_proj.
-            o_bias = p + "self_attn.o_proj.bias"
-            L.o = lin(p + "self_attn.o_proj.weight", bias=(o_bias,) if o_bias in weights else ())
+            L.mla = None
+            if c.mla is not None:
+                L.qkv = L.o = None
+                L.mla = self._latent_attention(p + "self_attn.", lin, norm, w)
+            else:
+                L.qkv = lin(*(p + f"self_attn.{x}_proj.weight" for x in "qkv"),
+                            bias=tuple(p + f"self_attn.{x}_proj.bias" for x in "qkv") if c.attention_bias else ())
+                # Some Llama/Qwen3 checkpoints with attention_bias also bias o_proj.
+                o_bias = p + "self_attn.o_proj.bias"
+                L.o = lin(p + "self_attn.o_proj.weight", bias=(o_bias,) if o_bias in weights else ())
             def mlp(m: str) -> tuple:
                 """(gate|up, down) of the SiLU MLP under prefix m: on the C
                 kernels gate|up returns the activation, on torch gate|up."""
@@ -137,7 +147,9 @@ class LlamaModel:
             if c.moe is not None and i in c.moe.layers:
                 L.gate_up = L.down = None
                 L.moe = MoE(c.moe, lin(p + "mlp.gate.weight"),
-                            [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)], self.kernels is not None)
+                            [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)], self.kernels is not None,
+                            mlp(p + "mlp.shared_experts.") if c.moe.shared_size else None,
+                            w(p + "mlp.gate.e_score_correction_bias", torch.float32) if c.moe.score_bias else None)
             else:
                 L.gate_up, L.down = mlp(p + "mlp.")
             L.in_norm = norm(p + "input_layernorm.weight")
@@ -160,12 +172,33 @@ class LlamaModel:
             L.cos, L.sin = local if i in windows else (self.cos, self.sin)
         self.embed_scale = torch.tensor(c.embed_scale, dtype=torch.float32) if c.embed_scale else None
 
+    def _latent_attention(self, p: str, lin, norm, w) -> LatentAttention:
+        """A DeepSeek layer's attention under prefix p: the input's products
+        into q (or its bottleneck) and into the latent are one product."""
+        c, m = self.config, self.config.mla
+        first = p + ("q_a_proj.weight" if m.q_lora_rank else "q_proj.weight")
+        return LatentAttention(m, c.num_heads, lin(first, p + "kv_a_proj_with_mqa.weight"),
+                               norm(p + "q_a_layernorm.weight") if m.q_lora_rank else None,
+                               lin(p + "q_b_proj.weight") if m.q_lora_rank else None,
+                               norm(p + "kv_a_layernorm.weight"), w(p + "kv_b_proj.weight"),
+                               lin(p + "o_proj.weight"), mla_scale(m, c.rope_scaling), self._rms)
+
+    @property
+    def attention_kernels(self):
+        """The C kernels that run the attention (None: torch's): a latent
+        attention's rows are wider than theirs, so torch runs it."""
+        return None if self.config.mla is not None else self.kernels
+
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE
         layer's: its router's and its experts' (a forward runs those its rows
         choose)."""
-        return [p for L in self.layers for p in ((L.qkv, L.o, L.moe.router, *L.moe.products()) if L.moe is not None
-                                                 else (L.qkv, L.o, L.gate_up, L.down))] + [self.lm_head]
+        out = []
+        for L in self.layers:
+            out += L.mla.products() if L.mla is not None else [L.qkv, L.o]
+            out += [L.moe.router, *L.moe.shared_products(), *L.moe.products()] if L.moe is not None \
+                else [L.gate_up, L.down]
+        return out + [self.lm_head]
 
     def weight_formats(self) -> dict[str, int]:
         """Bytes of the products' weights by the format they run in, as a
@@ -183,6 +216,10 @@ class LlamaModel:
                 else:
                     fmt = str(self.dtype).removeprefix("torch.")
                 out[fmt] = out.get(fmt, 0) + int(p.nbytes * share.get(id(product), 1.0))
+        absorbed = sum(L.mla.absorbed_bytes for L in self.layers if L.mla is not None)
+        if absorbed:  # latent attention's up-projections: plain matrices of the compute dtype
+            fmt = str(self.dtype).removeprefix("torch.")
+            out[fmt] = out.get(fmt, 0) + absorbed
         return out
 
     def _norm_qkv(self, L: Layer, qkv: torch.Tensor) -> None:
@@ -234,6 +271,11 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = self._rms(x, L.in_norm)
+            if L.mla is not None:
+                x, meta, sample_rows = self._latent_layer(i, L, h, x, positions, meta, k_cache, sample_rows,
+                                                          before_layer, sample_meta, i == last)
+                x = x + self._mlp(L, self._rms(x, L.post_norm))
+                continue
             qkv = L.qkv(h)
             if lora is not None:
                 self._lora_qkv(lora, i, h, qkv)
@@ -271,6 +313,27 @@ class LlamaModel:
                 lora.add(i, ("down_proj",), act, (x,))
         x = self._rms(x[sample_rows], self.norm)
         return self._softcap(self.lm_head(x).float())
+
+    def _latent_layer(self, i: int, L: Layer, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, pool: torch.Tensor, sample_rows, before_layer,
+                      sample_meta: AttentionMetadata | None, last: bool) -> tuple:
+        """A latent-attention layer's attention added to x: (x, meta,
+        sample_rows) for the rest of the forward (the last layer with
+        sample_meta goes on with the sampled rows only)."""
+        if before_layer is not None:
+            before_layer(i)
+        cos, sin = L.cos[positions].to(self.dtype), L.sin[positions].to(self.dtype)
+        if last and sample_meta is not None:
+            a = L.mla(h, cos, sin, meta, pool, sample_rows, sample_meta)
+            return x[sample_rows] + a, sample_meta, slice(None)
+        return x + L.mla(h, cos, sin, meta, pool), meta, sample_rows
+
+    def _mlp(self, L: Layer, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's output for its normed input h (routed experts or a dense MLP), before the residual add."""
+        if L.moe is not None:
+            return L.moe(h)
+        return L.down(L.gate_up(h) if self.kernels is not None and self.config.hidden_act == "silu"
+                      else self._gate(L.gate_up(h)))
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         """Embedding rows times Gemma's embed_scale (a float32 product, as transformers')."""
@@ -317,6 +380,11 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = K.rms_norm(x, L.in_norm, eps)
+            if L.mla is not None:  # (no adapters on a latent-attention model: lora/manager.py)
+                x, meta, sample_rows = self._latent_layer(i, L, h, x, positions, meta, k_cache, sample_rows,
+                                                          before_layer, sample_meta, i == last)
+                x += self._mlp(L, K.rms_norm(x, L.post_norm, eps))
+                continue
             qkv = L.qkv(h)
             if lora is not None:
                 self._lora_qkv(lora, i, h, qkv)

@@ -125,8 +125,10 @@ def expected_weight_names(cfg: ModelConfig) -> list[str]:
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
         names.append(pre + "input_layernorm.weight")
-        for proj in ("q", "k", "v", "o"):
-            names.append(pre + f"self_attn.{proj}_proj.weight")
+        if cfg.mla is not None:
+            names += [pre + f"self_attn.{n}.weight" for n in _mla_names(cfg)]
+        else:
+            names += [pre + f"self_attn.{proj}_proj.weight" for proj in ("q", "k", "v", "o")]
         if cfg.attention_bias:
             names += [pre + f"self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
         if cfg.qk_norm:
@@ -136,14 +138,24 @@ def expected_weight_names(cfg: ModelConfig) -> list[str]:
             names += [pre + "pre_feedforward_layernorm.weight", pre + "post_feedforward_layernorm.weight"]
         if cfg.moe is not None and i in cfg.moe.layers:  # the router, then each expert's MLP
             names.append(pre + "mlp.gate.weight")
+            if cfg.moe.score_bias:
+                names.append(pre + "mlp.gate.e_score_correction_bias")
             names += [pre + f"mlp.experts.{e}.{p}_proj.weight" for e in range(cfg.moe.num_experts)
                       for p in ("gate", "up", "down")]
+            if cfg.moe.shared_size:
+                names += [pre + f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
         else:
             names += [pre + f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     names.append("model.norm.weight")
     if not cfg.tie_word_embeddings:
         names.append("lm_head.weight")
     return names
+
+
+def _mla_names(cfg: ModelConfig) -> list[str]:
+    """A latent-attention layer's matrices and norms (self_attn.*)."""
+    q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if cfg.mla.q_lora_rank else ["q_proj"]
+    return q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
 
 
 def _check_names(cfg: ModelConfig, weights: dict[str, torch.Tensor], source: str) -> None:
@@ -171,6 +183,18 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
     leaf = name.split(".", 3)[-1] if name.startswith("model.layers.") else name
     if cfg.moe is not None and leaf.startswith("mlp.experts."):  # mlp.experts.E.gate_proj.weight
         leaf, ff = "mlp." + leaf.split(".", 3)[-1], cfg.moe.expert_size
+    if cfg.moe is not None and leaf.startswith("mlp.shared_experts."):
+        leaf, ff = "mlp." + leaf.split(".", 2)[-1], cfg.moe.shared_size
+    m = cfg.mla
+    if m is not None:  # DeepSeek's latent attention
+        qk, v_all = cfg.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), cfg.num_heads * m.v_head_dim
+        latent = {"self_attn.q_proj.weight": (qk, h), "self_attn.q_a_proj.weight": (m.q_lora_rank, h),
+                  "self_attn.q_a_layernorm.weight": (m.q_lora_rank,), "self_attn.q_b_proj.weight": (qk, m.q_lora_rank),
+                  "self_attn.kv_a_proj_with_mqa.weight": (m.row, h), "self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+                  "self_attn.kv_b_proj.weight": (cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                  "self_attn.o_proj.weight": (h, v_all)}
+        if leaf in latent:
+            return latent[leaf]
     shapes = {
         "model.embed_tokens.weight": (cfg.vocab_size, h),
         "lm_head.weight": (cfg.vocab_size, h),
@@ -193,5 +217,6 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "mlp.up_proj.weight": (ff, h),
         "mlp.down_proj.weight": (h, ff),
         "mlp.gate.weight": (cfg.moe.num_experts if cfg.moe is not None else 0, h),  # the router
+        "mlp.gate.e_score_correction_bias": (cfg.moe.num_experts if cfg.moe is not None else 0,),
     }
     return shapes[leaf]

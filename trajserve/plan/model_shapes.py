@@ -160,9 +160,7 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
         qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
         qk_norm_whole=model_type == "olmoe",
         moe=MoESpec.from_hf(raw, int(raw["num_hidden_layers"])),
-        mla=MLASpec(int(raw["kv_lora_rank"]), int(raw.get("qk_rope_head_dim") or 64),
-                    int(raw.get("qk_nope_head_dim") or 128), int(raw.get("v_head_dim") or 128),
-                    int(raw.get("q_lora_rank") or 0)) if raw.get("kv_lora_rank") else None,
+        mla=MLASpec.from_hf(raw),
         window=WindowSpec.from_hf(raw, int(raw["num_hidden_layers"])),
         name=str(raw.get("_name_or_path") or f.parent.name),
     )

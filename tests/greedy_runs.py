@@ -1,0 +1,93 @@
+"""Greedy runs of a tiny model's directory through the engine, shared by
+the model-family tests (windows, latent attention): three prompts, two of
+them over a shared head of 24 tokens, 64 greedy tokens each."""
+from __future__ import annotations
+
+import torch
+
+from trajserve.config import CacheConfig, EngineConfig
+from trajserve.engine.engine import LLMEngine
+from trajserve.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def engine(d, cache: dict | None = None, **kw) -> LLMEngine:
+    """float32, 96 blocks of 4 tokens, prefix caching on, unless `cache` says otherwise."""
+    c = dict(num_blocks=96, block_size=4, enable_prefix_caching=True) | (cache or {})
+    return LLMEngine(EngineConfig(model=str(d), dtype="float32", cache=CacheConfig(**c), **kw))
+
+
+def prompts() -> list[list[int]]:
+    torch.manual_seed(5)
+    shared = torch.randint(0, 299, (24,)).tolist()  # a head the second and third share
+    return [torch.randint(0, 299, (17,)).tolist(), shared + [7, 8, 9], shared + [11, 12] + list(range(20, 34))]
+
+
+def run(eng: LLMEngine, batch: list[list[int]], cached: list[int] | None = None) -> list[list[int]]:
+    """Greedy tokens of each prompt, run together; `cached` gets each one's prefix-cache hit."""
+    rids = [eng.add_request(p, GREEDY) for p in batch]
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    if cached is not None:
+        cached.extend(done[r].num_cached_tokens for r in rids)
+    return [list(done[r].outputs[0].token_ids) for r in rids]
+
+
+def run_staggered(eng: LLMEngine, batch: list[list[int]]) -> list[list[int]]:
+    """As run, the first prompt a step ahead of the others: cached heads are hit while it decodes."""
+    rids = [eng.add_request(batch[0], GREEDY)]
+    eng.step()
+    rids += [eng.add_request(p, GREEDY) for p in batch[1:]]
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    return [done[r] for r in rids]
+
+
+def hf_greedy(hf, batch: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy 64 tokens of each prompt, alone."""
+    out = []
+    for p in batch:
+        with torch.inference_mode():
+            g = hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, min_new_tokens=64)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def paused_turns(d, decision: str, disk_dir) -> tuple[list[int], list[int], str, int]:
+    """Two 12-token turns of a session over prompts()[2] and an observation,
+    once straight through and once paused between them (`decision`: keep,
+    host, disk or drop): (the second turn's tokens unpaused, paused, where
+    the paused state went, blocks it saved to a tier)."""
+    from trajserve.sessions.config import SessionConfig
+    from trajserve.sessions.manager import SessionManager
+
+    eng = engine(d)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt, observation = prompts()[2], list(range(40, 61))
+    mgr = SessionManager(eng, SessionConfig(disk_dir=str(disk_dir)))
+    try:
+        s = mgr.open(prompt)
+        s.generate(params)
+        s.history.extend(observation)
+        want = list(s.generate(params).outputs[0].token_ids)
+        s.close()
+        eng.kv.clear_cache()
+        s = mgr.open(prompt)
+        s.generate(params)
+        s.pause(decision=decision)
+        mgr.flush()
+        residency, saved = s.residency.value, s.saved_blocks
+        s.resume(observation)
+        got = list(s.generate(params).outputs[0].token_ids)
+        s.close()
+        return want, got, residency, saved
+    finally:
+        mgr.shutdown()
+        eng.close()

@@ -1,0 +1,162 @@
+"""Latent-attention models (model/mla.py) through the engine, on tiny random
+DeepSeek V2 (a q bottleneck, grouped softmax routing, a shared expert) and
+DeepSeek V3 (sigmoid routing with its correction bias) written by
+transformers: greedy tokens over 64 as transformers generates them, alone
+and batched with a warm prefix cache, on the C kernels and on torch; the same
+tokens whatever the chunk size, block size, preemption, host-tier reload or
+pause to each tier; the pool keeps one latent row a token and layer, as many
+bytes as the planner counts; what the engine does not run is refused by name."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tiny_models import save_with_tokenizer, tiny_hf_model
+from greedy_runs import engine, hf_greedy, paused_turns, prompts, run, run_staggered
+from trajserve.config import SchedulerConfig
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def model_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    hf = tiny_hf_model(request.param, num_hidden_layers=3)
+    save_with_tokenizer(hf, d)
+    return d, hf
+
+
+
+
+
+
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return hf_greedy(model_dir[1], prompts())
+
+
+@pytest.mark.parametrize("kw", [{}, {"cpu_kernels": False}], ids=["c-kernels", "torch"])
+def test_greedy_tokens_match_transformers_alone_and_batched(model_dir, reference, kw):
+    d, _ = model_dir
+    eng = engine(d, **kw)
+    try:
+        mc = eng.model_config
+        assert mc.architecture == "deepseek2" and mc.mla.row == 40 and mc.moe.layers == (1, 2)
+        assert "latent attention" in eng.startup_summary
+        cached: list[int] = []
+        assert [run(eng, [p], cached)[0] for p in prompts()] == reference  # alone: the third hits the head
+        assert cached[:2] == [0, 0] and cached[2] >= 24
+        eng.kv.clear_cache()
+        assert run(eng, prompts()) == reference  # together: prefill and decode rows mixed in one batch
+    finally:
+        eng.close()
+
+
+def test_the_pool_keeps_one_latent_row_a_token_and_layer_as_the_planner_counts(model_dir):
+    """(kv_lora_rank + qk_rope_head_dim) x layers x 4 bytes a token (eq. 1
+    for MLA), the planner's m_token of the same config.json; no per-head K
+    or V anywhere: the attention reads the latent rows as both."""
+    from trajserve.plan.kv_format import m_token
+    from trajserve.plan.model_shapes import read_hf_config, total_params
+
+    d, hf = model_dir
+    eng = engine(d)
+    try:
+        mc, B = eng.model_config, eng.config.cache.block_size
+        for k, v in eng.runner.kv_caches:
+            assert v is k and tuple(k.shape) == (eng.num_blocks, 1, B, 32 + 8)
+        planned, _, _ = read_hf_config(d)
+        assert eng.kv_format.bytes_per_token(mc) == (32 + 8) * 3 * 4 == m_token(planned, "fp32")
+        assert eng.block_bytes * eng.num_blocks == sum(k.numel() * k.element_size() for k, _ in eng.runner.kv_caches)
+        assert total_params(planned) == sum(p.numel() for p in hf.parameters())  # as transformers counts it
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("case", ["chunk-5", "block-16", "preempt", "host-tier", "no-prefix-cache"])
+def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, reference, case):
+    d, _ = model_dir
+    kw: dict = {}
+    cache: dict = {}
+    if case == "chunk-5":
+        kw["scheduler"] = SchedulerConfig(max_num_batched_tokens=5)
+    elif case == "block-16":
+        cache = {"block_size": 16, "num_blocks": 24}
+    elif case == "preempt":  # 3 x (up to 104 tokens) in 40 blocks of 4: someone is preempted and recomputed
+        cache = {"num_blocks": 40}
+    elif case == "host-tier":  # evicted prefixes go to host memory (one latent tensor a layer) and load back
+        cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22}
+    else:
+        cache = {"enable_prefix_caching": False}
+    eng = engine(d, cache, **kw)
+    try:
+        assert eng.speculative == "off"  # auto: the attention is torch's, a verified row not a decode's bits
+        batch = prompts()
+        assert run(eng, batch) == reference
+        assert run_staggered(eng, batch) == reference  # again, staggered over the cached heads
+        if case == "preempt":
+            assert eng.scheduler.num_preemptions > 0
+        if case == "host-tier":
+            assert eng.kv.stats().promoted_blocks > 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
+def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
+    want, got, residency, saved = paused_turns(model_dir[0], decision, tmp_path / "kv")
+    assert residency == {"keep": "kept", "drop": "dropped"}.get(decision, "offloaded")
+    assert (saved > 0) == (decision in ("host", "disk"))  # the state went down to its tier
+    assert got == want
+
+
+def test_lora_and_a_quantized_latent_pool_are_refused_by_name(model_dir):
+    d, _ = model_dir
+    with pytest.raises(ValueError, match="deepseek2 model are not supported"):
+        engine(d, enable_lora=True)
+    with pytest.raises(ValueError, match="q8_0 is not supported for latent attention"):
+        engine(d, {"kv_cache_dtype": "q8_0"})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"topk_method": "noaux_tc"}, "unsupported topk_method 'noaux_tc' for deepseek_v2"),
+    ({"kv_lora_rank": None}, "needs kv_lora_rank"),
+    ({"attention_bias": True}, "no attention_bias"),
+    ({"n_group": 3}, "n_group 3 must divide the 8 experts"),
+])
+def test_what_the_engine_does_not_run_is_refused_by_name(tmp_path, change, message):
+    from trajserve.model.hf_reader import _hf_config
+
+    tiny_hf_model("deepseek_v2").config.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text()) | change
+    with pytest.raises(ValueError, match=message):
+        _hf_config(raw)
+
+
+def test_routing_matches_transformers_routers():
+    """route() against transformers' own router modules on random hidden
+    states: the same experts and weights for every token."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from trajserve.config import MoESpec
+    from trajserve.model.moe import route
+
+    for kind, router_cls in (("deepseek_v2", DeepseekV2TopkRouter), ("deepseek_v3", DeepseekV3TopkRouter)):
+        config = tiny_hf_model(kind).config
+        router = router_cls(config)
+        torch.manual_seed(3)
+        with torch.no_grad():
+            router.weight.normal_()
+            bias = None
+            if kind == "deepseek_v3":
+                router.e_score_correction_bias.normal_(std=0.1)
+                bias = router.e_score_correction_bias
+        spec = MoESpec.from_hf(config.to_dict(), config.num_hidden_layers)
+        h = torch.randn(200, config.hidden_size)
+        _, want_w, want_e = router(h)
+        w, e = route(spec, h @ router.weight.T, bias)
+        order_want, order = want_e.sort(dim=-1), e.sort(dim=-1)
+        assert torch.equal(order.values, order_want.values)
+        torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, order_want.indices))

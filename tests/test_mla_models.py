@@ -1,11 +1,8 @@
-"""Latent-attention models (model/mla.py) through the engine, on tiny random
-DeepSeek V2 (a q bottleneck, grouped softmax routing, a shared expert) and
-DeepSeek V3 (sigmoid routing with its correction bias) written by
-transformers: greedy tokens over 64 as transformers generates them, alone
-and batched with a warm prefix cache, on the C kernels and on torch; the same
-tokens whatever the chunk size, block size, preemption, host-tier reload or
-pause to each tier; the pool keeps one latent row a token and layer, as many
-bytes as the planner counts; what the engine does not run is refused by name."""
+"""Latent-attention models (model/mla.py) on tiny random DeepSeek V2 and V3
+written by transformers: the pool keeps one latent row a token and layer, as
+many bytes as the planner counts; routing as transformers' routers route;
+what the engine does not run is refused by name. (Their greedy tokens
+against transformers: tests/test_model_families.py.)"""
 from __future__ import annotations
 
 import json
@@ -14,8 +11,8 @@ import pytest
 import torch
 
 from tiny_models import save_with_tokenizer, tiny_hf_model
-from greedy_runs import engine, hf_greedy, paused_turns, prompts, run, run_staggered
-from trajserve.config import SchedulerConfig
+from greedy_runs import engine
+
 
 @pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
 def model_dir(request, tmp_path_factory):
@@ -23,34 +20,6 @@ def model_dir(request, tmp_path_factory):
     hf = tiny_hf_model(request.param, num_hidden_layers=3)
     save_with_tokenizer(hf, d)
     return d, hf
-
-
-
-
-
-
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    return hf_greedy(model_dir[1], prompts())
-
-
-@pytest.mark.parametrize("kw", [{}, {"cpu_kernels": False}], ids=["c-kernels", "torch"])
-def test_greedy_tokens_match_transformers_alone_and_batched(model_dir, reference, kw):
-    d, _ = model_dir
-    eng = engine(d, **kw)
-    try:
-        mc = eng.model_config
-        assert mc.architecture == "deepseek2" and mc.mla.row == 40 and mc.moe.layers == (1, 2)
-        assert "latent attention" in eng.startup_summary
-        cached: list[int] = []
-        assert [run(eng, [p], cached)[0] for p in prompts()] == reference  # alone: the third hits the head
-        assert cached[:2] == [0, 0] and cached[2] >= 24
-        eng.kv.clear_cache()
-        assert run(eng, prompts()) == reference  # together: prefill and decode rows mixed in one batch
-    finally:
-        eng.close()
 
 
 def test_the_pool_keeps_one_latent_row_a_token_and_layer_as_the_planner_counts(model_dir):
@@ -72,43 +41,6 @@ def test_the_pool_keeps_one_latent_row_a_token_and_layer_as_the_planner_counts(m
         assert total_params(planned) == sum(p.numel() for p in hf.parameters())  # as transformers counts it
     finally:
         eng.close()
-
-
-@pytest.mark.parametrize("case", ["chunk-5", "block-16", "preempt", "host-tier", "no-prefix-cache"])
-def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, reference, case):
-    d, _ = model_dir
-    kw: dict = {}
-    cache: dict = {}
-    if case == "chunk-5":
-        kw["scheduler"] = SchedulerConfig(max_num_batched_tokens=5)
-    elif case == "block-16":
-        cache = {"block_size": 16, "num_blocks": 24}
-    elif case == "preempt":  # 3 x (up to 104 tokens) in 40 blocks of 4: someone is preempted and recomputed
-        cache = {"num_blocks": 40}
-    elif case == "host-tier":  # evicted prefixes go to host memory (one latent tensor a layer) and load back
-        cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22}
-    else:
-        cache = {"enable_prefix_caching": False}
-    eng = engine(d, cache, **kw)
-    try:
-        assert eng.speculative == "off"  # auto: the attention is torch's, a verified row not a decode's bits
-        batch = prompts()
-        assert run(eng, batch) == reference
-        assert run_staggered(eng, batch) == reference  # again, staggered over the cached heads
-        if case == "preempt":
-            assert eng.scheduler.num_preemptions > 0
-        if case == "host-tier":
-            assert eng.kv.stats().promoted_blocks > 0
-    finally:
-        eng.close()
-
-
-@pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
-def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
-    want, got, residency, saved = paused_turns(model_dir[0], decision, tmp_path / "kv")
-    assert residency == {"keep": "kept", "drop": "dropped"}.get(decision, "offloaded")
-    assert (saved > 0) == (decision in ("host", "disk"))  # the state went down to its tier
-    assert got == want
 
 
 def test_lora_and_a_quantized_latent_pool_are_refused_by_name(model_dir):

@@ -1,7 +1,7 @@
 """Our Llama-family forward vs transformers on tiny random Llama (with Llama 3,
 linear and YaRN RoPE scaling), Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), MoE,
-sliding-window (Mistral, Qwen2), Gemma 3 (windows shorter than the prompt) and DeepSeek V2 / V3
-(latent attention, grouped routing, shared experts) checkpoints:
+sliding-window (Mistral, Qwen2), Gemma 3 (windows shorter than the prompt), DeepSeek V2 / V3
+(latent attention, grouped routing, shared experts) and gpt-oss (sinks, biased experts) checkpoints:
 chunked prefill through the paged cache plus a decode step, every row; with
 the C kernels (cpu_kernels.c) and with the torch forward."""
 from pathlib import Path
@@ -46,14 +46,15 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
     ("deepseek_v2", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                                       "mscale": 0.707, "mscale_all_dim": 0.707}}),
     ("deepseek_v3", {}),
+    ("gpt_oss", {}),
 ])
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch"])
 def test_tiny_model_logits_match_transformers(tmp_path: Path, kind: str, overrides: dict, cpu_kernels: bool):
     hf = tiny_hf_model(kind, **overrides)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     cfg, weights = load_weights(tmp_path, torch.float32, "cpu")
-    assert (cfg.rope_scaling is not None) == ("rope_scaling" in overrides or kind == "gemma3")  # its global layers'
-    assert (cfg.window is not None) == (kind in ("mistral", "gemma3") or "use_sliding_window" in overrides)
+    assert (cfg.rope_scaling is not None) == ("rope_scaling" in overrides or kind in ("gemma3", "gpt_oss"))
+    assert (cfg.window is not None) == (kind in ("mistral", "gemma3", "gpt_oss") or "use_sliding_window" in overrides)
     model = LlamaModel(cfg, weights, 256, torch.float32, "cpu", use_cpu_kernels=cpu_kernels)
     assert (model.kernels is not None) == (cpu_kernels and load_kernels() is not None)
     torch.manual_seed(1)

@@ -23,12 +23,6 @@ def model_dir(request, tmp_path_factory):
     return d, hf
 
 
-
-
-
-
-
-
 @pytest.fixture(scope="module")
 def reference(model_dir):
     return hf_greedy(model_dir[1], prompts())

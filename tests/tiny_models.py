@@ -13,6 +13,8 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         DeepseekV3Config,
         DeepseekV3ForCausalLM,
         Gemma3ForCausalLM,
+        GptOssConfig,
+        GptOssForCausalLM,
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
@@ -48,6 +50,10 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM),
         # V3's router: sigmoid scores, a correction bias, renormalised weights
         "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
+        # windows of 8 and global layers alternating, each head a sink, q/k/v/o
+        # biases, 8 experts of 32 (2 a token) with biases and the clamped
+        # SwiGLU, a router with a bias, YaRN RoPE
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     }
     config_cls, model_cls = classes[kind]
     args = dict(
@@ -81,6 +87,11 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
         args.update({"deepseek_v2": dict(topk_method="group_limited_greedy", routed_scaling_factor=1.5, n_group=2,
                                          topk_group=1, num_experts_per_tok=3),
                      "deepseek_v3": dict(norm_topk_prob=True, routed_scaling_factor=2.5)}[kind])
+    if kind == "gpt_oss":
+        args.update(intermediate_size=32, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                    swiglu_limit=1.0,  # small enough that the clamps act on these weights
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "beta_fast": 32.0, "beta_slow": 1.0, "rope_theta": 150000.0, "truncate": False})
     if kind == "olmoe":
         args.update(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=0.5, eos_token_id=None,
                     pad_token_id=None, bos_token_id=None)
@@ -89,7 +100,7 @@ def tiny_hf_model(kind: str, tie: bool = False, **overrides) -> torch.nn.Module:
     model = model_cls(config_cls(**args))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
+            if "norm" in name or name.endswith((".bias", "_bias", ".sinks")):
                 p.normal_()
             elif ".experts." in name or name.endswith("mlp.gate.weight"):
                 p.normal_(std=0.2)  # experts that move the logits, a router that tells them apart

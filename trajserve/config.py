@@ -58,6 +58,7 @@ class MoESpec:
     # chosen experts only from the best topk_group of n_group groups
     # (group_score: a group's "max" score (V2) or its best two's sum, "top2"
     # (V3)); the weights times routed_scale.
+    # gpt-oss: "topk_softmax", a softmax over the top_k logits only (its router has a bias).
     scoring: str = "softmax"
     score_bias: bool = False
     n_group: int = 1
@@ -85,6 +86,8 @@ class MoESpec:
         routed = tuple(i for i in range(num_layers) if i >= first and i not in dense and (i + 1) % step == 0)
         shared = int(raw.get("shared_expert_intermediate_size") or 0) or int(raw.get("n_shared_experts") or 0) * size
         kind = raw.get("model_type")
+        if kind == "gpt_oss":
+            return cls(experts, top_k, size, False, routed, scoring="topk_softmax")
         if kind not in ("deepseek_v2", "deepseek_v3"):
             return cls(experts, top_k, size, bool(raw.get("norm_topk_prob", False)), routed, shared)
         v3 = kind == "deepseek_v3"
@@ -175,7 +178,7 @@ class WindowSpec:
 
 @dataclass(slots=True)
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "olmoe" | "gemma3" | "deepseek2"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "olmoe" | "gemma3" | "deepseek2" | "gpt_oss"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -209,7 +212,13 @@ class ModelConfig:
     sandwich_norms: bool = False
     embed_scale: float | None = None
     attn_scale: float | None = None
-    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh" | "swiglu_clamp" (gpt-oss: swiglu_alpha, swiglu_limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # gpt-oss: each attention head's learned sink, a logit every query's
+    # softmax counts in its denominator (self_attn.sinks); its MLPs' projections carry biases.
+    attn_sinks: bool = False
+    mlp_bias: bool = False
     final_logit_softcap: float | None = None
     name: str = ""
 

@@ -98,24 +98,29 @@ def _blocks(cache: torch.Tensor, ids: torch.Tensor, d: int, dtype: torch.dtype) 
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, kernels=None, window: int = 0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kernels=None, window: int = 0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, d] (rows may be strided) -> out [T, H, d]. `kernels`: the
     CpuKernels that run the decodes and the prefill chunks (the metadata
     then carries `dec_tables`, not the pair tensors). window > 0: a
-    sliding-window layer's attention."""
+    sliding-window layer's attention. sinks: each head's sink logit, float32
+    [H] (gpt-oss): counted in the softmax's denominator, weighing no value
+    (torch only)."""
+    if sinks is not None and kernels is not None:
+        raise ValueError("attention sinks run in torch's attention, not the C kernels")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         if kernels is not None:
             kernels.decode_attention(q, k_cache, v_cache, meta.dec_tables, meta.dec_table_start,
                                      meta.dec_ctx, meta.decode_rows, scale, out, window)
         else:
-            out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale, window)
+            out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale, window, sinks)
     for s in meta.prefills:
         rows = slice(s.q_start, s.q_start + s.q_len)
         if kernels is not None:
             kernels.prefill_attention(q[rows], k_cache, v_cache, s.block_ids, s.ctx_len, scale, out[rows], window)
         else:
-            out[rows] = _prefill(q[rows], k_cache, v_cache, s, scale, window)
+            out[rows] = _prefill(q[rows], k_cache, v_cache, s, scale, window, sinks)
     return out
 
 
@@ -130,7 +135,8 @@ def _pair_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
+            meta: AttentionMetadata, scale: float, window: int = 0,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     n, num_heads, d = q.shape
     kvh = k_cache.shape[1]
     group = num_heads // kvh
@@ -140,10 +146,15 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scores.masked_fill_(~_pair_mask(meta, window)[:, None, None, :], float("-inf"))
     # Exact softmax over each sequence's pairs: global max per sequence first.
     pair_max = scores.amax(dim=-1)  # [P, kvh, g]
-    seq_max = torch.full((n, kvh, group), float("-inf"), dtype=scores.dtype, device=q.device)
+    if sinks is None:
+        seq_max = torch.full((n, kvh, group), float("-inf"), dtype=scores.dtype, device=q.device)
+    else:  # a sink is one more logit in the max and the denominator
+        seq_max = sinks.view(1, kvh, group).to(scores.dtype).repeat(n, 1, 1)
     seq_max.scatter_reduce_(0, seq.view(-1, 1, 1).expand_as(pair_max), pair_max, "amax")
     p = torch.exp(scores - seq_max[seq].unsqueeze(-1))
     denom = torch.zeros_like(seq_max).index_add_(0, seq, p.sum(dim=-1))
+    if sinks is not None:
+        denom += torch.exp(sinks.view(1, kvh, group) - seq_max)
     vb = _blocks(v_cache, blk, d, q.dtype)  # [P, kvh, B, d]
     o_pair = torch.matmul(p.to(vb.dtype), vb)  # [P, kvh, g, d]
     o = torch.zeros((n, kvh, group, d), dtype=torch.float32, device=q.device)
@@ -153,12 +164,14 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             s: PrefillSeq, scale: float, window: int = 0) -> torch.Tensor:
+             s: PrefillSeq, scale: float, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     kvh, d = k_cache.shape[1], q.shape[-1]
     # [nb, kvh, B, d] -> [1, kvh, ctx, d]
     kt = _blocks(k_cache, s.block_ids, d, q.dtype).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
     vt = _blocks(v_cache, s.block_ids, d, q.dtype).transpose(0, 1).reshape(kvh, -1, d)[:, : s.ctx_len].unsqueeze(0)
     qt = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+    if sinks is not None:
+        return _prefill_sinks(qt, kt, vt, s, scale, window, sinks)
     if s.ctx_len == s.q_len and not window:  # no cached prefix: plain causal
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
@@ -172,6 +185,28 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             mask = s.masks[window] = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 hidden, float("-inf"))
         o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _prefill_sinks(qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, s: PrefillSeq, scale: float,
+                   window: int, sinks: torch.Tensor) -> torch.Tensor:
+    """A chunk's attention with each head's sink, as SDPA over one more key:
+    q gains a value sink_h / scale and every key a 0, the sink key is 0
+    everywhere but a 1 there and its value is 0, so the sink key scores
+    sink_h for every query of head h and adds to the denominator alone."""
+    H, n, d = qt.shape[1], qt.shape[2], qt.shape[3]
+    kvh = kt.shape[1]
+    q1 = torch.cat([qt, (sinks.to(qt.dtype) / scale).view(1, H, 1, 1).expand(1, H, n, 1)], dim=-1)
+    sink_k = torch.zeros(1, kvh, 1, d + 1, dtype=kt.dtype, device=kt.device)
+    sink_k[..., d] = 1.0
+    k1 = torch.cat([sink_k, F.pad(kt, (0, 1))], dim=2)
+    v1 = torch.cat([torch.zeros(1, kvh, 1, d, dtype=vt.dtype, device=vt.device), vt], dim=2)
+    qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=qt.device).unsqueeze(1)
+    kpos = torch.arange(s.ctx_len, device=qt.device).unsqueeze(0)
+    hidden = (kpos > qpos) | (kpos <= qpos - window) if window else kpos > qpos
+    mask = torch.zeros((n, s.ctx_len + 1), dtype=qt.dtype, device=qt.device)
+    mask[:, 1:].masked_fill_(hidden, float("-inf"))  # the sink key (column 0) is seen by every query
+    o = F.scaled_dot_product_attention(q1, k1, v1, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -12,7 +12,8 @@ from trajserve.config import MLASpec, ModelConfig, MoESpec, WindowSpec
 
 # HF model_type -> our architecture. Mistral is Llama with other defaults.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-                  "olmoe": "olmoe", "gemma3_text": "gemma3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+                  "olmoe": "olmoe", "gemma3_text": "gemma3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                  "gpt_oss": "gpt_oss"}
 # hidden_act (Gemma: hidden_activation) -> ours.
 HF_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -75,6 +76,9 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}"
         )
+    if arch == "gpt_oss" and raw.get("quantization_config"):
+        raise ValueError(f"unsupported quantization_config {raw['quantization_config'].get('quant_method')!r} "
+                         "(gpt-oss's MXFP4 experts); supported: a gpt_oss checkpoint in bfloat16 or float32")
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if act not in HF_ACTIVATIONS or (act != "silu" and arch != "gemma3"):
         raise ValueError(f"unsupported hidden_act {act!r}; supported: silu (gelu_pytorch_tanh in gemma3_text)")
@@ -94,7 +98,7 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
     theta, rope_scaling = _hf_rope({"rope_parameters": params["full_attention"]} if by_type else raw)
     # Qwen2 hard-codes q/k/v bias; Llama and Qwen3 take it from the config.
     bias = True if arch == "qwen2" else bool(raw.get("attention_bias", False))
-    gemma = arch == "gemma3"
+    gemma, oss = arch == "gemma3", arch == "gpt_oss"
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),
@@ -115,14 +119,19 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         qk_norm=arch in ("qwen3", "qwen3_moe", "olmoe", "gemma3"),
         qk_norm_whole=arch == "olmoe",
         clip_qkv=float(raw["clip_qkv"]) if arch == "olmoe" and raw.get("clip_qkv") is not None else None,
-        moe=_moe(raw, layers) if arch in ("qwen3_moe", "olmoe", "deepseek2") else None,
+        moe=_moe(raw, layers) if arch in ("qwen3_moe", "olmoe", "deepseek2", "gpt_oss") else None,
         mla=mla,
         window=_window(raw, layers),
         norm_plus_one=gemma,
         sandwich_norms=gemma,
         embed_scale=hidden ** 0.5 if gemma else None,
         attn_scale=float(raw.get("query_pre_attn_scalar") or 256) ** -0.5 if gemma else None,
-        hidden_act=HF_ACTIVATIONS[act],
+        # gpt-oss's config says silu; its experts run the clamped SwiGLU.
+        hidden_act="swiglu_clamp" if oss else HF_ACTIVATIONS[act],
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        attn_sinks=oss,
+        mlp_bias=oss,
         final_logit_softcap=float(raw["final_logit_softcapping"]) if raw.get("final_logit_softcapping") else None,
         name=str(raw.get("_name_or_path") or name),
     )
@@ -218,4 +227,25 @@ def _hf_tensors(d: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | tor
                 out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     if cfg.mla is not None and _rope_interleaved(_read_hf_config(d)):
         _latent_rope_rows(out, cfg)
+    if cfg.architecture == "gpt_oss":
+        _split_stacked_experts(out, cfg)
     return out
+
+
+def _split_stacked_experts(out: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """gpt-oss keeps each layer's experts stacked and transposed
+    (gate_up_proj [experts, hidden, 2 x size], gate and up columns
+    interleaved; down_proj [experts, size, hidden]) with their biases, and
+    names its router mlp.router: as one matrix an expert, as every MoE here."""
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}.mlp."
+        if p + "experts.gate_up_proj" not in out:
+            continue
+        gu, gu_b = out.pop(p + "experts.gate_up_proj"), out.pop(p + "experts.gate_up_proj_bias")
+        down, down_b = out.pop(p + "experts.down_proj"), out.pop(p + "experts.down_proj_bias")
+        for e in range(gu.shape[0]):
+            q = f"{p}experts.{e}."
+            out[q + "gate_proj.weight"], out[q + "up_proj.weight"] = gu[e, :, 0::2].T.contiguous(), gu[e, :, 1::2].T.contiguous()
+            out[q + "gate_proj.bias"], out[q + "up_proj.bias"] = gu_b[e, 0::2].contiguous(), gu_b[e, 1::2].contiguous()
+            out[q + "down_proj.weight"], out[q + "down_proj.bias"] = down[e].T.contiguous(), down_b[e]
+        out[p + "gate.weight"], out[p + "gate.bias"] = out.pop(p + "router.weight"), out.pop(p + "router.bias")

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, Gemma 3, DeepSeek V2 / V3)
-over a paged KV cache.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Qwen3-MoE, OLMoE, Gemma 3, DeepSeek V2 / V3,
+gpt-oss) over a paged KV cache.
 
 The forward takes a flat batch of tokens from many sequences (decode tokens
 and prefill chunks mixed) and returns hidden states only for the rows that
@@ -20,7 +20,8 @@ into w at load; its norms of the attention and MLP outputs
 (`attn_out_norm`, `mlp_out_norm`) run before the residual adds. DeepSeek's
 latent attention (model/mla.py) takes the place of q/k/v and o; its
 attention runs in torch over the latent rows (the C attention kernels take
-per-head K and V of up to 256 values), its products on the C kernels.
+per-head K and V of up to 256 values), its products on the C kernels;
+gpt-oss's attention sinks, likewise in torch.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 class Layer:
     __slots__ = ("qkv", "o", "mla", "gate_up", "down", "moe", "in_norm", "post_norm", "q_norm", "k_norm",
-                 "attn_out_norm", "mlp_out_norm", "window", "cos", "sin")
+                 "attn_out_norm", "mlp_out_norm", "window", "sinks", "cos", "sin")
 
 
 class LlamaModel:
@@ -134,7 +135,9 @@ class LlamaModel:
                 kernels gate|up returns the activation, on torch gate|up."""
                 gu = quantized(m + "gate_proj.weight", m + "up_proj.weight", one_format=True)
                 if c.hidden_act != "silu":  # the product only; forward applies the activation
-                    gate_up = lin(m + "gate_proj.weight", m + "up_proj.weight")
+                    biases = (m + "gate_proj.bias", m + "up_proj.bias") if c.mlp_bias else ()
+                    return (lin(m + "gate_proj.weight", m + "up_proj.weight", bias=biases),
+                            lin(m + "down_proj.weight", bias=(m + "down_proj.bias",) if c.mlp_bias else ()))
                 elif gu is not None:
                     gate_up = QGateUpSilu(gu[0].pack(), gu[1].pack(), self.kernels)
                 elif self.kernels is not None:
@@ -146,12 +149,15 @@ class LlamaModel:
             L.moe = None
             if c.moe is not None and i in c.moe.layers:
                 L.gate_up = L.down = None
-                L.moe = MoE(c.moe, lin(p + "mlp.gate.weight"),
-                            [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)], self.kernels is not None,
+                fused = self.kernels is not None and c.hidden_act == "silu"  # gate|up returns the activation
+                L.moe = MoE(c.moe, lin(p + "mlp.gate.weight", bias=(p + "mlp.gate.bias",) if c.mlp_bias else ()),
+                            [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)],
+                            None if fused else self._gate,
                             mlp(p + "mlp.shared_experts.") if c.moe.shared_size else None,
                             w(p + "mlp.gate.e_score_correction_bias", torch.float32) if c.moe.score_bias else None)
             else:
                 L.gate_up, L.down = mlp(p + "mlp.")
+            L.sinks = w(p + "self_attn.sinks", torch.float32) if c.attn_sinks else None
             L.in_norm = norm(p + "input_layernorm.weight")
             L.q_norm = norm(p + "self_attn.q_norm.weight") if c.qk_norm else None
             L.k_norm = norm(p + "self_attn.k_norm.weight") if c.qk_norm else None
@@ -186,8 +192,9 @@ class LlamaModel:
     @property
     def attention_kernels(self):
         """The C kernels that run the attention (None: torch's): a latent
-        attention's rows are wider than theirs, so torch runs it."""
-        return None if self.config.mla is not None else self.kernels
+        attention's rows are wider than theirs and they count no sinks, so
+        torch runs those."""
+        return None if self.config.mla is not None or self.config.attn_sinks else self.kernels
 
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE
@@ -294,7 +301,8 @@ class LlamaModel:
                 q, x, meta = q[sample_rows], x[sample_rows], sample_meta
                 lora = lora.subset(sample_rows) if lora is not None else None
                 sample_rows = slice(None)
-            a = paged_attention(q, k_cache, v_cache, meta, self.scale, window=L.window).reshape(x.shape[0], self.q_size)
+            a = paged_attention(q, k_cache, v_cache, meta, self.scale, window=L.window,
+                                sinks=L.sinks).reshape(x.shape[0], self.q_size)
             x = x + self._out_norm(L.o(a), L.attn_out_norm)
             if lora is not None:
                 lora.add(i, ("o_proj",), a, (x,))
@@ -341,9 +349,12 @@ class LlamaModel:
 
     def _gate(self, gu: torch.Tensor) -> torch.Tensor:
         """The MLP's activation of a gate|up product: act(gate) * up."""
-        inter = gu.shape[-1] // 2
-        if self.config.hidden_act == "gelu_tanh":
+        c, inter = self.config, gu.shape[-1] // 2
+        if c.hidden_act == "gelu_tanh":
             return F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+        if c.hidden_act == "swiglu_clamp":  # gpt-oss: clamped, a sigmoid's slope alpha, up + 1
+            gate, up = gu[:, :inter].clamp(max=c.swiglu_limit), gu[:, inter:].clamp(-c.swiglu_limit, c.swiglu_limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * c.swiglu_alpha))
         return F.silu(gu[:, :inter]) * gu[:, inter:]
 
     def _out_norm(self, y: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -399,8 +410,8 @@ class LlamaModel:
                 lora = lora.subset(sample_rows) if lora is not None else None
                 sample_rows = slice(None)
             n = x.shape[0]
-            a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale, K,
-                                L.window)
+            a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale,
+                                self.attention_kernels, L.window, L.sinks)
             a = a.view(n, self.q_size)
             if L.attn_out_norm is None:
                 L.o(a, out=x)

@@ -133,11 +133,17 @@ def expected_weight_names(cfg: ModelConfig) -> list[str]:
             names += [pre + f"self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
         if cfg.qk_norm:
             names += [pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"]
+        if cfg.attn_sinks:
+            names.append(pre + "self_attn.sinks")
         names.append(pre + "post_attention_layernorm.weight")
         if cfg.sandwich_norms:  # Gemma: a norm before the MLP and one on its output
             names += [pre + "pre_feedforward_layernorm.weight", pre + "post_feedforward_layernorm.weight"]
         if cfg.moe is not None and i in cfg.moe.layers:  # the router, then each expert's MLP
             names.append(pre + "mlp.gate.weight")
+            if cfg.mlp_bias:
+                names.append(pre + "mlp.gate.bias")
+                names += [pre + f"mlp.experts.{e}.{p}_proj.bias" for e in range(cfg.moe.num_experts)
+                          for p in ("gate", "up", "down")]
             if cfg.moe.score_bias:
                 names.append(pre + "mlp.gate.e_score_correction_bias")
             names += [pre + f"mlp.experts.{e}.{p}_proj.weight" for e in range(cfg.moe.num_experts)
@@ -218,5 +224,10 @@ def expected_shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
         "mlp.down_proj.weight": (h, ff),
         "mlp.gate.weight": (cfg.moe.num_experts if cfg.moe is not None else 0, h),  # the router
         "mlp.gate.e_score_correction_bias": (cfg.moe.num_experts if cfg.moe is not None else 0,),
+        "mlp.gate.bias": (cfg.moe.num_experts if cfg.moe is not None else 0,),
+        "mlp.gate_proj.bias": (ff,),
+        "mlp.up_proj.bias": (ff,),
+        "mlp.down_proj.bias": (h,),
+        "self_attn.sinks": (cfg.num_heads,),
     }
     return shapes[leaf]

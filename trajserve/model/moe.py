@@ -1,10 +1,11 @@
 """Top-k routed experts in place of a layer's MLP (Qwen3-MoE, OLMoE,
-DeepSeek V2 / V3; config.MoESpec).
+DeepSeek V2 / V3, gpt-oss; config.MoESpec).
 
 Each token's router logits (a product with [num_experts, hidden]) go
 through a float32 softmax (DeepSeek V3: a sigmoid, its correction bias added
 for the choice only; DeepSeek: the choice limited to the best groups of
-experts); its top_k experts run, each a SiLU MLP, and their outputs add up
+experts; gpt-oss: a softmax over the top_k logits alone); its top_k experts
+run, each a gated MLP (SiLU; gpt-oss's clamped SwiGLU), and their outputs add up
 weighted by those scores (renormalised over the chosen ones when
 norm_topk_prob, times DeepSeek's routed_scale), as transformers computes
 it, expert by expert in ascending order; a shared expert (DeepSeek) adds
@@ -18,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from trajserve.config import MoESpec
 
@@ -31,6 +31,9 @@ def route(spec: MoESpec, logits: torch.Tensor,
           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, experts) [T, top_k] of router logits [T, num_experts], as
     transformers routes them: bias is DeepSeek V3's correction (choice only)."""
+    if spec.scoring == "topk_softmax":  # gpt-oss: the chosen logits' softmax
+        top, chosen = torch.topk(logits.float(), spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), chosen
     scores = torch.sigmoid(logits.float()) if spec.scoring == "sigmoid" else torch.softmax(logits.float(), dim=-1)
     choice = scores if bias is None else scores + bias
     if spec.n_group > 1:  # only the experts of the best topk_group groups can be chosen
@@ -53,15 +56,17 @@ def route(spec: MoESpec, logits: torch.Tensor,
 
 
 class MoE:
-    def __init__(self, spec: MoESpec, router: Callable, experts: list[Expert], fused_act: bool,
+    def __init__(self, spec: MoESpec, router: Callable, experts: list[Expert],
+                 act: Callable[[torch.Tensor], torch.Tensor] | None,
                  shared: Expert | None = None, bias: torch.Tensor | None = None) -> None:
         """router: the [num_experts, hidden] product (model/linear.py; on the C
         kernels a row's logits are the same bits whatever rows are beside it,
-        so a row routes as it would alone). shared: the shared expert's MLP;
+        so a row routes as it would alone). act: the activation of a gate|up
+        product (None: gate|up returns it, the C kernels' fused SiLU); shared: the shared expert's MLP;
         bias: DeepSeek V3's correction of the scores, float32 [num_experts]."""
         if len(experts) != spec.num_experts:
             raise ValueError(f"a MoE layer of {spec.num_experts} experts got {len(experts)}")
-        self.spec, self.router, self.experts, self.fused_act = spec, router, experts, fused_act
+        self.spec, self.router, self.experts, self.act = spec, router, experts, act
         self.shared, self.bias = shared, bias
         self.last_experts: list[int] = []  # the experts the latest call ran: what it read
 
@@ -91,10 +96,7 @@ class MoE:
     def _run(self, mlp: Expert, h: torch.Tensor) -> torch.Tensor:
         gate_up, down = mlp
         act = gate_up(h)
-        if not self.fused_act:
-            inter = act.shape[-1] // 2
-            act = F.silu(act[:, :inter]) * act[:, inter:]
-        return down(act)
+        return down(act if self.act is None else self.act(act))
 
     def products(self) -> list:
         """The routed experts' products (the shared expert's: shared_products)."""

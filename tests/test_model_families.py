@@ -1,0 +1,101 @@
+"""Model families beyond dense Llama through the engine, on tiny random
+checkpoints written by transformers: DeepSeek V2 (latent attention with a q
+bottleneck, grouped softmax routing, a shared expert), DeepSeek V3 (sigmoid
+routing with its correction bias) and gpt-oss (windows of 8 alternating with
+global layers, attention sinks, biased experts with the clamped SwiGLU).
+Greedy tokens over 64 as transformers generates them, alone and batched
+with a warm prefix cache, on the C kernels and on torch; the same tokens
+whatever the chunk size, block size, preemption, host-tier reload or pause
+to each tier."""
+from __future__ import annotations
+
+import pytest
+
+from tiny_models import save_with_tokenizer, tiny_hf_model
+from greedy_runs import engine, hf_greedy, paused_turns, prompts, run, run_staggered
+from trajserve.config import SchedulerConfig
+
+# What each family's engine says it runs: architecture, start-up words.
+FAMILIES = {"deepseek_v2": ("deepseek2", "latent attention: 32 + 8 RoPE values"),
+            "deepseek_v3": ("deepseek2", "latent attention: 32 + 8 RoPE values"),
+            "gpt_oss": ("gpt_oss", "1 of them sliding windows of 8 tokens")}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model_dir(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(request.param)
+    hf = tiny_hf_model(request.param, num_hidden_layers=3 if request.param != "gpt_oss" else 2)
+    save_with_tokenizer(hf, d)
+    return d, hf, request.param
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return hf_greedy(model_dir[1], prompts())
+
+
+@pytest.mark.parametrize("kw", [{}, {"cpu_kernels": False}], ids=["c-kernels", "torch"])
+def test_greedy_tokens_match_transformers_alone_and_batched(model_dir, reference, kw):
+    d, _, family = model_dir
+    eng = engine(d, **kw)
+    try:
+        arch, words = FAMILIES[family]
+        assert eng.model_config.architecture == arch and words in eng.startup_summary
+        cached: list[int] = []
+        assert [run(eng, [p], cached)[0] for p in prompts()] == reference  # alone: the third hits the head
+        assert cached[:2] == [0, 0] and cached[2] >= 24
+        eng.kv.clear_cache()
+        assert run(eng, prompts()) == reference  # together: prefill and decode rows mixed in one batch
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("case", ["chunk-5", "block-16", "preempt", "host-tier", "no-prefix-cache"])
+def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, reference, case):
+    d = model_dir[0]
+    kw: dict = {}
+    cache: dict = {}
+    if case == "chunk-5":
+        kw["scheduler"] = SchedulerConfig(max_num_batched_tokens=5)
+    elif case == "block-16":
+        cache = {"block_size": 16, "num_blocks": 24}
+    elif case == "preempt":  # 3 x (up to 104 tokens) in 40 blocks of 4: someone is preempted and recomputed
+        cache = {"num_blocks": 40}
+    elif case == "host-tier":  # evicted prefixes go to host memory and load back (a latent pool: one tensor a layer)
+        cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22}
+    else:
+        cache = {"enable_prefix_caching": False}
+    eng = engine(d, cache, **kw)
+    try:
+        assert eng.speculative == "off"  # auto: the attention is torch's, a verified row not a decode's bits
+        batch = prompts()
+        assert run(eng, batch) == reference
+        assert run_staggered(eng, batch) == reference  # again, staggered over the cached heads
+        if case == "preempt":
+            assert eng.scheduler.num_preemptions > 0
+        if case == "host-tier":
+            assert eng.kv.stats().promoted_blocks > 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
+def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
+    want, got, residency, saved = paused_turns(model_dir[0], decision, tmp_path / "kv")
+    assert residency == {"keep": "kept", "drop": "dropped"}.get(decision, "offloaded")
+    assert (saved > 0) == (decision in ("host", "disk"))  # the state went down to its tier
+    assert got == want
+
+
+def test_gpt_oss_mxfp4_experts_and_lora_are_refused_by_name(tmp_path):
+    import json
+
+    from trajserve.model.hf_reader import _hf_config
+
+    hf = tiny_hf_model("gpt_oss")
+    save_with_tokenizer(hf, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text()) | {"quantization_config": {"quant_method": "mxfp4"}}
+    with pytest.raises(ValueError, match="unsupported quantization_config 'mxfp4'"):
+        _hf_config(raw)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        engine(tmp_path, enable_lora=True)

@@ -26,3 +26,20 @@ def test_bench_programs_runs_every_policy_on_the_same_workload():
         assert p["short_p99_over_fcfs"] > 0
     assert report["policies"]["fcfs"]["long_throughput_over_fcfs"] == 1.0
     assert set(report["targets"]) == {"short_p99_over_fcfs", "long_throughput_over_fcfs"}
+
+
+def test_bench_programs_counts_calls_refused_late_and_on_time_against_a_deadline():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["bench", "programs", "--long", "2", "--long-calls", "4", "--short", "4", "--short-calls", "2",
+                   "--reply-tokens", "8", "--arrival-window-s", "4.0", "--wait-scale", "0.001",
+                   "--preamble-tokens", "100", "--kv-cache-memory", "256MiB", "--policies", "program",
+                   "--call-deadline-s", "0.0001", "--json"])
+    assert rc == 0
+    report = json.loads(out.getvalue())
+    d = report["policies"]["program"]["deadline"]
+    assert report["workload"]["deadline_admission"] == "refuse"
+    # 0.1 ms a call: no call can meet it; what the fitted model sees is refused, the rest is admitted and late.
+    assert d["on_time"] == 0 and d["admitted_late"] == d["calls_admitted"]
+    assert d["calls_refused"] + d["calls_admitted"] >= 4  # every short program sent its first call
+    assert d["calls_refused"] > 0  # the long programs' steps fit the model before the last short arrivals

@@ -28,6 +28,8 @@ TOOL_PROMPTS = ("hermes",)
 # victims (engine/scheduler.py): arrival; priority, then arrival; priority,
 # then the program's attained service (engine/attained_service.py).
 SCHEDULING = ("fcfs", "priority", "program")
+# --deadline-admission's values (engine/deadline.py says what each does).
+DEADLINE_ADMISSION = ("refuse", "deprioritize", "off")
 # A request's priority: lower runs first (vLLM's direction), 0 by default.
 PRIORITY_RANGE = (-1000, 1000)
 # --speculative's values (engine/engine.py says what auto becomes).
@@ -312,10 +314,17 @@ class SchedulerConfig:
     # long programs' throughput kept: docs/benchmarks.md).
     scheduling: str = "program"
     program_half_life_s: float = 60.0
+    # A request with a deadline predicted to miss it (engine/deadline.py):
+    # refuse (DeadlineMiss: 429 / 503), deprioritize (queue it at the lowest
+    # priority) or off (admit it as any other).
+    deadline_admission: str = "refuse"
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULING:
             raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING)}, got {self.scheduling!r}")
+        if self.deadline_admission not in DEADLINE_ADMISSION:
+            raise ValueError(f"deadline_admission must be one of {', '.join(DEADLINE_ADMISSION)}, "
+                             f"got {self.deadline_admission!r}")
         if self.max_prefill_chunk is None:
             object.__setattr__(self, "max_prefill_chunk", self.max_num_batched_tokens)
 

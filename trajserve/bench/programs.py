@@ -18,7 +18,15 @@ Per policy and class: the program's end-to-end time (its first call's
 arrival to its last call's last token), p50 and p99; the long programs'
 throughput (the tokens their calls computed, per second of the long
 programs' makespan). Greedy replies must be the same under every policy
-(a policy changes the order calls run in, never a token).
+(a policy changes the order calls run in, never a token), for the
+programs every policy ran to their end.
+
+--call-deadline-s D gives each short program's calls a deadline of D
+seconds from when the call is sent (engine/deadline.py prices it under
+--deadline-admission): a refused call ends its program (the agent would
+report it or retry later); the report counts the calls refused, admitted
+and then late (the must: at most 2 % of those admitted under refuse), and
+on time.
 """
 from __future__ import annotations
 
@@ -55,6 +63,10 @@ class Program:
     end: float | None = None
     computed: int = 0  # prompt tokens computed (not from the cache) and outputs
     replies: list[list[int]] = field(default_factory=list)
+    sent: float = 0.0  # when the call in flight was sent
+    refused: int = 0  # calls refused as predicted to miss their deadline (the program then ends)
+    late: int = 0  # calls admitted with a deadline that finished after it
+    on_time: int = 0
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -83,10 +95,12 @@ def build_workload(tok, args, rng: random.Random) -> list[Program]:
 
 
 def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
+    from trajserve.engine.deadline import DeadlineMiss
     from trajserve.engine.engine import LLMEngine
     from trajserve.sampling import SamplingParams
 
     engine = LLMEngine(dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, scheduling=policy)))
+    deadline = args.call_deadline_s
     progs = [dataclasses.replace(p, history=[], replies=[]) for p in workload]
     for p in progs:
         p.due = p.arrival
@@ -99,10 +113,18 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
             for p in progs:
                 if p.end is None and p.rid is None and p.due <= now:
                     ids = p.first if p.calls == 0 else p.history + p.turns[p.calls - 1][0]
-                    p.rid = engine.add_request(ids, sp, program=p.name)
+                    p.sent = now
+                    try:
+                        p.rid = engine.add_request(ids, sp, program=p.name,
+                                                   deadline_s=deadline if p.kind == "short" else None)
+                    except DeadlineMiss:
+                        p.refused, p.end = p.refused + 1, now
+                        continue
                     by_rid[p.rid] = p
             if not engine.has_unfinished_requests():
-                time.sleep(max(0.0, min(p.due for p in progs if p.end is None and p.rid is None) - now))
+                due = [p.due for p in progs if p.end is None and p.rid is None]
+                if due:  # none: the last programs just ended on a refusal
+                    time.sleep(max(0.0, min(due) - now))
                 continue
             for out in engine.step():
                 if not out.finished:
@@ -114,20 +136,32 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
                 p.history = list(out.prompt_token_ids) + reply
                 p.calls, p.rid = p.calls + 1, None
                 done = time.monotonic() - t0
+                if deadline is not None and p.kind == "short":
+                    if done - p.sent > deadline:
+                        p.late += 1
+                    else:
+                        p.on_time += 1
                 if p.calls == len(p.turns) + 1:
                     p.end = done
                 else:
                     p.due = done + p.turns[p.calls - 1][1]
     finally:
         engine.close()
-    out = {"policy": policy, "replies": {p.name: p.replies for p in progs}}
+    out = {"policy": policy, "replies": {p.name: p.replies for p in progs if not p.refused}}
+    if deadline is not None:
+        short = [p for p in progs if p.kind == "short"]
+        admitted = sum(p.late + p.on_time for p in short)
+        late = sum(p.late for p in short)
+        out["deadline"] = {"calls_refused": sum(p.refused for p in short), "calls_admitted": admitted,
+                           "admitted_late": late, "late_share": late / admitted if admitted else 0.0,
+                           "on_time": sum(p.on_time for p in short)}
     for kind in ("short", "long"):
-        e2e = [p.end - p.arrival for p in progs if p.kind == kind]
-        out[kind] = {"programs": len(e2e), "p50_s": statistics.median(e2e), "p99_s": _percentile(e2e, 0.99),
-                     "mean_s": statistics.fmean(e2e)}
+        e2e = [p.end - p.arrival for p in progs if p.kind == kind] or [math.nan]  # nan: no program of the kind
+        out[kind] = {"programs": len([p for p in progs if p.kind == kind]), "p50_s": statistics.median(e2e),
+                     "p99_s": _percentile(e2e, 0.99), "mean_s": statistics.fmean(e2e)}
     longs = [p for p in progs if p.kind == "long"]
-    span = max(p.end for p in longs) - min(p.arrival for p in longs)
-    out["long"]["tokens_per_s"] = sum(p.computed for p in longs) / span
+    span = max(p.end for p in longs) - min(p.arrival for p in longs) if longs else math.nan
+    out["long"]["tokens_per_s"] = sum(p.computed for p in longs) / span if longs else math.nan
     return out
 
 
@@ -147,11 +181,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
         results[policy] = run_policy(cfg, workload, policy, args)
     base = results.get("fcfs")
-    same = all(r["replies"] == next(iter(results.values()))["replies"] for r in results.values())
+    ran = set.intersection(*(set(r["replies"]) for r in results.values()))  # programs no refusal ended
+    same = all({k: r["replies"][k] for k in ran} == {k: next(iter(results.values()))["replies"][k] for k in ran}
+               for r in results.values())
     report = {"command": command_line(), "machine": machine_info(), "same_replies": same,
               "workload": {"long": [args.long, args.long_calls], "short": [args.short, args.short_calls],
                            "reply_tokens": args.reply_tokens, "max_num_seqs": cfg.scheduler.max_num_seqs},
-              "policies": {k: {c: v[c] for c in ("short", "long")} for k, v in results.items()}}
+              "policies": {k: {c: v[c] for c in ("short", "long", "deadline") if c in v} for k, v in results.items()}}
+    if args.call_deadline_s is not None:
+        report["workload"]["call_deadline_s"] = args.call_deadline_s
+        report["workload"]["deadline_admission"] = cfg.scheduler.deadline_admission
     if base is not None:
         for k, v in results.items():
             row = report["policies"][k]
@@ -174,6 +213,12 @@ def run(args: argparse.Namespace) -> int:
               f"{v['long']['p99_s']:>8.2f}s {v['long']['tokens_per_s']:>10.1f} "
               f"{v.get('short_p99_over_fcfs', math.nan):>17.2f} "
               f"{v.get('long_throughput_over_fcfs', math.nan):>18.2f}")
+    for k, v in report["policies"].items():
+        d = v.get("deadline")
+        if d is not None:
+            print(f"{k:<9} deadline {args.call_deadline_s:g} s a short call ({cfg.scheduler.deadline_admission}): "
+                  f"{d['calls_refused']} refused, {d['calls_admitted']} admitted, {d['admitted_late']} of them late "
+                  f"({100 * d['late_share']:.1f} %), {d['on_time']} on time")
     print(f"greedy replies the same under every policy: {same}")
     for name, t in report["targets"].items():
         print(f"target {name} {t['want']}: {t['got'] if t['got'] is None else round(t['got'], 3)} "
@@ -203,6 +248,9 @@ def add_parser(bsub) -> None:
     s.add_argument("--wait-cap", type=float, default=60.0, help="longest trace gap kept, in trace seconds")
     s.add_argument("--wait-scale", type=float, default=0.02, help="trace seconds to seconds here")
     s.add_argument("--policies", default=",".join(POLICIES))
+    s.add_argument("--call-deadline-s", type=float, default=None,
+                   help="each short program's call must finish within this many seconds of being sent "
+                   "(priced under --deadline-admission)")
     s.add_argument("--workload-seed", type=int, default=0)
     s.add_argument("--json", action="store_true", help="print only JSON")
     # One pool size for every policy's engine (a fraction of free memory would vary between them).

@@ -24,15 +24,16 @@ import torch
 
 from trajserve.config import EngineConfig
 from trajserve.engine.core import EngineCore, StepStats
+from trajserve.engine.deadline import DeadlineAdmission
 from trajserve.engine.dtype import resolve_dtype, resolve_kv_dtype, resolve_quantization
 from trajserve.engine.invalidation import scopes_of_salt, stale_prefix
 from trajserve.engine.memory import bytes_per_block, num_blocks_for
 from trajserve.engine.model_runner import ModelExecutor, ModelRunner, allocate_kv_pool
 from trajserve.engine.output_processor import OutputProcessor, RequestGroup
+from trajserve.engine.request_checks import RequestChecks
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.startup_line import startup_line
 from trajserve.engine.step_hooks import StepHooks
-from trajserve.kv.block_table import blocks_for
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers
@@ -56,7 +57,7 @@ from trajserve.structured import GrammarCompiler
 log = logging.getLogger("trajserve")
 
 
-class LLMEngine:
+class LLMEngine(RequestChecks):
     def __init__(self, config: EngineConfig | None = None, proposer: DraftProposer | None = None,
                  prompt_logits: Callable | None = None) -> None:
         """Resolve what `auto` means here, load the model, build the rest around it: each step reads
@@ -170,6 +171,8 @@ class LLMEngine:
             proposer = DraftProposer(SpecConfig(self.speculative, sc.num_speculative_tokens))
         self.proposer = proposer
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
+        # Requests with a deadline are priced before they queue (engine/deadline.py).
+        self.deadlines = DeadlineAdmission(self.scheduler, self.kv, sc.deadline_admission)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.closed = False  # close(): its copy threads are gone, so no new work
@@ -186,13 +189,15 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, lora=None,
-                    priority: int = 0, program: str | None = None) -> str:
+                    priority: int = 0, program: str | None = None, deadline_s: float | None = None) -> str:
         """Validate and queue. Raises ValueError (naming the limit) before
         anything is allocated; requests already in flight are unaffected.
         `lora`: a loaded adapter's name (or LoRAAdapter) to run the request
         with; None for the base model. `priority` (lower first) and `program`
         (the session or conversation it is a call of) order it under
-        --scheduling priority / program."""
+        --scheduling priority / program. `deadline_s`: seconds from now by
+        which it must finish; one predicted to miss it raises DeadlineMiss
+        (or queues at the lowest priority: --deadline-admission)."""
         if self.closed:
             raise RuntimeError("this engine is closed (LLM.close / LLMEngine.close): make a new one")
         check_priority(priority)
@@ -222,6 +227,9 @@ class LLMEngine:
                         matcher=matcher.deep_copy() if matcher is not None and i else matcher, lora=adapter,
                         priority=priority, program=program)
                 for i, sid in enumerate(seq_ids)]
+        admitted = self.deadlines.admit(seqs[0], deadline_s)  # DeadlineMiss before anything is queued
+        for r in seqs:
+            r.priority = admitted
         if adapter is not None:
             self.lora.used(rid, adapter, seqs[0].cache_scope, len(ids))
         if params.prompt_logprobs is not None:  # the request's, so its first sequence's only
@@ -319,62 +327,6 @@ class LLMEngine:
         if params.structured is not None:
             self.grammars.compile(params.structured)
 
-    def _validate_params(self, params: SamplingParams) -> None:
-        params.validate()
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in params.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:  # it could never be sampled: a stop that silently never fires
-            raise ValueError(f"stop_token_ids token id {bad} is outside the vocabulary [0, {vocab})")
-
-    def validate_prompt(self, ids: list[int]) -> None:
-        """ValueError naming the limit for a prompt the engine cannot take
-        (empty, a token outside the vocabulary, over the context or the pool)."""
-        if not ids:
-            raise ValueError("prompt is empty: at least 1 token is required")
-        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool)), None)
-        if bad is not None:
-            raise ValueError(f"prompt token ids must be integers, got {bad!r}")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids):,} tokens; the context limit max_model_len is {self.max_model_len:,} "
-                f"(prompt + at least 1 generated token)")
-        need = blocks_for(len(ids) + 1, self.kv.block_size) + self.kv.watermark_blocks
-        if need > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt has {len(ids):,} tokens, more than the whole KV pool holds: "
-                f"{self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
-                f"tokens (less a watermark of {self.kv.watermark_blocks} blocks)")
-
-    def max_tokens_within_pool(self, prompt_len: int, n: int) -> int:
-        """The largest max_tokens with which n sequences over a prompt of
-        prompt_len tokens fit in the pool at once (they share the prompt's
-        full blocks; each has its own tail and output). 0: none fits."""
-        B = self.kv.block_size
-        shared = prompt_len // B
-        per_seq = (self.kv.num_blocks - self.kv.watermark_blocks - shared) // n
-        return max(0, (shared + per_seq) * B - prompt_len)
-
-    def _check_n_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """n sequences that cannot all be held at once never finish: each
-        preempts the others over and over (n=128 x 512 tokens on a 64-block
-        pool preempted 249 times in 45 s). Refused up front, naming the limit."""
-        cap = min(self.max_model_len, self.kv.token_capacity)
-        want = min(params.max_tokens, cap - prompt_len)
-        fit = self.max_tokens_within_pool(prompt_len, params.n)
-        if want > fit:
-            raise ValueError(
-                f"n is {params.n}: that many sequences of up to {want:,} new tokens each (max_tokens) over a "
-                f"{prompt_len:,}-token prompt need more than the KV pool's {self.kv.num_blocks:,} blocks x "
-                f"{self.kv.block_size} tokens at once; with this n, max_tokens can be at most {fit:,}"
-                + (" (lower n)" if fit == 0 else ""))
-
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """Stop a request and free its blocks. Returns its final output
         (the choices still running end with finish_reason `reason`; those
@@ -426,6 +378,9 @@ class LLMEngine:
             self.lora.finished([o for o in outputs if o.finished])
         rec.stats.update += time.perf_counter() - t
         self.last_step = rec.stats
+        self.deadlines.observe_step(rec.sched.chunks, rec.stats.total)
+        for r in rec.finished:
+            self.deadlines.observe_finished(r, rec.end)
         return outputs
 
     @property

@@ -12,8 +12,9 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trajserve.config import (KERNEL_PATHS, KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS, ROPE_SCALINGS, SCHEDULING,
-                              SPECULATIVE, TOOL_PROMPTS, CacheConfig, EngineConfig, SchedulerConfig)
+from trajserve.config import (DEADLINE_ADMISSION, KERNEL_PATHS, KV_CACHE_DTYPES, LORA_DTYPES, QUANTIZATIONS,
+                              ROPE_SCALINGS, SCHEDULING, SPECULATIVE, TOOL_PROMPTS, CacheConfig, EngineConfig,
+                              SchedulerConfig)
 from trajserve.units import parse_bytes
 
 _UNSET = object()
@@ -106,6 +107,11 @@ OPTIONS: tuple[Option, ...] = (
            "program, a session or conversation, has attained: short agent programs first)", choices=SCHEDULING),
     Option("program_half_life_s", "scheduler.program_half_life_s", "--program-half-life-s",
            "under --scheduling program: seconds in which a program's attained service halves", type=float),
+    Option("deadline_admission", "scheduler.deadline_admission", "--deadline-admission",
+           "a request with a deadline (deadline_ms, x-trajserve-deadline-ms) that this engine's fitted step "
+           "times predict it would miss: refuse (429 when the load is the cause, 503 when an idle engine "
+           "would miss it too), deprioritize (queue it at the lowest priority) or off",
+           choices=DEADLINE_ADMISSION),
     Option("speculative", "scheduler.speculative", "--speculative",
            "speculative decoding: ngram (drafts from the sequence's own context: prompt lookup), suffix "
            "(also from finished sequences of the same cache_salt) or off; drafts are verified in the batch, "

@@ -108,7 +108,7 @@ class AsyncEngine:
                   request_id: str | None = None, lora: str | None = None, priority: int = 0,
                   program: str | None = None, deadline_s: float | None = None) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns its id and the queue its outputs arrive on.
-        Raises ValueError (bad input) or QueueFull before anything is queued."""
+        Raises ValueError (bad input), QueueFull or DeadlineMiss (engine/deadline.py) before anything is queued."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
@@ -117,7 +117,7 @@ class AsyncEngine:
             if waiting >= self.max_waiting:
                 raise QueueFull(waiting, self.max_waiting, retry_after_s=1.0)
             rid = engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt, lora=lora,
-                                     priority=priority, program=program)
+                                     priority=priority, program=program, deadline_s=deadline_s)
             self._streams[rid] = _Stream(loop, q, deadline_s)
             return rid
 

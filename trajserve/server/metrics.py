@@ -217,6 +217,9 @@ class ServerMetrics:
         self.slo_requests = Counter("trajserve_slo_requests", "finished requests by outcome against the SLO and "
                                     "their own deadline: " + ", ".join(OUTCOMES) + " (server/goodput.py)",
                                     ["outcome"], registry=r)
+        self.deadline_refusals = Counter("trajserve_deadline_refusals", "requests refused before queuing as "
+                                         "predicted to miss their deadline (--deadline-admission), by HTTP status: "
+                                         "429 the load, 503 the request itself", ["code"], registry=r)
         self.ttft = Histogram("trajserve_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("trajserve_inter_token_latency_seconds", "time between output tokens",
                              buckets=LATENCY_BUCKETS, registry=r)

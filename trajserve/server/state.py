@@ -22,6 +22,7 @@ from trajserve.lora.adapter import AdapterError
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
 from trajserve.server import responses, streams
+from trajserve.engine.deadline import DeadlineMiss
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.conversations import conversation_id, inferred_tool, lineage
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
@@ -155,6 +156,10 @@ class ServerState:
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error",
                            headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from None
+        except DeadlineMiss as e:  # predicted late: refused before it queued (--deadline-admission)
+            self.metrics.deadline_refusals.labels(str(e.status)).inc()
+            raise APIError(e.status, str(e), "rate_limit_error" if e.busy else "server_error", param="deadline_ms",
+                           headers={"Retry-After": str(round(e.retry_after_s))} if e.busy else None) from None
         except EngineDead as e:
             raise APIError(503, str(e), "server_error") from None
         except AdapterError as e:  # unloaded between the check and the queue

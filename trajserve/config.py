@@ -30,6 +30,9 @@ TOOL_PROMPTS = ("hermes",)
 SCHEDULING = ("fcfs", "priority", "program")
 # --deadline-admission's values (engine/deadline.py says what each does).
 DEADLINE_ADMISSION = ("refuse", "deprioritize", "off")
+# --max-num-batched-tokens auto: the step's budget from --itl-target-ms
+# (engine/token_budget.py), at most this many tokens.
+AUTO_BUDGET_CEILING = 8192
 # A request's priority: lower runs first (vLLM's direction), 0 by default.
 PRIORITY_RANGE = (-1000, 1000)
 # --speculative's values (engine/engine.py says what auto becomes).
@@ -287,7 +290,7 @@ class CacheConfig:
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # token budget per step
+    max_num_batched_tokens: int = 512  # token budget per step ("auto": see itl_target_ms)
     # Per-request chunk cap: a long prompt is cut into chunks of at most this
     # many tokens so it cannot hold the whole budget (chunked prefill).
     # None: the token budget (resolved here, the one place).
@@ -318,6 +321,10 @@ class SchedulerConfig:
     # refuse (DeadlineMiss: 429 / 503), deprioritize (queue it at the lowest
     # priority) or off (admit it as any other).
     deadline_admission: str = "refuse"
+    # The allowed inter-token latency: each step's token budget is what fits
+    # in it (8.2.4's two-step rule, engine/token_budget.py), at most
+    # max_num_batched_tokens; None: max_num_batched_tokens every step.
+    itl_target_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.scheduling not in SCHEDULING:
@@ -325,6 +332,15 @@ class SchedulerConfig:
         if self.deadline_admission not in DEADLINE_ADMISSION:
             raise ValueError(f"deadline_admission must be one of {', '.join(DEADLINE_ADMISSION)}, "
                              f"got {self.deadline_admission!r}")
+        if self.max_num_batched_tokens == "auto":  # --max-num-batched-tokens auto: the ITL target decides
+            if self.itl_target_ms is None:
+                raise ValueError("max_num_batched_tokens (--max-num-batched-tokens) auto derives each step's budget "
+                                 "from the allowed inter-token latency: give itl_target_ms (--itl-target-ms)")
+            object.__setattr__(self, "max_num_batched_tokens", AUTO_BUDGET_CEILING)
+        if self.itl_target_ms is not None and not (isinstance(self.itl_target_ms, (int, float))
+                                                   and 0 < self.itl_target_ms <= 600_000):
+            raise ValueError(f"itl_target_ms (--itl-target-ms) must be a number of milliseconds in (0, 600,000], "
+                             f"got {self.itl_target_ms!r}")
         if self.max_prefill_chunk is None:
             object.__setattr__(self, "max_prefill_chunk", self.max_num_batched_tokens)
 

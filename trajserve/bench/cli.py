@@ -165,6 +165,8 @@ def add_bench_parser(sub) -> None:
     add_peers_parser(bsub)
     from trajserve.bench.programs import add_parser as add_programs_parser
     add_programs_parser(bsub)
+    from trajserve.bench.budget import add_parser as add_budget_parser
+    add_budget_parser(bsub)
 
     v = bsub.add_parser("serve", help="load a running OpenAI-compatible server (like vLLM's bench serve)")
     v.add_argument("--base-url", default="http://127.0.0.1:8000")

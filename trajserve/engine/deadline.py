@@ -140,7 +140,7 @@ class DeadlineAdmission:
             return None
         s, cfg, price = self.scheduler, self.scheduler.config, self.steps.seconds
         n = req.num_tokens
-        cached = self._cached(req)
+        cached = self.cached(req)
         out = self.expected_output(req.sampling_params.max_tokens)
         rank = s.ranking()
         mine = rank(req)
@@ -181,7 +181,7 @@ class DeadlineAdmission:
             a.popleft()
         return sum(w for _, w in a) / ARRIVAL_WINDOW_S
 
-    def _cached(self, req) -> int:
+    def cached(self, req) -> int:
         """Tokens of req's prompt its prefill will not compute: those already
         computed, or held by the prefix cache on the device (one left out),
         as the cache held them when req was first priced (a waiting request
@@ -200,7 +200,7 @@ class DeadlineAdmission:
         """The tokens these waiting requests' prefills will compute, and their pairs."""
         tokens = work = 0
         for r in reqs:
-            done = self._cached(r)
+            done = self.cached(r)
             tokens += r.num_tokens - done
             work += pairs(r.num_tokens - done, done)
         return tokens, work

@@ -33,6 +33,7 @@ from trajserve.engine.output_processor import OutputProcessor, RequestGroup
 from trajserve.engine.request_checks import RequestChecks
 from trajserve.engine.scheduler import Scheduler
 from trajserve.engine.startup_line import startup_line
+from trajserve.engine.token_budget import ITLBudget
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.cost_rates import CostRates
@@ -173,6 +174,9 @@ class LLMEngine(RequestChecks):
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
         # Requests with a deadline are priced before they queue (engine/deadline.py).
         self.deadlines = DeadlineAdmission(self.scheduler, self.kv, sc.deadline_admission)
+        if sc.itl_target_ms is not None:  # each step's budget from the allowed ITL (engine/token_budget.py)
+            self.scheduler.budget_rule = ITLBudget(self.scheduler, self.deadlines.steps, sc.itl_target_ms / 1e3,
+                                                   self.deadlines.cached)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.closed = False  # close(): its copy threads are gone, so no new work

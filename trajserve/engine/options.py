@@ -47,6 +47,11 @@ class Option:
         return None if self.size and not d else d  # a size of 0 (no tier) is "unset" to a user
 
 
+def _budget(text: str) -> int | str:
+    """--max-num-batched-tokens: a count, or auto."""
+    return "auto" if text == "auto" else int(text)
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("model", "model", "--model", "GGUF file or Hugging Face model directory "
            "(default: the embedded SmolLM2-135M-Instruct)"),
@@ -95,7 +100,11 @@ OPTIONS: tuple[Option, ...] = (
            "(default: a temporary one)"),
     Option("max_num_seqs", "scheduler.max_num_seqs", "--max-num-seqs", "sequences running at once", type=int),
     Option("max_num_batched_tokens", "scheduler.max_num_batched_tokens", "--max-num-batched-tokens",
-           "token budget per step", type=int),
+           "token budget per step; auto: each step's budget is what fits in --itl-target-ms (8.2.4's rule, "
+           "fitted to this engine's steps), at most 8,192", type=_budget),
+    Option("itl_target_ms", "scheduler.itl_target_ms", "--itl-target-ms",
+           "the allowed time between a request's tokens: each step takes at most the tokens that fit in it, "
+           "up to --max-num-batched-tokens", type=float, metavar="MS"),
     Option("max_prefill_chunk", "scheduler.max_prefill_chunk", "--max-prefill-chunk",
            "per-request chunk cap (default: the token budget, --max-num-batched-tokens)", type=int, default=None),
     Option("admission_ceiling", "scheduler.admission_ceiling", "--admission-ceiling",

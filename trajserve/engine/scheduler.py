@@ -109,6 +109,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # preemptions that swapped their blocks out (the rest recompute)
         self.pricer = pricer
+        self.budget_rule: Callable[[], int] | None = None  # each step's budget (--itl-target-ms: engine/token_budget.py)
         if not 0 < config.admission_ceiling <= 1:
             raise ValueError(f"admission ceiling must be in (0, 1], got {config.admission_ceiling}")
         self.ceiling_blocks = int(config.admission_ceiling * kv.num_blocks)
@@ -184,7 +185,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens if self.budget_rule is None else self.budget_rule()
         cap = self.config.max_prefill_chunk
         scheduled: set[str] = set()
         # LoRA: the adapters (by digest) this step runs; at most max_loras

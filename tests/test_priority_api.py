@@ -78,3 +78,36 @@ def test_a_nan_priority_is_a_4xx(client):
     r = client.post("/v1/chat/completions", content=b'{"model": "m", "messages": [{"role": "user", "content": "x"}],'
                     b' "priority": NaN}', headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500 and "priority" in r.text, r.text
+
+
+def test_an_api_key_sets_its_requests_default_and_best_priority(engine_f32, monkeypatch):
+    seen = []
+    add = engine_f32.add_request
+
+    def recording(*a, **kw):
+        seen.append(kw.get("priority"))
+        return add(*a, **kw)
+    monkeypatch.setattr(engine_f32, "add_request", recording)
+    config = ServerConfig(served_model_names=("m",), api_keys=("interactive", "batch"), api_key_priorities=(-5, 100))
+    with served(engine_f32, config) as client:
+        def post(key, header="bearer", **extra):
+            h = {"Authorization": f"Bearer {key}"} if header == "bearer" else {"x-api-key": key}
+            path, body = ENDPOINTS["chat"]
+            return client.post(path, headers=h, json={"model": "m", "temperature": 0, **body(extra)})
+        assert post("interactive").status_code == 200  # none named: the key's
+        assert post("batch").status_code == 200
+        assert post("batch", priority=-1000).status_code == 200  # better than its key allows: the key's
+        assert post("batch", priority=500).status_code == 200  # worse: as asked
+        assert post("interactive", header="x-api-key", priority=-7).status_code == 200
+        assert post("nobody").status_code == 401
+    assert seen[-5:] == [-5, 100, 100, 500, -5]  # (before them: the sessions' start-up calibration)
+
+
+@pytest.mark.parametrize("keys, priorities, message", [
+    (("a", "b"), (1,), "one priority per --api-key: 1 priorities for 2 keys"),
+    (None, (1,), "1 priorities for 0 keys"),
+    (("a",), (5000,), r"--api-key-priority must be in \[-1000, 1000\], got 5000"),
+])
+def test_key_priorities_are_checked_by_name(keys, priorities, message):
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(api_keys=keys, api_key_priorities=priorities)

@@ -35,6 +35,7 @@ from trajserve.server.header_limits import HeaderLimits
 from trajserve.server.goodput import SLO
 from trajserve.server.metrics import CountResponses, ServerMetrics
 from trajserve.server.routes import admin, chat, completions, lora, messages, responses, sessions
+from trajserve.server.key_priority import KeyPriorities
 from trajserve.server.state import ServerState, calls_format_for
 from trajserve.server.unicode_guard import UnicodeGuard
 from trajserve.sessions.manager import SessionManager
@@ -81,7 +82,8 @@ def build_app(engine: LLMEngine, config: ServerConfig = DEFAULT) -> FastAPI:
     metrics = ServerMetrics(lambda: aengine.snapshot, engine.block_bytes, slo)
     aengine = AsyncEngine(engine, config.max_waiting, on_finished=metrics.observe,
                           extra_metrics=(lambda: {"sessions": manager.metrics()}) if manager is not None else None)
-    state = ServerState(aengine, names, metrics, manager, calls_format, config.generation)
+    state = ServerState(aengine, names, metrics, manager, calls_format, config.generation,
+                        KeyPriorities(config.api_keys, config.api_key_priorities) if config.api_key_priorities else None)
     if manager is not None:
         # On the engine thread, before the first request (calibrate skips its
         # prefill if one got in first: it must not step other requests).

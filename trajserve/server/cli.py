@@ -26,6 +26,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="/v1 routes want one of these keys (Authorization: Bearer KEY, or x-api-key: KEY); "
                         "default: $TRAJSERVE_API_KEY if set, else no key")
+    s.add_argument("--api-key-priority", nargs="+", type=int, default=None, metavar="PRIORITY",
+                   help="one per --api-key, in order: the priority a key's requests run at when they name none, "
+                        "and the best (lowest) they may name (-1000..1000; --scheduling priority / program)")
     s.add_argument("--session-ttl", type=float, default=DEFAULT.sessions.idle_ttl_s, metavar="SECONDS",
                    help="close a session (and free its saved KV state) after this long without a turn, pause or "
                         "resume; 0: never")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trajserve.server.generation_defaults import GenerationDefaults
+from trajserve.server.key_priority import check_key_priorities
 from trajserve.sessions.config import SessionConfig
 
 
@@ -24,6 +25,8 @@ class ServerConfig:
     max_waiting: int = 256  # admission queue limit: 429 beyond it
     max_body_bytes: int = 8 * 2**20  # 413 above it
     api_keys: tuple[str, ...] | None = None  # /v1 routes want one of them (server/auth.py)
+    # Each key's default and best priority, in the keys' order (server/key_priority.py).
+    api_key_priorities: tuple[int, ...] | None = None
     allowed_origins: tuple[str, ...] = ("*",)  # CORS (vLLM's default: any)
     tool_call_parser: str = "auto"  # how the model writes tool calls (server/state.py calls_format_for)
     sessions: SessionConfig = field(default_factory=_server_sessions)
@@ -42,6 +45,7 @@ class ServerConfig:
                 raise ValueError(f"{flag} must be a positive number of milliseconds, got {v}")
         if self.api_keys is not None and not all(self.api_keys):
             raise ValueError("--api-key: a key must not be empty")
+        check_key_priorities(self.api_keys, self.api_key_priorities)
 
     def names_for(self, model_path: str) -> list[str]:
         """The model ids clients send; the first is the one replies name."""
@@ -60,6 +64,7 @@ class ServerConfig:
         keys = args.api_key or ([os.environ["TRAJSERVE_API_KEY"]] if os.environ.get("TRAJSERVE_API_KEY") else None)
         return cls(served_model_names=tuple(args.served_model_name or ()), max_waiting=args.max_waiting,
                    max_body_bytes=args.max_body_bytes, api_keys=tuple(keys) if keys is not None else None,
+                   api_key_priorities=tuple(args.api_key_priority) if args.api_key_priority else None,
                    allowed_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
                    generation=GenerationDefaults.parse(args.override_generation_config),
                    slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,

@@ -29,6 +29,7 @@ from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
 from trajserve.server.generation_defaults import NONE as NO_DEFAULTS
 from trajserve.server.generation_defaults import GenerationDefaults
 from trajserve.server.goodput import DEADLINE_HEADER, check_deadline_ms
+from trajserve.server.key_priority import KeyPriorities
 from trajserve.server.hints import SESSIONLESS, pause_from_hints, priority_from_hints
 from trajserve.server.metrics import ServerMetrics
 from trajserve.server.openai_format import chat_message
@@ -61,8 +62,9 @@ def calls_format_for(tok, tool_call_parser: str) -> str:
 class ServerState:
     def __init__(self, aengine: AsyncEngine, names: list[str], metrics: ServerMetrics,
                  sessions: SessionManager | None, calls_format: str,
-                 generation: GenerationDefaults = NO_DEFAULTS) -> None:
+                 generation: GenerationDefaults = NO_DEFAULTS, key_priorities: KeyPriorities | None = None) -> None:
         self.aengine, self.engine = aengine, aengine.engine
+        self.key_priorities = key_priorities  # --api-key-priority
         self.tok = self.engine.tokenizer
         self.names, self.served_model_name = names, names[0]
         self.metrics, self.sessions = metrics, sessions
@@ -218,13 +220,15 @@ class ServerState:
                 return None
         return await self.aengine.call(turn)
 
-    @staticmethod
-    def order(req, sess, request: Request) -> dict:
+    def order(self, req, sess, request: Request) -> dict:
         """Where the scheduler puts the request (--scheduling priority /
-        program): its priority field, else Dynamo's hint, else 0; its
-        program: the session or conversation it is a turn of. And its own
-        deadline, for goodput: the body's deadline_ms, else the header."""
+        program): its priority field, else Dynamo's hint, else its API
+        key's, else 0, never better than its key's (--api-key-priority);
+        its program: the session or conversation it is a turn of. And its
+        own deadline: the body's deadline_ms, else the header."""
         priority = req.priority if req.priority is not None else priority_from_hints(req.nvext)
+        if self.key_priorities is not None:
+            priority = self.key_priorities.apply(request.headers, priority)
         deadline_ms = req.deadline_ms
         header = request.headers.get(DEADLINE_HEADER)
         if deadline_ms is None and header is not None:

@@ -56,8 +56,9 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
         kw["scheduler"] = SchedulerConfig(max_num_batched_tokens=5, speculative="off")
     elif case == "block-16":
         cache = {"block_size": 16, "num_blocks": 24}
-    elif case == "preempt":  # 3 x (up to 104 tokens) in 40 blocks of 4: someone is preempted and recomputed
-        cache = {"num_blocks": 40}
+    elif case == "preempt":  # 3 x (up to 104 tokens) in a pool too small for them: someone is preempted
+        # (its window layers' blocks freed as it goes: Mistral's are all window layers, Gemma 3's one in four global)
+        cache = {"num_blocks": 30 if "mistral" in str(d) else 32}
         kw["scheduler"] = SchedulerConfig(speculative="off")
     elif case == "host-tier":  # evicted prefixes go to host memory and load back on the hit
         cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22}

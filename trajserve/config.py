@@ -277,6 +277,9 @@ class CacheConfig:
     # Radix prefix cache: requests sharing a block-aligned prefix (same
     # system prompt, earlier turns) reuse its KV instead of recomputing it.
     enable_prefix_caching: bool = True
+    # A model with sliding-window layers: a page per layer, a block's window
+    # layers' pages freed once no query reads them (kv/window_pool.py).
+    free_window_blocks: bool = True
     # Its lower tiers (hierarchical cache): blocks LRU evicts from the device
     # go to host memory, then disk, and load back on a hit. 0 = no tier.
     host_cache_bytes: int = 0

@@ -36,6 +36,7 @@ from trajserve.engine.startup_line import startup_line
 from trajserve.engine.token_budget import ITLBudget
 from trajserve.engine.step_hooks import StepHooks
 from trajserve.kv.cache_manager import KVCacheManager
+from trajserve.kv.copy_engine import LayerPages
 from trajserve.kv.cost_rates import CostRates
 from trajserve.kv.lower_tiers import LowerTiers
 from trajserve.kv.preemption import PreemptionPricer
@@ -134,13 +135,22 @@ class LLMEngine(RequestChecks):
         self.kv_dtype = self.kv_format.storage
         lora_bytes = LoRASlots.max_bytes(mc, config.scheduler.max_loras, config.max_lora_rank)  # kept free
         self.num_blocks = num_blocks_for(cc, mc, self.kv_format, self.device, lora_bytes if config.lora_enabled else 0)
+        # Window layers' blocks freed as queries leave them (kv/window_pool.py): a page per layer,
+        # one K and one V tensor every layer reads through its own page table.
+        paged = mc.window is not None and cc.free_window_blocks
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
-                                 enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path)
-        kv_caches = allocate_kv_pool(mc.num_layers, self.num_blocks, cc.block_size, pool_heads, row,
-                                     self.kv_format, self.device, tensors=pools)
+                                 enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path,
+                                 window=(mc.window.size, mc.num_layers, mc.window.layers) if paged else None)
+        kv_caches = allocate_kv_pool(1 if paged else mc.num_layers, self.num_blocks * (mc.num_layers if paged else 1),
+                                     cc.block_size, pool_heads, row, self.kv_format, self.device, tensors=pools)
+        lp = None
+        if paged:
+            kv_caches = kv_caches * mc.num_layers
+            lp = LayerPages(mc.num_layers, self.kv.page_map(), [i for i in range(mc.num_layers)
+                                                                 if i not in set(mc.window.layers)])
         self.lora = LoRAManager.from_config(config, mc, self.device) if config.lora_enabled else None  # adapters
         self.runner = ModelRunner(self.model, kv_caches, cc.block_size, self.lora.slots if self.lora else None,
-                                  lora_kernels="lora" not in config.kernel_paths_off)
+                                  lora_kernels="lora" not in config.kernel_paths_off, lp=lp)
         self.block_bytes = bytes_per_block(mc, cc.block_size, self.kv_format)  # a block's KV, every layer
         # What every block written to disk says it is (kv/tiers.py).
         formats = self.model.weight_formats()
@@ -148,8 +158,9 @@ class LLMEngine(RequestChecks):
         # A stretched RoPE stores other keys: blocks on disk must not pass for the unstretched model's.
         rope = f";rope={config.rope_scaling}x{config.rope_factor:g}" if config.rope_scaling else ""
         self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized) + rope),
-                                           self.kv_format.disk_name, (mc.num_layers, pools, pool_heads, cc.block_size,
-                                            self.kv_format.row_elems(row)))
+                                           self.kv_format.disk_name,
+                                           (len(lp.carried) if lp else mc.num_layers, pools, pool_heads,
+                                            cc.block_size, self.kv_format.row_elems(row)))
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
             self.lower = LowerTiers(self.runner.read_blocks, self.runner.write_blocks, cc.host_cache_bytes,
@@ -443,6 +454,8 @@ class LLMEngine(RequestChecks):
             # Hierarchical prefix cache: blocks LRU moved down, and loaded back on a hit.
             "spilled_blocks": prefix.spilled_blocks if prefix else 0,
             "promoted_blocks": kv.promoted_blocks,
+            # Prefix-hit tokens recomputed because a window layer's part was gone (kv/window_parts.py).
+            "window_recomputed_tokens": self.kv.num_window_recomputed_tokens,
             "lower_tiers": self.lower.metrics() if self.lower is not None else None,
             "speculative": self.proposer.metrics() if self.proposer is not None else None,
             "lora": self.lora.metrics() if self.lora is not None else None,

@@ -26,10 +26,11 @@ import torch
 
 from trajserve.engine.core import ExecutorOutput, StepStats
 from trajserve.engine.scheduler import Scheduler, SchedulerOutput
-from trajserve.kv.copy_engine import CopyEngine, CopyJob, gather_blocks
+from trajserve.kv.copy_engine import CopyEngine, CopyJob, LayerPages, gather_blocks
 from trajserve.lora.rows import LoRARows
 from trajserve.lora.slots import LoRASlots
 from trajserve.model.attention import AttentionMetadata, PrefillSeq
+from trajserve.model.attention import LayerPages as MetaPages
 from trajserve.model.llama import LlamaModel
 from trajserve.model.sampler import RowContext, Sampler, token_logprobs
 from trajserve.speculative.verify import verify_drafts
@@ -82,14 +83,18 @@ def allocate_kv_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_h
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, lora: LoRASlots | None = None, lora_kernels: bool = True) -> None:
+                 block_size: int, lora: LoRASlots | None = None, lora_kernels: bool = True,
+                 lp: LayerPages | None = None) -> None:
+        """lp: where each layer keeps a block (a window model's pages,
+        kv/window_pool.py); None: at its id, in the layer's own tensors."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = model.device
         self._in_block = np.arange(block_size)
+        self.lp = lp or LayerPages(len(kv_caches))
         # Background device <-> host copies (swaps of paused sessions).
-        self.copy = CopyEngine(kv_caches)
+        self.copy = CopyEngine(kv_caches, self.lp)
         self.lora = lora  # the resident adapters (lora/slots.py), when LoRA is on
         self.lora_kernels = lora_kernels  # False: adapters' products as torch matmuls (--kernel-paths-off lora)
 
@@ -151,6 +156,11 @@ class ModelRunner:
         slots = np.concatenate(slots)
         meta = self._attention_meta(spans)
         meta.slot_block, meta.slot_offset = self._tensor(slots // B), self._tensor(slots % B)
+        if meta.layer_pages is not None:
+            written = self.lp.pages[slots // B].T
+            if (written < 0).any():  # a token written where its layer has no page: the KV manager's bug
+                raise AssertionError("a step writes K/V into a block whose window part is gone")
+            meta.layer_pages.slot_block = self._tensor(np.ascontiguousarray(written))
         batch = PreparedBatch(self._tensor(np.concatenate(ids)), self._tensor(np.concatenate(pos)), meta,
                               self._tensor(np.asarray(sample_rows, dtype=np.int64)), sample_ids,
                               # every row sampled (a step of decodes only): nothing to leave out
@@ -198,11 +208,17 @@ class ModelRunner:
                 prefills.append(PrefillSeq(row, n, end, self._tensor(table[:nb])))
         meta = AttentionMetadata(slot_block=None, slot_offset=None, decode_rows=None, pair_seq=None,
                                  pair_block=None, pair_mask=None, num_decodes=len(dec_rows), prefills=prefills)
+        pages = self.lp.pages
+        if pages is not None:  # each layer's pages for these block ids
+            meta.layer_pages = MetaPages(None, None, None, [self._pages(pages, s.block_ids.cpu().numpy())
+                                                            for s in prefills])
         if dec_rows:
             meta.decode_rows = self._tensor(np.asarray(dec_rows, dtype=np.int64))
             nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
             if self.model.attention_kernels is not None:  # the C kernel reads the tables as they are
                 meta.dec_tables = self._tensor(np.concatenate(dec_tables))
+                if pages is not None:
+                    meta.layer_pages.dec_tables = self._pages(pages, np.concatenate(dec_tables))
                 meta.dec_table_start = self._tensor(np.cumsum(nblocks) - nblocks)
                 meta.dec_ctx = self._tensor(np.asarray(dec_ctx, dtype=np.int64))
             else:
@@ -212,16 +228,32 @@ class ModelRunner:
                 ctx = np.repeat(np.asarray(dec_ctx, dtype=np.int64), nblocks)
                 meta.pair_seq = self._tensor(pair_seq)
                 meta.pair_block = self._tensor(np.concatenate(dec_tables))
+                if pages is not None:
+                    meta.layer_pages.pair_block = self._pages(pages, np.concatenate(dec_tables))
                 pos = starts[:, None] + self._in_block[None, :]
                 meta.pair_mask = self._tensor(pos < ctx[:, None])
                 if self.model.windowed:  # sliding-window layers mask by position too
                     meta.pair_pos, meta.pair_ctx = self._tensor(pos), self._tensor(ctx)
         return meta
 
+    def _pages(self, pages: np.ndarray, block_ids: np.ndarray) -> torch.Tensor:
+        """[layers, n]: each layer's pages of these blocks. A block before a
+        window layer's window has no page there: page 0 stands in, never
+        read (the C kernels skip it, torch's attention masks it out)."""
+        return self._tensor(np.ascontiguousarray(np.maximum(pages[block_ids].T, 0)))
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """pool[dst] = pool[src] in every layer. All sources are read before
         any destination is written, so a block freed and reused as a
         destination in the same step still gives its old content."""
+        if self.lp.pages is not None:  # one shared K and V: every layer's pages in one copy
+            k, v = self.kv_caches[0]
+            ps, pd = self.lp.pages[src.cpu().numpy()].ravel(), self.lp.pages[dst.cpu().numpy()].ravel()
+            keep = ps >= 0  # a source's window part always exists here (its writer holds it)
+            ps, pd = self._tensor(ps[keep]), self._tensor(pd[keep])
+            k.index_copy_(0, pd, k.index_select(0, ps))
+            v.index_copy_(0, pd, v.index_select(0, ps))
+            return
         for k, v in self.kv_caches:
             k.index_copy_(0, dst, k.index_select(0, src))
             if v is not k:
@@ -230,16 +262,17 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """KV of these blocks as [n, layers, 2, kv_heads, block_size, head_dim] on
         the host (for the host and disk tiers)."""
-        return gather_blocks(self.kv_caches, block_ids)
+        return gather_blocks(self.kv_caches, block_ids, self.lp)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Inverse of read_blocks: load saved KV into these device blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         data = data.to(self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(0, idx, data[:, layer, 0])
+        for i, layer in enumerate(self.lp.carried):
+            k, v = self.kv_caches[layer]
+            idx = self.lp.index(block_ids, layer, self.device)
+            k.index_copy_(0, idx, data[:, i, 0])
             if v is not k:
-                v.index_copy_(0, idx, data[:, layer, 1])
+                v.index_copy_(0, idx, data[:, i, 1])
 
     def run(self, batch: PreparedBatch) -> torch.Tensor:
         """Float32 logits [len(batch.sample_rows), vocab]: with prompt spans,

@@ -86,6 +86,9 @@ OPTIONS: tuple[Option, ...] = (
            "tokens per KV block (the prefix cache shares whole blocks)", type=int),
     Option("enable_prefix_caching", "cache.enable_prefix_caching", "--no-prefix-caching",
            "disable the radix prefix cache"),
+    Option("free_window_blocks", "cache.free_window_blocks", "--no-free-window-blocks",
+           "a model with sliding-window layers keeps every layer of every block (by default a block's window "
+           "layers' K and V are freed once no query reads them)"),
     Option("watermark", "cache.watermark", "--watermark",
            "below this share of free blocks no new request is admitted, so running decodes keep room to grow "
            "(Pool_headroom, kv-cache-management eq. 7)", type=float),

@@ -16,7 +16,9 @@ def startup_line(engine, formats: dict[str, int], why: dict[str, str]) -> str:
         f"(quantization {e.quantization}: {why['quantization']})\n"
         f"KV cache: {e.kv_format.name} ({why['kv']}) | m_token = {m_token:,} B "
         f"(eq. 1) | block = {cc.block_size} tokens = {e.block_bytes:,} B | {e.num_blocks:,} blocks | "
-        f"capacity {e.kv.token_capacity:,} tokens | max_model_len {e.max_model_len:,}{why.get('rope', '')}\n"
+        f"capacity {e.kv.token_capacity:,} tokens"
+        + (" (window layers' pages freed behind their windows: more across sequences)" if e.kv.windowed else "")
+        + f" | max_model_len {e.max_model_len:,}{why.get('rope', '')}\n"
         f"speculative decoding: {e.speculative} ({why['speculative']})"
         f" | scheduling: {e.config.scheduler.scheduling}"
         + (f"\n{e.lora.summary()}" if e.lora is not None else ""))

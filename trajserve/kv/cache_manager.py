@@ -33,9 +33,11 @@ from trajserve.kv.cache_views import CacheViews
 from trajserve.kv.admission_hold import AdmissionHolds
 from trajserve.kv.radix_cache import RadixCache
 from trajserve.kv.radix_paths import PathOps
-from trajserve.kv.radix_node import BlockKey, LowerTierCache, MatchResult, RadixNode, chain_hash, namespace_hash
+from trajserve.kv.radix_node import BlockKey, LowerTierCache, MatchResult, RadixNode, chain_hash
 from trajserve.kv.retention import Retention
 from trajserve.kv.scope import CacheScope, namespace_of
+from trajserve.kv.window_parts import WindowParts
+from trajserve.kv.window_pool import WindowBlockPool
 
 
 @dataclass(slots=True)
@@ -46,11 +48,19 @@ class _PrefixState:
     node: RadixNode | None = None  # locked end of that path
 
 
-class KVCacheManager(PathOps, CacheViews):
+class KVCacheManager(PathOps, CacheViews, WindowParts):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False, model_id: Hashable = "") -> None:
+                 enable_prefix_caching: bool = False, model_id: Hashable = "",
+                 window: tuple[int, int, tuple[int, ...]] | None = None) -> None:
+        """window: (tokens, layers, window layers) of a model with sliding-window
+        layers: a page per layer, window parts freed (kv/window_pool.py), the
+        pool's num_blocks blocks' worth of pages."""
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        if window is not None:
+            self.pool = WindowBlockPool(num_blocks * window[1], window[1], window[2])
+        else:
+            self.pool = BlockPool(num_blocks)
+        self._init_window(window[0] if window is not None else 0)
         self.tables: dict[str, BlockTable] = {}
         self.watermark_blocks = int(watermark * num_blocks)
         self.radix = RadixCache(self.pool, block_size) if enable_prefix_caching else None
@@ -84,6 +94,10 @@ class KVCacheManager(PathOps, CacheViews):
 
     @property
     def token_capacity(self) -> int:
+        """The longest sequence a request may grow to: what the pool holds
+        with every layer of every block (a window pool holds more, but a
+        preempted request is recomputed, its window parts not yet shed, and
+        must fit then)."""
         return self.pool.num_blocks * self.block_size
 
     def usage(self) -> float:
@@ -166,6 +180,8 @@ class KVCacheManager(PathOps, CacheViews):
         hit = self.radix.match_blocks(ns, keys)
         if self.lower is not None and len(hit.block_ids) < len(keys):
             hit = self._promote(ns, keys, hit, len(token_ids))
+        if self.windowed and hit.block_ids:
+            hit = self._win_cut(ns, keys, hit)
         return hit if hit.num_tokens else None
 
     def attach_lower_tiers(self, lower: LowerTierCache | None, spill: bool = True) -> None:
@@ -204,6 +220,8 @@ class KVCacheManager(PathOps, CacheViews):
                 self.radix.evict(n - self.pool.num_free)
         n = min(n, self.pool.num_free)
         new_ids = self.pool.allocate(n) if n > 0 else []
+        if self.windowed:  # the tiers carry global layers only (kv/window_parts.py)
+            self.pool.drop_window(new_ids)
         got = lower.load(ns, hashes[:n], new_ids) if new_ids else 0
         self._adopt(ns, hit, keys[start:start + got], new_ids, got)
         if not got:
@@ -214,7 +232,10 @@ class KVCacheManager(PathOps, CacheViews):
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
                        scope: CacheScope) -> None:
         """Store the request's newly filled blocks in the tree, so a request
-        with the same prefix hits while this one is still running."""
+        with the same prefix hits while this one is still running (and slide
+        its window: kv/window_parts.py)."""
+        if self.windowed:
+            self._win_slide(request_id, num_computed)
         if self.radix is None:
             return
         table = self.tables.get(request_id)
@@ -243,6 +264,8 @@ class KVCacheManager(PathOps, CacheViews):
             offset = 0
         for idx, cached in res.duplicates:
             idx += offset
+            if self.windowed and not self._win_dedupe(request_id, idx, table.block_ids[idx], cached):
+                continue  # ours has the window part the tree's lacks: keep ours
             # Same tokens computed twice (two requests raced): keep the tree's
             # block, drop ours, so both requests share one copy.
             self.pool.incref([cached])
@@ -252,6 +275,8 @@ class KVCacheManager(PathOps, CacheViews):
         if st.node is not None:
             self.radix.unlock(st.node)
         st.node = res.node
+        if self.windowed and num_computed == len(token_ids):  # the whole prompt (a decode's: ignored)
+            self._win_prompt_end(request_id, table.block_ids, len(st.keys))
 
     # ------------------------------------------------------------ allocation
     def can_admit(self, request_id: str, num_tokens: int, hit: MatchResult | None = None,
@@ -305,6 +330,8 @@ class KVCacheManager(PathOps, CacheViews):
                 else:
                     keys = self._keys_of(hit.last_node)
                 self._prefix[request_id] = _PrefixState(hit.last_node.namespace, keys, hit.last_node)
+            if self.windowed:
+                self._win_hold(request_id, table.block_ids, self.window_start(len(table.block_ids) * self.block_size))
         # Runs for every running request every step: the block arithmetic is
         # inline (one pass, no helper calls) to keep the simulator fast.
         B = self.block_size
@@ -341,11 +368,15 @@ class KVCacheManager(PathOps, CacheViews):
         if new_table:
             self.tables[request_id] = table
             self._match_keys.pop(request_id, None)
+            if self.windowed:
+                self._win_from.setdefault(request_id, 0)  # a table of its own blocks: it holds them all
         for idx in shared:
             src = ids[idx]
             dst = self.pool.allocate(1)[0]
             # src keeps its other holders, so this never frees it; the copy
             # runs before the forward, ahead of any write to dst or src.
+            if self.windowed:
+                self._win_copied(request_id, idx, src)
             self.pool.free([src])
             ids[idx] = dst
             self._copies.append((src, dst))
@@ -381,6 +412,8 @@ class KVCacheManager(PathOps, CacheViews):
         child.block_ids = list(parent.block_ids)
         self.pool.incref(child.block_ids)
         self.tables[child_id] = child
+        if self.windowed:
+            self._win_hold(child_id, child.block_ids, self._win_from.get(parent_id, 0))
         st = self._prefix.get(parent_id)
         if st is not None:
             if st.node is not None:
@@ -410,6 +443,8 @@ class KVCacheManager(PathOps, CacheViews):
 
     def _drop(self, request_id: str, table: BlockTable) -> None:
         st = self._prefix.pop(request_id, None)
+        if self.windowed:
+            self._win_release(request_id, table.block_ids, len(st.keys) if st is not None else 0)
         if st is not None and st.node is not None:
             self.radix.unlock(st.node)
         # Reverse: the tail (least likely to be shared) is reused first.
@@ -429,46 +464,6 @@ class KVCacheManager(PathOps, CacheViews):
         table = self.tables.get(request_id)
         have = len(table) if table is not None else 0
         return max(0, blocks_for(num_tokens, self.block_size) - have)
-
-    def cached_paths(self):
-        """(namespace, chained hashes, block ids) of every cached node, least
-        recently used first: what a persistent disk tier takes at a clean close."""
-        if self.radix is None:
-            return
-        for node in sorted(self.radix.iter_nodes(), key=lambda n: n.last_access):
-            yield node.namespace, self.radix.block_hashes(node), list(node.block_ids)
-
-    def path_identity(self, hit: MatchResult) -> tuple[Hashable, list[bytes]]:
-        """The namespace a matched path's blocks were computed under and each
-        block's chained hash, read from the tree that holds them (not from
-        what a caller says they are): the labels a copy of those blocks
-        carries on a lower tier, which a load under another scope refuses."""
-        nodes, node = [], hit.last_node
-        while node.parent is not None:
-            nodes.append(node)
-            node = node.parent
-        hashes = [h for n in reversed(nodes) for h in self.radix.block_hashes(n)]
-        return hit.last_node.namespace, hashes[:len(hit.block_ids)]
-
-    def prefix_hashes(self, token_ids: list[int], scope: CacheScope, num_blocks: int) -> list[bytes]:
-        """The chained hashes of the first num_blocks full blocks of token_ids
-        under scope: what the cluster's prefix directory knows them by."""
-        h = namespace_hash(self.namespace(scope))
-        out = []
-        for k in self.radix.block_keys(token_ids[:num_blocks * self.block_size]):
-            h = chain_hash(h, k)
-            out.append(h)
-        return out
-
-    def retain(self, token_ids: list[int], scope: CacheScope, num_tokens: int, ttl_s: float) -> int:
-        """Keep the blocks of token_ids' first num_tokens (full blocks) under
-        scope for ttl_s seconds: every tier evicts them last (kv/retention.py).
-        Returns the blocks named."""
-        if self.radix is None:
-            return 0
-        hashes = self.prefix_hashes(token_ids, scope, min(num_tokens, len(token_ids)) // self.block_size)
-        self.retention.retain(hashes, ttl_s)
-        return len(hashes)
 
     def clear_cache(self) -> int:
         """Drop every cached block no request uses (and the lower tiers' copies)."""

@@ -73,6 +73,11 @@ class CacheViews:
     def num_used_blocks(self) -> int:
         return self.pool.num_used
 
+    def page_map(self):
+        """A window model's pool (kv/window_pool.py): each block's page per
+        layer, [ids, layers] (-1: none), the live array; None otherwise."""
+        return getattr(self.pool, "page_of", None)
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (the live list: valid until the next allocation or release)."""
         return self.tables[request_id].block_ids

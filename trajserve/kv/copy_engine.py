@@ -26,27 +26,47 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V pools [num_blocks, H_kv, B, d] (MLA: V is K)
 HostBlocks = list[torch.Tensor] | torch.Tensor  # blocks of [layers, 2, H_kv, B, d] (MLA: [layers, 1, 1, B, row])
 
 
-def gather_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
+class LayerPages:
+    """Where each layer keeps a block's K and V: at the block's id in its own
+    tensors (pages None), or, in a window model's pool (kv/window_pool.py),
+    at the block's page for that layer in tensors every layer shares.
+    `carried`: the layers the tiers carry, in their order in a saved block
+    (a window model's global layers only: kv/window_parts.py)."""
+
+    def __init__(self, num_layers: int, pages: np.ndarray | None = None, carried: list[int] | None = None) -> None:
+        self.pages = pages
+        self.carried = list(range(num_layers)) if carried is None else carried
+
+    def index(self, block_ids: list[int], layer: int, device) -> torch.Tensor:
+        ids = block_ids if self.pages is None else self.pages[block_ids, layer]
+        return torch.as_tensor(ids, dtype=torch.long, device=device)
+
+
+def gather_blocks(kv_caches: KVCaches, block_ids: list[int], lp: LayerPages | None = None) -> torch.Tensor:
     """KV of these blocks as [n, layers, 2, H_kv, B, d] on the host (the
     layout the host and disk tiers store; a latent attention's pool:
-    [n, layers, 1, 1, B, row], its one tensor a layer)."""
+    [n, layers, 1, 1, B, row], its one tensor a layer; a window model's:
+    its global layers only)."""
+    lp = lp or LayerPages(len(kv_caches))
     k0 = kv_caches[0][0]
-    idx = torch.tensor(block_ids, dtype=torch.long, device=k0.device)
     # Gathered straight into the one output (2.2 -> 3.0 GB/s on a 2-core Xeon
     # for 64 blocks of SmolLM2, against stacking per-layer gathers twice).
     one = kv_caches[0][1] is k0  # a latent attention's pool: one tensor a layer (K and V the same)
-    out = torch.empty((len(block_ids), len(kv_caches), 1 if one else 2, *k0.shape[1:]), dtype=k0.dtype,
+    out = torch.empty((len(block_ids), len(lp.carried), 1 if one else 2, *k0.shape[1:]), dtype=k0.dtype,
                       device=k0.device)
-    for layer, (k, v) in enumerate(kv_caches):
-        out[:, layer, 0] = k.index_select(0, idx)
+    for i, layer in enumerate(lp.carried):
+        k, v = kv_caches[layer]
+        idx = lp.index(block_ids, layer, k0.device)
+        out[:, i, 0] = k.index_select(0, idx)
         if not one:
-            out[:, layer, 1] = v.index_select(0, idx)
+            out[:, i, 1] = v.index_select(0, idx)
     return out.cpu()
 
 
@@ -99,8 +119,9 @@ class CopyJob:
 
 
 class CopyEngine:
-    def __init__(self, kv_caches: KVCaches) -> None:
+    def __init__(self, kv_caches: KVCaches, lp: LayerPages | None = None) -> None:
         self.kv_caches = kv_caches
+        self.lp = lp or LayerPages(len(kv_caches))
         self.device = kv_caches[0][0].device
         # One intra-op thread for copies (the setting is per thread): on a CPU the
         # copy shares cores with the forward, and a second OpenMP team spinning
@@ -174,7 +195,7 @@ class CopyEngine:
     def _run_save(self, job: CopyJob) -> None:
         try:
             t = time.perf_counter()
-            data = gather_blocks(self.kv_caches, job.block_ids)
+            data = gather_blocks(self.kv_caches, job.block_ids, self.lp)
             job.data = data
             job.nbytes = data.numel() * data.element_size()
             job.seconds = time.perf_counter() - t
@@ -190,12 +211,12 @@ class CopyEngine:
             n = 0 if data is None else len(data)
             job.filled = n
             job.nbytes = sum(b.numel() * b.element_size() for b in data) if n else 0
-            if n:
-                idx = torch.tensor(job.block_ids[:n], dtype=torch.long, device=self.device)
+            slot = {layer: i for i, layer in enumerate(self.lp.carried)}  # a layer's place in a saved block
             for layer, (k, v) in enumerate(self.kv_caches):
-                if n:
+                if n and layer in slot:  # (a window model's window layers are not carried: kv/window_parts.py)
+                    idx = self.lp.index(job.block_ids[:n], layer, self.device)
                     # Gathered per layer: layer 0 is on the device after 1/L of the copy.
-                    src = torch.stack([b[layer] for b in data]).to(self.device, non_blocking=True)
+                    src = torch.stack([b[slot[layer]] for b in data]).to(self.device, non_blocking=True)
                     k.index_copy_(0, idx, src[:, 0])
                     if v is not k:
                         v.index_copy_(0, idx, src[:, 1])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from trajserve.kv.radix_node import BlockKey, MatchResult, RadixNode
+from trajserve.kv.radix_node import BlockKey, MatchResult, RadixNode, chain_hash, namespace_hash
 from trajserve.kv.scope import CacheScope
 
 
@@ -81,7 +81,10 @@ class PathOps:
         if need > self.pool.num_free:
             self.radix.unlock(hit.last_node)
             return None
-        return hit, self.pool.allocate(need)
+        ids = self.pool.allocate(need)
+        if self.windowed:  # the tiers carry global layers only (kv/window_parts.py)
+            self.pool.drop_window(ids)
+        return hit, ids
 
     def finish_import(self, token_ids: list[int], scope: CacheScope, hit: MatchResult,
                       new_ids: list[int], filled: int, keys: list[BlockKey] | None = None) -> None:
@@ -116,3 +119,43 @@ class PathOps:
             self.radix.insert_blocks(ns, new_keys[:filled], new_ids[:filled], below=below)
             self.pool.free(new_ids[:filled])  # the tree holds the ones it took
         self.radix.unlock(node)
+
+    def cached_paths(self):
+        """(namespace, chained hashes, block ids) of every cached node, least
+        recently used first: what a persistent disk tier takes at a clean close."""
+        if self.radix is None:
+            return
+        for node in sorted(self.radix.iter_nodes(), key=lambda n: n.last_access):
+            yield node.namespace, self.radix.block_hashes(node), list(node.block_ids)
+
+    def path_identity(self, hit: MatchResult) -> tuple[Hashable, list[bytes]]:
+        """The namespace a matched path's blocks were computed under and each
+        block's chained hash, read from the tree that holds them (not from
+        what a caller says they are): the labels a copy of those blocks
+        carries on a lower tier, which a load under another scope refuses."""
+        nodes, node = [], hit.last_node
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        hashes = [h for n in reversed(nodes) for h in self.radix.block_hashes(n)]
+        return hit.last_node.namespace, hashes[:len(hit.block_ids)]
+
+    def prefix_hashes(self, token_ids: list[int], scope: CacheScope, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the first num_blocks full blocks of token_ids
+        under scope: what the cluster's prefix directory knows them by."""
+        h = namespace_hash(self.namespace(scope))
+        out = []
+        for k in self.radix.block_keys(token_ids[:num_blocks * self.block_size]):
+            h = chain_hash(h, k)
+            out.append(h)
+        return out
+
+    def retain(self, token_ids: list[int], scope: CacheScope, num_tokens: int, ttl_s: float) -> int:
+        """Keep the blocks of token_ids' first num_tokens (full blocks) under
+        scope for ttl_s seconds: every tier evicts them last (kv/retention.py).
+        Returns the blocks named."""
+        if self.radix is None:
+            return 0
+        hashes = self.prefix_hashes(token_ids, scope, min(num_tokens, len(token_ids)) // self.block_size)
+        self.retention.retain(hashes, ttl_s)
+        return len(hashes)

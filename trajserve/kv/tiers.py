@@ -189,6 +189,8 @@ def decode(data: bytes, layout: BlockLayout, expect: BlockIdentity) -> torch.Ten
         raise BlockRejected("mislabelled", "another block (namespace or chained hash)")
     if len(payload) != layout.payload_bytes:
         raise BlockRejected("corrupt", "payload size does not match the layout")
+    if not payload:  # a layout of no values (a model whose every layer is a window layer carries none)
+        return torch.empty(layout.shape, dtype=layout.torch_dtype)
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return raw.view(layout.torch_dtype).reshape(layout.shape)
 

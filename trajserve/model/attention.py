@@ -34,6 +34,7 @@ K/V of the current step are written into the pool (write_kv) before this runs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +79,38 @@ class AttentionMetadata:
     pair_pos: torch.Tensor | None = None  # [P, B] long
     pair_ctx: torch.Tensor | None = None  # [P] long
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # A window model's pool (kv/window_pool.py): every layer reads its own
+    # pages of tensors all layers share; the block ids above become each
+    # layer's pages through these (None: a block id is every layer's index).
+    layer_pages: LayerPages | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` reads the pool with."""
+        lp = self.layer_pages
+        if lp is None:
+            return self
+        m = lp.views.get(layer)
+        if m is None:
+            m = lp.views[layer] = dataclasses.replace(
+                self, slot_block=lp.slot_block[layer] if lp.slot_block is not None else None,
+                dec_tables=lp.dec_tables[layer] if lp.dec_tables is not None else None,
+                pair_block=lp.pair_block[layer] if lp.pair_block is not None else None,
+                prefills=[PrefillSeq(s.q_start, s.q_len, s.ctx_len, pages[layer], s.masks)
+                          for s, pages in zip(self.prefills, lp.prefill_blocks)],
+                layer_pages=None)
+        return m
+
+
+@dataclass(slots=True)
+class LayerPages:
+    """Per layer (the first axis) the pages standing for the metadata's block
+    ids: of each new token's slot, of the decode tables, of the torch
+    decode's pairs and of each prefill's table."""
+    slot_block: torch.Tensor | None  # [layers, T] (None: metadata of reads only, a step's sampled rows)
+    dec_tables: torch.Tensor | None
+    pair_block: torch.Tensor | None
+    prefill_blocks: list[torch.Tensor]  # per prefill: [layers, blocks]
+    views: dict[int, AttentionMetadata] = field(default_factory=dict)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -296,12 +296,12 @@ class LlamaModel:
             q, k = qk[:, : c.num_heads], qk[:, c.num_heads:]
             if before_layer is not None:
                 before_layer(i)
-            write_kv(k, v, k_cache, v_cache, meta)
+            write_kv(k, v, k_cache, v_cache, meta.for_layer(i))
             if i == last and sample_meta is not None:  # from here on x holds the sampled rows only
                 q, x, meta = q[sample_rows], x[sample_rows], sample_meta
                 lora = lora.subset(sample_rows) if lora is not None else None
                 sample_rows = slice(None)
-            a = paged_attention(q, k_cache, v_cache, meta, self.scale, window=L.window,
+            a = paged_attention(q, k_cache, v_cache, meta.for_layer(i), self.scale, window=L.window,
                                 sinks=L.sinks).reshape(x.shape[0], self.q_size)
             x = x + self._out_norm(L.o(a), L.attn_out_norm)
             if lora is not None:
@@ -403,15 +403,15 @@ class LlamaModel:
             if before_layer is not None:
                 before_layer(i)
             K.rope_store(qkv, c.num_heads, c.num_kv_heads, c.head_dim, L.cos, L.sin, positions,
-                         k_cache, v_cache, meta.slot_block, meta.slot_offset)
+                         k_cache, v_cache, meta.for_layer(i).slot_block, meta.slot_offset)
             q = qkv[:, : self.q_size]
             if i == last and sample_meta is not None:  # from here on x holds the sampled rows only
                 q, x, meta = q[sample_rows], x[sample_rows], sample_meta
                 lora = lora.subset(sample_rows) if lora is not None else None
                 sample_rows = slice(None)
             n = x.shape[0]
-            a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta, self.scale,
-                                self.attention_kernels, L.window, L.sinks)
+            a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta.for_layer(i),
+                                self.scale, self.attention_kernels, L.window, L.sinks)
             a = a.view(n, self.q_size)
             if L.attn_out_norm is None:
                 L.o(a, out=x)

@@ -41,6 +41,9 @@ GAUGES = {
                        "blocks LRU eviction moved to the prefix cache's lower tiers", "counter"),
     "promoted_blocks": ("trajserve_prefix_cache_promoted_blocks",
                         "blocks a match loaded back from the prefix cache's lower tiers", "counter"),
+    "window_recomputed_tokens": ("trajserve_prefix_cache_window_recomputed_tokens",
+                                 "prefix-hit tokens recomputed because a window layer's part of a block was gone",
+                                 "counter"),
 }
 
 

@@ -1,0 +1,125 @@
+"""Which blocks' window parts each block table holds (a mixin of
+KVCacheManager over a WindowBlockPool, kv/window_pool.py).
+
+A query at position q of a window layer reads keys q - W < k <= q
+(W: the window in tokens). A request that has computed c tokens computes
+next from c on, and a prefix hit resumes at a block-aligned point, so it
+holds the window parts of the blocks from
+
+    start(c) = max(0, (c // B) * B - W + 1) // B
+
+on: what a query at the block-aligned point at or below c reads (at most one
+block more than the query at c itself). As c grows the blocks before
+start(c) are released (their window pages go back once no one else holds
+them); the global layers keep every block, as before.
+
+A prefix hit is exact only where every block its first query's window
+reaches still has its window part: match() cuts a hit back to the longest
+such prefix (the rest is recomputed; `num_window_recomputed_tokens` counts
+those tokens). What keeps hits coming: the radix tree keeps the window
+parts of the last window before the end of each request's prompt (when it
+has computed it) and of its whole path (when it leaves): the end of a
+turn's prompt and of its reply, where a fork, a shared head or an agent's
+next call resumes. The lower tiers carry
+blocks' global layers only (LowerTiers' layout of a window pool), so a
+path loaded back from them has no window parts: it is recomputed from its
+last device-resident window.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from trajserve.kv.radix_node import BlockKey, MatchResult
+
+
+class WindowParts:
+    def _init_window(self, window_tokens: int) -> None:
+        self.window_tokens = window_tokens
+        self._win_from: dict[str, int] = {}  # request id -> first block whose window part its table holds
+        self._win_pending: dict[str, list[int]] = {}  # copy-on-write sources, released after their copy ran
+        self.num_window_recomputed_tokens = 0  # hit tokens cut because a window part was gone
+        self._win_prompts: set[str] = set()  # requests whose prompt's end the tree keeps already
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_tokens > 0
+
+    def window_start(self, num_tokens: int) -> int:
+        B = self.block_size
+        return max(0, (num_tokens // B) * B - self.window_tokens + 1) // B
+
+    def _win_hold(self, request_id: str, ids: list[int], start: int) -> None:
+        """A table that now holds ids (a hit, a fork) takes their window parts from `start` on."""
+        self.pool.hold_window(ids[start:])
+        self._win_from[request_id] = start
+
+    def _win_slide(self, request_id: str, num_computed: int) -> None:
+        """The request computed up to num_computed: release what no query of it reads any more."""
+        old = self._win_from.get(request_id)
+        if old is None:
+            return
+        pending = self._win_pending.pop(request_id, None)
+        if pending:
+            self.pool.release_window(pending)
+        ids = self.tables[request_id].block_ids
+        new = min(self.window_start(num_computed), len(ids))
+        if new > old:
+            self.pool.release_window(ids[old:new])
+            self._win_from[request_id] = new
+
+    def _win_prompt_end(self, request_id: str, ids: list[int], in_tree: int) -> None:
+        """The request computed its whole prompt: the tree keeps the window
+        parts of the prompt's last window (a fork, a retry, a shared head
+        resume there), once."""
+        if request_id not in self._win_prompts and in_tree:
+            self._win_prompts.add(request_id)
+            self.pool.keep_window(ids[self.window_start(in_tree * self.block_size):in_tree])
+
+    def _win_release(self, request_id: str, ids: list[int], keep_to: int) -> None:
+        """The table goes: the tree keeps the window parts of its path's last
+        window (its first keep_to blocks are in the tree), then the table's
+        holds are released."""
+        self._win_prompts.discard(request_id)
+        start = self._win_from.pop(request_id, None)
+        if start is None:
+            return
+        if keep_to:
+            self.pool.keep_window(ids[self.window_start(keep_to * self.block_size):keep_to])
+        pending = self._win_pending.pop(request_id, None)
+        if pending:
+            self.pool.release_window(pending)
+        self.pool.release_window(ids[start:])
+
+    def _win_copied(self, request_id: str, idx: int, src: int) -> None:
+        """A copy-on-write replaced block idx (src) in the table: its window
+        part is released once the copy has run (the next slide)."""
+        if idx >= self._win_from.get(request_id, len(self.tables[request_id].block_ids)):
+            self._win_pending.setdefault(request_id, []).append(src)
+
+    def _win_dedupe(self, request_id: str, idx: int, ours: int, cached: int) -> bool:
+        """cache_computed found the tree holding block idx's tokens already
+        (`cached`): may the table take the tree's block for its own? Not
+        when the table's window covers it and the tree's lacks its window
+        part. If it may, the window hold moves to the tree's block."""
+        if idx < self._win_from.get(request_id, idx + 1):
+            return True
+        if not self.pool.has_window(cached):
+            return False
+        self.pool.hold_window([cached])
+        self.pool.release_window([ours])
+        return True
+
+    def _win_cut(self, ns: Hashable, keys: list[BlockKey], hit: MatchResult) -> MatchResult:
+        """The longest prefix of hit whose first query's window has every window part."""
+        ids, B = hit.block_ids, self.block_size
+        j = len(ids)
+        while j > 0:
+            start = self.window_start(j * B)
+            missing = next((i for i in range(j - 1, start - 1, -1) if not self.pool.has_window(ids[i])), None)
+            if missing is None:
+                break
+            j = missing
+        if j == len(ids):
+            return hit
+        self.num_window_recomputed_tokens += (len(ids) - j) * B
+        return self.radix.match_blocks(ns, keys[:j])

@@ -1,0 +1,150 @@
+"""A block pool for a model with sliding-window layers: one page per layer.
+
+A dense model's block holds every layer's K and V for B tokens. With
+window layers (config.WindowSpec), a block far enough behind every query
+that will read it is needed by its global (full-attention) layers only, so
+its window layers' K and V can go. Here the unit of memory is a page: one
+layer's K and V for B tokens (every layer reads one shared K and one shared
+V tensor of pages, model_runner's per-layer page tables). A block is a
+logical id with a page per layer, `page_of[block, layer]` (-1: none):
+
+    global part   a page for each global layer, from allocation to free
+    window part   a page for each window layer, from allocation until no
+                  holder needs it (win_refs[block] = 0)
+
+Holders of a window part: a block table whose window still covers the block
+(kv/window_parts.py slides it as the request computes) and the radix tree,
+which keeps the window parts at the end of each path a finished request
+left (where the next turn resumes). The pool's capacity in blocks is in
+whole blocks' worth of pages (num_pages // layers, what a new block costs),
+so the scheduler's arithmetic in blocks holds; a block that has shed its
+window part costs only its global pages, which is how the pool holds more
+tokens than its all-global twin.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from trajserve.kv.block_pool import BlockPool, NoFreeBlocks
+
+
+class WindowBlockPool(BlockPool):
+    def __init__(self, num_pages: int, num_layers: int, window_layers: tuple[int, ...]) -> None:
+        wl = sorted(set(window_layers))
+        if not wl or wl[0] < 0 or wl[-1] >= num_layers:
+            raise ValueError(f"window layers {window_layers} must be some of 0..{num_layers - 1}")
+        self.num_layers = num_layers
+        self.window_cols = np.asarray(wl, dtype=np.int64)
+        self.global_cols = np.asarray([i for i in range(num_layers) if i not in set(wl)], dtype=np.int64)
+        g = len(self.global_cols)
+        # Block ids: as many as the pages allow once every block shed its window part.
+        super().__init__(max(1, num_pages // g if g else num_pages))
+        if num_pages < num_layers:
+            raise ValueError(f"the KV pool needs at least one block: {num_layers} pages, got {num_pages}")
+        self.num_pages = num_pages
+        self.num_blocks = num_pages // num_layers  # whole blocks' worth: what the scheduler counts
+        self._free_pages: deque[int] = deque(range(num_pages))
+        self.page_of = np.full((self.num_ids, num_layers), -1, dtype=np.int64)
+        self.win_refs = [0] * self.num_ids
+        self.tree_keeps = bytearray(self.num_ids)  # the radix tree holds one of win_refs
+
+    @property
+    def num_ids(self) -> int:
+        return len(self.ref_counts)
+
+    @property
+    def num_free(self) -> int:
+        """New blocks that can be allocated: free ids, each with a page for every layer."""
+        return min(len(self._free), len(self._free_pages) // self.num_layers)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def allocate(self, n: int) -> list[int]:
+        """n blocks, each with every layer's page; the caller holds their
+        window parts (win_refs 1: a new block is inside its writer's window)."""
+        if n > self.num_free:
+            raise NoFreeBlocks(f"asked for {n} blocks, {self.num_free} free")
+        pop, take = self._free.popleft, self._free_pages.popleft
+        blocks = [pop() for _ in range(n)]
+        L = self.num_layers
+        for b in blocks:
+            self.ref_counts[b] = 1
+            self.win_refs[b] = 1
+            self.page_of[b] = [take() for _ in range(L)]
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference from each block; at the last, its pages (and
+        its window holders' references, which end with it) go back."""
+        super().free(blocks)
+        ref, pages = self.ref_counts, self._free_pages
+        for b in blocks:
+            row = self.page_of[b]
+            if ref[b] == 0 and (row >= 0).any():  # its last reference went just now
+                pages.extend(int(p) for p in row if p >= 0)
+                row[:] = -1
+                self.win_refs[b] = 0
+                self.tree_keeps[b] = 0
+
+    # ------------------------------------------------------------ window parts
+    def has_window(self, block: int) -> bool:
+        return self.page_of[block, self.window_cols[0]] >= 0
+
+    def hold_window(self, blocks) -> None:
+        """One more holder of each block's window part (which must exist)."""
+        for b in blocks:
+            if not self.has_window(b):
+                raise AssertionError(f"block {b} has no window part to hold")
+            self.win_refs[b] += 1
+
+    def release_window(self, blocks) -> None:
+        """One holder fewer; a window part nobody holds goes back as pages."""
+        for b in blocks:
+            rc = self.win_refs[b] - 1
+            if rc < 0:
+                raise AssertionError(f"window part of block {b} released twice")
+            self.win_refs[b] = rc
+            if rc == 0:
+                self._shed(b)
+
+    def keep_window(self, blocks) -> None:
+        """The radix tree holds these blocks' window parts (those that have
+        one), once per block, until the block leaves the tree."""
+        for b in blocks:
+            if not self.tree_keeps[b] and self.has_window(b):
+                self.tree_keeps[b] = 1
+                self.win_refs[b] += 1
+
+    def drop_window(self, blocks) -> None:
+        """Blocks whose window pages hold nothing (loaded from a tier that kept
+        their global layers only): shed them, whoever holds them."""
+        for b in blocks:
+            if self.has_window(b):
+                self.win_refs[b] = 0
+                self.tree_keeps[b] = 0
+                self._shed(b)
+
+    def _shed(self, b: int) -> None:
+        row = self.page_of[b]
+        cols = self.window_cols
+        self._free_pages.extend(int(p) for p in row[cols] if p >= 0)
+        row[cols] = -1
+
+    def check(self) -> None:
+        super().check()
+        used = {int(p) for p in self.page_of.ravel() if p >= 0}
+        free = set(self._free_pages)
+        assert len(free) == len(self._free_pages), "page on the free list twice"
+        assert not used & free, "a page both used and free"
+        assert len(used) + len(free) == self.num_pages, "a page lost"
+        for b, rc in enumerate(self.ref_counts):
+            has = self.has_window(b)
+            assert (self.win_refs[b] > 0) == has or rc == 0, f"block {b}: win_refs {self.win_refs[b]}, window {has}"

@@ -120,3 +120,16 @@ def test_the_pool_holds_what_the_window_layers_shed_at_equal_bytes():
     # 253,952 pages; each sequence 8,500 once computed, and its last chunk's 32 blocks whole while computed
     assert paged == (4096 * 62 - 32 * 52) // 8500 == 29
     assert paged / dense >= 3.6
+
+
+def test_a_hit_whose_window_part_went_since_its_match_is_not_admitted():
+    kv = KVCacheManager(64, 4, watermark=0.0, enable_prefix_caching=True, window=(8, 4, (0, 1, 3)))
+    tokens = list(range(30))
+    assert _compute(kv, "a", tokens, 0, 30, 8)
+    kv.release("a", tokens, 30, SCOPE)
+    hit = kv.match("b", tokens + [1, 2], SCOPE)
+    assert hit.num_tokens == 28
+    kv.pool.drop_window([hit.block_ids[-1]])  # gone between the match and the admission
+    assert not kv.allocate_slots("b", 32, hit, write_from=28) and not kv.has_table("b")
+    assert kv.match("b", tokens + [1, 2], SCOPE) is None  # matched again: cut back (no earlier window kept)
+    _windows_held(kv)

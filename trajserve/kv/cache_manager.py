@@ -318,6 +318,8 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         new_table = table is None
         if new_table:
             table = BlockTable(self.block_size)
+            if self.windowed and hit is not None and hit.block_ids and not self._win_ready(hit.block_ids):
+                return False  # a window part the hit needs went since the match: match again next step
             if hit is not None and hit.block_ids:
                 self.radix.lock(hit.last_node)  # pin before evicting
                 self.pool.incref(hit.block_ids)

@@ -48,6 +48,12 @@ class WindowParts:
         B = self.block_size
         return max(0, (num_tokens // B) * B - self.window_tokens + 1) // B
 
+    def _win_ready(self, ids: list[int]) -> bool:
+        """Does every block a query right after ids reads still have its window
+        part? (A preemption between a match and its admission may have
+        released one the tree did not keep.)"""
+        return all(self.pool.has_window(b) for b in ids[self.window_start(len(ids) * self.block_size):])
+
     def _win_hold(self, request_id: str, ids: list[int], start: int) -> None:
         """A table that now holds ids (a hit, a fork) takes their window parts from `start` on."""
         self.pool.hold_window(ids[start:])

@@ -77,7 +77,7 @@ class DeadlineMiss(RuntimeError):
         self.deadline_s, self.prediction = deadline_s, p
         self.busy = p.idle_s * margin <= deadline_s  # the load, not the request itself, is what misses
         self.status = 429 if self.busy else 503
-        self.retry_after_s = max(1.0, p.wait_s + p.prefill_s - (p.idle_s - p.decode_s))
+        self.retry_after_s = max(1.0, p.total_s - p.idle_s)  # about when the load ahead of it has cleared
         why = ("the engine is busy: retry later" if self.busy else
                "an idle engine would need that long too: ask for fewer tokens or a later deadline")
         super().__init__(

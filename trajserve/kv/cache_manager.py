@@ -232,10 +232,14 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
     def cache_computed(self, request_id: str, token_ids: list[int], num_computed: int,
                        scope: CacheScope) -> None:
         """Store the request's newly filled blocks in the tree, so a request
-        with the same prefix hits while this one is still running (and slide
-        its window: kv/window_parts.py)."""
+        with the same prefix hits while this one is still running; then
+        slide its window (kv/window_parts.py: the tree may keep or adopt
+        window parts first)."""
+        self._cache_blocks(request_id, token_ids, num_computed, scope)
         if self.windowed:
             self._win_slide(request_id, num_computed)
+
+    def _cache_blocks(self, request_id: str, token_ids: list[int], num_computed: int, scope: CacheScope) -> None:
         if self.radix is None:
             return
         table = self.tables.get(request_id)
@@ -265,7 +269,7 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         for idx, cached in res.duplicates:
             idx += offset
             if self.windowed and not self._win_dedupe(request_id, idx, table.block_ids[idx], cached):
-                continue  # ours has the window part the tree's lacks: keep ours
+                continue  # ours has a window part the tree's cannot take: keep ours
             # Same tokens computed twice (two requests raced): keep the tree's
             # block, drop ours, so both requests share one copy.
             self.pool.incref([cached])
@@ -275,8 +279,11 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         if st.node is not None:
             self.radix.unlock(st.node)
         st.node = res.node
-        if self.windowed and num_computed == len(token_ids):  # the whole prompt (a decode's: ignored)
-            self._win_prompt_end(request_id, table.block_ids, len(st.keys))
+        if self.windowed:
+            if res.duplicates and offset + res.duplicates[-1][0] + 1 < full:  # it left a shared head here
+                self._win_branch(table.block_ids, offset + res.duplicates[-1][0] + 1)
+            if num_computed == len(token_ids):  # the whole prompt (a decode's: ignored)
+                self._win_prompt_end(request_id, table.block_ids, len(st.keys))
 
     # ------------------------------------------------------------ allocation
     def can_admit(self, request_id: str, num_tokens: int, hit: MatchResult | None = None,

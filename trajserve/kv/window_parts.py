@@ -104,16 +104,24 @@ class WindowParts:
 
     def _win_dedupe(self, request_id: str, idx: int, ours: int, cached: int) -> bool:
         """cache_computed found the tree holding block idx's tokens already
-        (`cached`): may the table take the tree's block for its own? Not
-        when the table's window covers it and the tree's lacks its window
-        part. If it may, the window hold moves to the tree's block."""
+        (`cached`): may the table take the tree's block for its own? When
+        the table's window covers it, the window hold moves to the tree's
+        block, which takes our window pages if it has none (the same K and
+        V); not if ours are shared too (the table keeps its own block)."""
         if idx < self._win_from.get(request_id, idx + 1):
             return True
-        if not self.pool.has_window(cached):
-            return False
-        self.pool.hold_window([cached])
-        self.pool.release_window([ours])
-        return True
+        if self.pool.has_window(cached):
+            self.pool.hold_window([cached])
+            self.pool.release_window([ours])
+            return True
+        return self.pool.adopt_window(ours, cached)
+
+    def _win_branch(self, ids: list[int], branch: int) -> None:
+        """The request's path leaves the tree's at block `branch` (a shared
+        head such as a system prompt ends there): the tree keeps the window
+        parts before it, where other requests sharing that head resume."""
+        if 0 < branch < len(ids):
+            self.pool.keep_window(ids[self.window_start(branch * self.block_size):branch])
 
     def _win_cut(self, ns: Hashable, keys: list[BlockKey], hit: MatchResult) -> MatchResult:
         """The longest prefix of hit whose first query's window has every window part."""

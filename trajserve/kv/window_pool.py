@@ -123,6 +123,20 @@ class WindowBlockPool(BlockPool):
                 self.tree_keeps[b] = 1
                 self.win_refs[b] += 1
 
+    def adopt_window(self, src: int, dst: int) -> bool:
+        """dst (the radix tree's copy of src's tokens, computed earlier and
+        since shed of its window part) takes src's window pages, with the
+        one hold on them, when only that hold has them: the same tokens at
+        the same positions under the same namespace, so the same K and V.
+        False (nothing moved) otherwise."""
+        if self.has_window(dst) or not self.has_window(src) or self.ref_counts[src] != 1 or self.win_refs[src] != 1:
+            return False
+        cols = self.window_cols
+        self.page_of[dst, cols] = self.page_of[src, cols]
+        self.page_of[src, cols] = -1
+        self.win_refs[src], self.win_refs[dst] = 0, 1
+        return True
+
     def drop_window(self, blocks) -> None:
         """Blocks whose window pages hold nothing (loaded from a tier that kept
         their global layers only): shed them, whoever holds them."""

@@ -47,7 +47,8 @@ def test_greedy_tokens_match_transformers_alone_and_batched(model_dir, reference
         eng.close()
 
 
-@pytest.mark.parametrize("case", ["chunk-5", "block-16", "preempt", "host-tier", "speculative", "no-prefix-cache"])
+@pytest.mark.parametrize("case", ["chunk-5", "block-16", "preempt", "small-pool", "host-tier", "speculative",
+                                  "no-prefix-cache"])
 def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, reference, case):
     d, _ = model_dir
     kw: dict = {}
@@ -56,9 +57,11 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
         kw["scheduler"] = SchedulerConfig(max_num_batched_tokens=5, speculative="off")
     elif case == "block-16":
         cache = {"block_size": 16, "num_blocks": 24}
-    elif case == "preempt":  # 3 x (up to 104 tokens) in a pool too small for them: someone is preempted
-        # (its window layers' blocks freed as it goes: Mistral's are all window layers, Gemma 3's one in four global)
-        cache = {"num_blocks": 30 if "mistral" in str(d) else 32}
+    elif case == "preempt":  # 3 x (up to 104 tokens) in 40 blocks of 4, every layer kept: someone is preempted
+        cache = {"num_blocks": 40, "free_window_blocks": False}
+        kw["scheduler"] = SchedulerConfig(speculative="off")
+    elif case == "small-pool":  # a pool of pages too small for all three with every layer kept
+        cache = {"num_blocks": 27}
         kw["scheduler"] = SchedulerConfig(speculative="off")
     elif case == "host-tier":  # evicted prefixes go to host memory and load back on the hit
         cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22}
@@ -74,6 +77,8 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
         assert run_staggered(eng, batch) == reference
         if case == "preempt":
             assert eng.scheduler.num_preemptions > 0
+        if case == "small-pool":  # 27 blocks' worth of pages, window parts freed and evicted under pressure
+            assert eng.kv.pool.num_pages == 27 * eng.model_config.num_layers
     finally:
         eng.close()
 

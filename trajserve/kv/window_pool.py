@@ -14,8 +14,8 @@ logical id with a page per layer, `page_of[block, layer]` (-1: none):
 
 Holders of a window part: a block table whose window still covers the block
 (kv/window_parts.py slides it as the request computes) and the radix tree,
-which keeps the window parts at the end of each path a finished request
-left (where the next turn resumes). The pool's capacity in blocks is in
+which keeps those of the points worth resuming from (kv/window_parts.py:
+prompt ends, path ends, where a path leaves a shared head). The pool's capacity in blocks is in
 whole blocks' worth of pages (num_pages // layers, what a new block costs),
 so the scheduler's arithmetic in blocks holds; a block that has shed its
 window part costs only its global pages, which is how the pool holds more

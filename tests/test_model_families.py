@@ -60,9 +60,9 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
     elif case == "block-16":
         cache = {"block_size": 16, "num_blocks": 24}
     elif case == "preempt":  # 3 x (up to 104 tokens) in 40 blocks of 4: someone is preempted and recomputed
-        cache = {"num_blocks": 40}
+        cache = {"num_blocks": 40, "free_window_blocks": False}  # (gpt-oss's window pool: test_window_models.py)
     elif case == "host-tier":  # evicted prefixes go to host memory and load back (a latent pool: one tensor a layer)
-        cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22}
+        cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22, "free_window_blocks": False}
     else:
         cache = {"enable_prefix_caching": False}
     eng = engine(d, cache, **kw)

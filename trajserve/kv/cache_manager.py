@@ -149,7 +149,14 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
 
     @property
     def num_reclaimable(self) -> int:
-        return self.radix.num_evictable_blocks if self.radix is not None else 0
+        """Cached blocks nobody holds, in the pool's blocks (a window pool's:
+        whole blocks' worth of the global pages they free, at least; their
+        window parts, kept or not, are not counted)."""
+        if self.radix is None:
+            return 0
+        if self.windowed:
+            return self.radix.num_evictable_blocks * len(self.pool.global_cols) // self.pool.num_layers
+        return self.radix.num_evictable_blocks
 
     def table(self, request_id: str) -> BlockTable:
         return self.tables[request_id]

@@ -30,7 +30,7 @@ from trajserve.kv.copy_engine import CopyEngine, CopyJob, LayerPages, gather_blo
 from trajserve.lora.rows import LoRARows
 from trajserve.lora.slots import LoRASlots
 from trajserve.model.attention import AttentionMetadata, PrefillSeq
-from trajserve.model.attention import LayerPages as MetaPages
+from trajserve.model.attention import LayerTables
 from trajserve.model.llama import LlamaModel
 from trajserve.model.sampler import RowContext, Sampler, token_logprobs
 from trajserve.speculative.verify import verify_drafts
@@ -198,6 +198,7 @@ class ModelRunner:
         B = self.block_size
         dec_rows, dec_ctx, dec_tables = [], [], []
         prefills: list[PrefillSeq] = []
+        prefill_tables = []
         for row, n, end, table, decode in spans:
             nb = -(-end // B)
             if decode:
@@ -206,19 +207,20 @@ class ModelRunner:
                 dec_tables.append(table[:nb])
             else:
                 prefills.append(PrefillSeq(row, n, end, self._tensor(table[:nb])))
+                prefill_tables.append(table[:nb])
         meta = AttentionMetadata(slot_block=None, slot_offset=None, decode_rows=None, pair_seq=None,
                                  pair_block=None, pair_mask=None, num_decodes=len(dec_rows), prefills=prefills)
         pages = self.lp.pages
         if pages is not None:  # each layer's pages for these block ids
-            meta.layer_pages = MetaPages(None, None, None, [self._pages(pages, s.block_ids.cpu().numpy())
-                                                            for s in prefills])
+            meta.layer_pages = LayerTables(None, None, None, [self._pages(pages, t) for t in prefill_tables])
         if dec_rows:
             meta.decode_rows = self._tensor(np.asarray(dec_rows, dtype=np.int64))
             nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
+            tables = np.concatenate(dec_tables)
             if self.model.attention_kernels is not None:  # the C kernel reads the tables as they are
-                meta.dec_tables = self._tensor(np.concatenate(dec_tables))
+                meta.dec_tables = self._tensor(tables)
                 if pages is not None:
-                    meta.layer_pages.dec_tables = self._pages(pages, np.concatenate(dec_tables))
+                    meta.layer_pages.dec_tables = self._pages(pages, tables)
                 meta.dec_table_start = self._tensor(np.cumsum(nblocks) - nblocks)
                 meta.dec_ctx = self._tensor(np.asarray(dec_ctx, dtype=np.int64))
             else:
@@ -227,9 +229,9 @@ class ModelRunner:
                 starts = np.concatenate([np.arange(n) for n in nblocks]) * B
                 ctx = np.repeat(np.asarray(dec_ctx, dtype=np.int64), nblocks)
                 meta.pair_seq = self._tensor(pair_seq)
-                meta.pair_block = self._tensor(np.concatenate(dec_tables))
+                meta.pair_block = self._tensor(tables)
                 if pages is not None:
-                    meta.layer_pages.pair_block = self._pages(pages, np.concatenate(dec_tables))
+                    meta.layer_pages.pair_block = self._pages(pages, tables)
                 pos = starts[:, None] + self._in_block[None, :]
                 meta.pair_mask = self._tensor(pos < ctx[:, None])
                 if self.model.windowed:  # sliding-window layers mask by position too

@@ -82,7 +82,7 @@ class AttentionMetadata:
     # A window model's pool (kv/window_pool.py): every layer reads its own
     # pages of tensors all layers share; the block ids above become each
     # layer's pages through these (None: a block id is every layer's index).
-    layer_pages: LayerPages | None = None
+    layer_pages: LayerTables | None = None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` reads the pool with."""
@@ -102,7 +102,7 @@ class AttentionMetadata:
 
 
 @dataclass(slots=True)
-class LayerPages:
+class LayerTables:
     """Per layer (the first axis) the pages standing for the metadata's block
     ids: of each new token's slot, of the decode tables, of the torch
     decode's pairs and of each prefill's table."""

@@ -83,10 +83,15 @@ def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype=gguf.GGMLQuantizationType.F32,
                extra_tensors: dict[str, np.ndarray] | None = None,
                replace: dict[str, np.ndarray] | None = None,
-               drop: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+               drop: frozenset[str] = frozenset(),
+               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+               tokenizer: bool = False) -> dict[str, torch.Tensor]:
     """Write `model` as llama.cpp would; return the weights a correct loader
     must produce (HF layout, after the same quantization round trip).
-    `replace` swaps the data of GGUF tensors, `drop` leaves HF tensors out."""
+    `replace` swaps the data of GGUF tensors, `drop` leaves HF tensors out,
+    `qtypes` gives some matrices (by a part of their HF name, ".v_proj.")
+    their own type, as a mixed file (Q4_K_M) does; `tokenizer` adds a
+    vocabulary ("t0" .. "t{vocab-1}", the last EOS) an engine can load."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -107,17 +112,18 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype=gguf.GGMLQua
         if name in drop:
             continue
         a = t.detach().float().numpy()
+        qt = next((q for part, q in (qtypes or {}).items() if part in name), qtype)
         if replace and gguf_name(name) in replace:
             w.add_tensor(gguf_name(name), replace[gguf_name(name)])
-        elif a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        elif a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
             own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
-            data = own[qtype](a) if qtype in own else gguf.quants.quantize(a, qtype)
-            expected[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(a.shape).copy())
+            data = own[qt](a) if qt in own else gguf.quants.quantize(a, qt)
+            expected[name] = torch.from_numpy(gguf.quants.dequantize(data, qt).reshape(a.shape).copy())
             if arch == "llama" and ".q_proj." in name:
                 data = converter_permute(data, c.num_attention_heads)
             elif arch == "llama" and ".k_proj." in name:
                 data = converter_permute(data, c.num_key_value_heads)
-            w.add_tensor(gguf_name(name), data, raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), data, raw_dtype=qt)
         else:
             expected[name] = torch.from_numpy(a.copy())
             if arch == "llama" and ".q_proj." in name:
@@ -127,6 +133,10 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype=gguf.GGMLQua
             w.add_tensor(gguf_name(name), a)
     for name, a in (extra_tensors or {}).items():
         w.add_tensor(name, a)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
+        w.add_eos_token_id(c.vocab_size - 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

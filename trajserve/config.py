@@ -15,9 +15,10 @@ FLAGS = {"num_threads": "--threads"}
 # --quantization's values (model/quant.py target_format says what each does);
 # here because the option table and validation load no torch.
 QUANTIZATIONS = ("auto", "none", "q8_0", "q4_0", "q4_1")
-# The C kernels' optional paths (model/cpu_kernels.py KernelPaths), and
-# "lora": adapters' products on the kernels at all (else torch matmuls).
-KERNEL_PATHS = ("amx", "amx_kv_quant", "amx_int8", "lora_dp", "lora")
+# The C kernels' optional paths (model/cpu_kernels.py KernelPaths), "lora":
+# adapters' products on the kernels at all (else torch matmuls), and
+# "decode_stack": a decode step's layers in one C call (model/decode_stack.py).
+KERNEL_PATHS = ("amx", "amx_kv_quant", "amx_int8", "lora_dp", "lora", "decode_stack")
 # --kv-cache-dtype's values (engine/dtype.py resolve_kv_dtype says what auto becomes).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "q8_0", "q4_0")
 # --rope-scaling's values: stretch a model's RoPE past its trained context (model/rope.py).

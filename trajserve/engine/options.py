@@ -165,7 +165,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("kernel_paths_off", "kernel_paths_off", "--kernel-paths-off",
            "leave these paths of the C kernels off although this CPU runs them (for comparisons): amx (bf16 "
            "attention on tiles), amx_kv_quant (q8_0 / q4_0 pools' attention on tiles), amx_int8 (quantized "
-           "products on tiles), lora_dp (bf16 adapters on AVX512-BF16), lora (adapters on the kernels at all)",
+           "products on tiles), lora_dp (bf16 adapters on AVX512-BF16), lora (adapters on the kernels at all), "
+           "decode_stack (a decode step's layers in one C call)",
            choices=KERNEL_PATHS, nargs="+"),
 )
 BY_NAME = {o.name: o for o in OPTIONS}

@@ -1,4 +1,4 @@
-"""The C kernels of cpu_kernels.c, quant_kernels.c and attention_bf16.c: built on first use, loaded with ctypes.
+"""The C kernels of cpu_kernels.c, quant_kernels.c, attention_bf16.c and decode_stack.c: built on first use, loaded with ctypes.
 
 The sources ship with the package and are compiled once per machine with the
 system C compiler (`cc`, ~3 s) into the user's cache directory, keyed by a
@@ -53,7 +53,7 @@ from trajserve.model.quant import PANEL, QuantizedWeight
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c", _DIR / "attention_bf16.c"]
+SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c", _DIR / "attention_bf16.c", _DIR / "decode_stack.c"]
 HEADERS = [_DIR / "simd_math.h", _DIR / "kv_rows.h", _DIR / "formats.h"]
 # -ffp-contract=off: an expression rounds the same way in both builds (the
 # compiler may not fuse a * b + c into an FMA in one and not the other).
@@ -89,13 +89,15 @@ _SIGNATURES = {
     "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _P, _I, _C, _C],
     "ts_quant_amx_init": [],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
+    "ts_decode_stack": [_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _C],
 }
-_RETURNS_INT = ("ts_lora_rows", "ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
+_RETURNS_INT = ("ts_lora_rows", "ts_decode_stack", "ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
                 "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
 # AMX prefill of a bf16 pool: head_dim a multiple of 32 (one tile row of
 # pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
 # queries (a shorter chunk runs as decodes, which need no V^T copy of the context).
 AMX_MIN_QUERIES = 4
+DECODE_VECTOR, DECODE_BF16, DECODE_AMX = 0, 1, 2  # decode attention kernels (decode_path)
 _WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # the formats with an AMX-INT8 tile path (each one checked)
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, sum_lo; int8 q[32]
 
@@ -383,15 +385,26 @@ class CpuKernels:
         args = (q.data_ptr(), q.stride(0), rows.shape[0], num_heads, k_cache.shape[1], d, k_cache.data_ptr(),
                 v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
                 rows.data_ptr(), scale, out.data_ptr(), out.stride(0))
-        group = num_heads // k_cache.shape[1]
-        if fmt == 1 and not window and self.amx_attention(d, k_cache.shape[2]) and group <= 16:
+        path = self.decode_path(fmt, d, k_cache.shape[2], num_heads // k_cache.shape[1], window)
+        if path == DECODE_AMX:
             self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
-        elif fmt == 1:
+        elif path == DECODE_BF16:
             self.lib.ts_decode_attention_bf16(*args, window, self.threads())
-        elif fmt != 0 and not window and self.amx_quantized(d, group):  # q8_0 / q4_0 rows read as bf16
-            self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
-        else:  # float32, or q8_0 / q4_0 rows dequantized as read
+        else:
             self.lib.ts_decode_attention_q(*args, fmt, window, self.threads())
+
+    def decode_path(self, fmt: int, head_dim: int, block_size: int, group: int, window: int) -> int:
+        """Which kernel runs a decode's attention over a pool of format code
+        `fmt`: AMX tiles (a bf16 pool, or q8_0 / q4_0 rows read as bf16; no
+        window), the bf16 vector kernel, or the vector kernel of float32 and
+        q8_0 / q4_0 rows dequantized as read (decode_stack.c's TS_ATTN_*)."""
+        if fmt == 1 and not window and self.amx_attention(head_dim, block_size) and group <= 16:
+            return DECODE_AMX
+        if fmt == 1:
+            return DECODE_BF16
+        if fmt != 0 and not window and self.amx_quantized(head_dim, group):
+            return DECODE_AMX
+        return DECODE_VECTOR
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor,

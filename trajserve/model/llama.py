@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from trajserve.config import ModelConfig
 from trajserve.model import cpu_kernels
 from trajserve.model.attention import AttentionMetadata, paged_attention, write_kv
+from trajserve.model.decode_stack import DecodeStack
 from trajserve.model.linear import GateUpSilu, Linear, QGateUpSilu, QLinear, QLinearParts, use_onednn
 from trajserve.model.mla import LatentAttention, mla_scale
 from trajserve.model.moe import MoE
@@ -177,6 +178,7 @@ class LlamaModel:
             L.window = c.window.size if i in windows else 0
             L.cos, L.sin = local if i in windows else (self.cos, self.sin)
         self.embed_scale = torch.tensor(c.embed_scale, dtype=torch.float32) if c.embed_scale else None
+        self.stack = DecodeStack.build(self) if "decode_stack" not in kernel_paths_off else None
 
     def _latent_attention(self, p: str, lin, norm, w) -> LatentAttention:
         """A DeepSeek layer's attention under prefix p: the input's products
@@ -388,6 +390,9 @@ class LlamaModel:
         else:
             x = cpu_kernels.packed_rows(self.lm_head.packed, input_ids).contiguous()
         x = self._scaled(x)
+        if self.stack is not None and self.stack.runs(meta, lora, before_layer):  # every row's layers in one call
+            x = self.stack(x.contiguous(), positions, meta, kv_caches)
+            return self._softcap(self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps)))
         last = len(self.layers) - 1
         for i, (L, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = K.rms_norm(x, L.in_norm, eps)

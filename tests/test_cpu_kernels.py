@@ -343,7 +343,8 @@ def test_embedded_model_same_greedy_tokens_with_and_without_kernels():
 @needs_kernels
 @settings(max_examples=30, deadline=None)
 @given(ctx=st.integers(1, 300), n=st.integers(1, 40), bs=st.sampled_from([1, 3, 8, 16]),
-       heads=st.sampled_from([(4, 4), (9, 3), (8, 1)]), d=st.sampled_from([8, 64]), seed=st.integers(0, 2**16))
+       heads=st.sampled_from([(4, 4), (4, 2), (9, 3), (8, 1)]), d=st.sampled_from([8, 64, 96]),
+       seed=st.integers(0, 2**16))
 def test_a_query_scores_the_same_in_decode_and_in_prefill(K, ctx, n, bs, heads, d, seed):
     """Both attention kernels run one arithmetic per query, bit for bit: a
     token's output is the same whether it was decoded or is recomputed in a

@@ -643,6 +643,40 @@ static inline void row_scales(const uint8_t *row, const int fmt, int64_t d, floa
     }
 }
 
+/* Scores of keys kb0 + t .. kb0 + t + 31 (all inside the context) of a
+ * float32 pool for nh <= 2 query heads, into s, and those keys' V rows into
+ * vp: what decode_heads' loop over groups of 8 keys computes, the same
+ * operations for every key (its sum over e in order), four groups at a time.
+ * With one head a group was one chain of dependent FMAs (d of them), so an
+ * MHA model's decode waited on FMA latency; here four (or eight) run
+ * together. */
+static inline __attribute__((always_inline)) void scores32(
+    const float *qs, int64_t nh, int64_t d, const void *k_cache, const void *v_cache, const int64_t *table,
+    int64_t hkv, int64_t h, int64_t bs, int64_t kb0, int64_t t, int64_t hid, float *s, const float **vp) {
+    const float *kp[4][8];
+    for (int g = 0; g < 4; g++)
+        for (int u = 0; u < 8; u++) {
+            const int64_t i = t + 8 * g + u, key = kb0 + (i < hid ? hid : i);
+            const int64_t r = (table[key / bs] * hkv + h) * bs + key % bs;
+            kp[g][u] = (const float *)k_cache + r * d;
+            vp[i] = (const float *)v_cache + r * d;
+        }
+    __m256 acc[2][4];
+    for (int j = 0; j < 2; j++)
+        for (int g = 0; g < 4; g++) acc[j][g] = _mm256_setzero_ps();
+    for (int64_t e0 = 0; e0 < d; e0 += 8)
+        for (int g = 0; g < 4; g++) {
+            __m256 r[8], c[8];
+            for (int u = 0; u < 8; u++) r[u] = _mm256_loadu_ps(kp[g][u] + e0);
+            transpose8(r, c);
+            for (int64_t j = 0; j < nh; j++)
+                for (int ee = 0; ee < 8; ee++)
+                    acc[j][g] = _mm256_fmadd_ps(_mm256_set1_ps(qs[j * d + e0 + ee]), c[ee], acc[j][g]);
+        }
+    for (int64_t j = 0; j < nh; j++)
+        for (int g = 0; g < 4; g++) _mm256_storeu_ps(s + j * KB + t + 8 * g, acc[j][g]);
+}
+
 /* One (sequence, kv head, run of query heads) task. fmt is a constant in
  * each copy (decode_heads_any). A quantized pool's K rows are dequantized
  * in registers where the float32 kernel loads them (each K element is read
@@ -676,7 +710,10 @@ static inline __attribute__((always_inline)) void decode_heads(
     for (int64_t kb0 = lo / KB * KB; kb0 < ctx; kb0 += KB) {
         const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, hid = lo > kb0 ? lo - kb0 : 0;
         const float *vp[KB];
-        for (int64_t t = 0; t < nk; t += 8) {
+        int64_t t = 0;
+        if (!quant && nh <= 2)  // float32 rows, one or two heads: 32 keys at a time
+            for (; t + 32 <= nk; t += 32) scores32(qs, nh, d, k_cache, v_cache, table, hkv, h, bs, kb0, t, hid, s, vp);
+        for (; t < nk; t += 8) {
             const float *kp[8];
             const uint8_t *kb[8];
             for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
@@ -711,10 +748,23 @@ static inline __attribute__((always_inline)) void decode_heads(
         for (int64_t j = 0; j < nh; j++) {
             float *sj = s + j * KB, *oj = o + j * d;
             decode_softmax_block(sj, nk, m + j, l + j, oj, d, 0, hid);
-            for (int64_t i = 0; i < nk; i++) {
-                const __m256 pi = _mm256_set1_ps(sj[i]);
-                for (int64_t e = 0; e < d; e += 8)
-                    _mm256_storeu_ps(oj + e, _mm256_fmadd_ps(_mm256_loadu_ps(vp[i] + e), pi, _mm256_loadu_ps(oj + e)));
+            // o_c = fma(v_ic, p_i, o_c) over the keys in order, 64 values of
+            // o in registers at a time (through memory each key's update
+            // waited on the last one's store).
+            int64_t e = 0;
+            for (; e + 64 <= d; e += 64) {
+                __m256 acc[8];
+                for (int c = 0; c < 8; c++) acc[c] = _mm256_loadu_ps(oj + e + 8 * c);
+                for (int64_t i = 0; i < nk; i++) {
+                    const __m256 pi = _mm256_set1_ps(sj[i]);
+                    for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(vp[i] + e + 8 * c), pi, acc[c]);
+                }
+                for (int c = 0; c < 8; c++) _mm256_storeu_ps(oj + e + 8 * c, acc[c]);
+            }
+            for (; e < d; e += 8) {
+                __m256 acc = _mm256_loadu_ps(oj + e);
+                for (int64_t i = 0; i < nk; i++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(vp[i] + e), _mm256_set1_ps(sj[i]), acc);
+                _mm256_storeu_ps(oj + e, acc);
             }
         }
     }

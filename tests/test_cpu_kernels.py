@@ -384,3 +384,19 @@ def test_every_build_gives_the_same_attention_bits(ctx, n, d, seed):
         cpu_kernels.load(isa).prefill_attention(q, kc, vc, table, ctx, d ** -0.5, o)
         outs.append(o)
     assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [1, 5, 40])  # one thread up to 16 rows, all above
+def test_rms_norm_heads_norms_each_head_in_place(K, t):
+    """Qwen3's q / k head norms: each head of the given columns normed as
+    transformers' RMSNorm does (within float rounding), the rest of the row untouched."""
+    g = _g(t)
+    x = torch.randn(t, 3 * 16 + 8, generator=g) * 3
+    w = torch.rand(16, generator=g) + 0.5
+    y = x.clone()
+    K.rms_norm_heads(y, 8, 3, 16, w, 1e-6)
+    heads = x[:, 8:].reshape(t, 3, 16)
+    want = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert torch.allclose(y[:, 8:].reshape(t, 3, 16), want, atol=1e-5)
+    assert torch.equal(y[:, :8], x[:, :8])

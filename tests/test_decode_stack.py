@@ -48,6 +48,11 @@ def _model(tmp_path, case: str):
                           num_key_value_heads=2, vocab_size=300)
         save_with_tokenizer(m, tmp_path)
         return tmp_path, {"quantization": "q4_0", "kv": "bfloat16"}
+    if case == "qwen3 q/k norms":
+        m = tiny_hf_model("qwen3", hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=300)
+        save_with_tokenizer(m, tmp_path)
+        return tmp_path, {}
     if case == "sliding window, all-global q4_0 pool":  # (a quantized pool's rows: head_dim 32)
         m = tiny_hf_model("mistral", hidden_size=128, intermediate_size=96, num_attention_heads=4,
                           num_key_value_heads=1, vocab_size=300, sliding_window=12)
@@ -90,7 +95,7 @@ def _greedy(eng: LLMEngine) -> list[tuple]:
     return [(list(done[r].token_ids), done[r].logprobs) for r in rids]
 
 
-@pytest.mark.parametrize("case", ["float weights, GQA", "qwen2 biases, q4_0 at load, bf16 pool",
+@pytest.mark.parametrize("case", ["float weights, GQA", "qwen2 biases, q4_0 at load, bf16 pool", "qwen3 q/k norms",
                                   "sliding window, all-global q4_0 pool", "q4_0 with v and down in q8_0, q8_0 pool",
                                   "Q4_K with v and down in Q6_K"])
 def test_the_stack_gives_the_per_layer_paths_bits(tmp_path, case, stack_calls):
@@ -121,9 +126,9 @@ def test_the_embedded_model_decodes_the_same_on_the_stack(embedded_gguf, stack_c
     assert stack_calls
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "gemma3", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "olmoe", "gemma3", "deepseek_v2", "gpt_oss"])
 def test_models_it_does_not_run_keep_the_per_layer_path(tmp_path, kind):
-    """q/k norms, experts, Gemma's norms, latent attention, sinks: no stack."""
+    """Experts, Gemma's norms, latent attention, sinks: no stack."""
     save_with_tokenizer(tiny_hf_model(kind), tmp_path)
     model = _engine(tmp_path, {}, ()).model
     assert model.kernels is not None and model.stack is None

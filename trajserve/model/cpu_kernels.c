@@ -442,16 +442,26 @@ int ts_lora_rows(const float *x, int64_t m, int64_t k, int64_t ldx, const int32_
     return 0;
 }
 
-/* y = x / sqrt(mean(x^2) + eps) * w, row by row (HF Llama's order). */
+/* y = x / sqrt(mean(x^2) + eps) * w for one row of d (HF Llama's order);
+ * y may be x (every value is read before any is written). */
+static inline void rms_row(const float *x, int64_t d, const float *w, float eps, float *y) {
+    const float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+    for (int64_t j = 0; j < d; j++) y[j] = (x[j] * inv) * w[j];
+}
+
 void ts_rms_norm(const float *x, int64_t m, int64_t d, int64_t ldx, const float *w, float eps,
                  float *y, int64_t ldy, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(m > 16 ? nthreads : 1)
-    for (int64_t i = 0; i < m; i++) {
-        const float *xi = x + i * ldx;
-        float inv = 1.0f / sqrtf(dot(xi, xi, d) / (float)d + eps);
-        float *yi = y + i * ldy;
-        for (int64_t j = 0; j < d; j++) yi[j] = (xi[j] * inv) * w[j];
-    }
+    for (int64_t i = 0; i < m; i++) rms_row(x + i * ldx, d, w, eps, y + i * ldy);
+}
+
+/* In place, each of `heads` heads of d values of each of t rows (row i at
+ * x + i * ldx): Qwen3's norm of every q and k head before RoPE. */
+void ts_rms_norm_heads(float *x, int64_t t, int64_t ldx, int64_t heads, int64_t d, const float *w, float eps,
+                       int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(t > 16 ? nthreads : 1)
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t h = 0; h < heads; h++) rms_row(x + i * ldx + h * d, d, w, eps, x + i * ldx + h * d);
 }
 
 /* ---------------------------------------------------------- quantized K/V rows

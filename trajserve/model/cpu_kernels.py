@@ -72,6 +72,7 @@ _SIGNATURES = {
     "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I, _C],
     "ts_lora_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _C, _C, _C],
     "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],
+    "ts_rms_norm_heads": [_P, _I, _I, _I, _I, _P, ctypes.c_float, _C],
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
@@ -361,6 +362,15 @@ class CpuKernels:
         self.lib.ts_rms_norm(x.data_ptr(), m, d, x.stride(0), w.data_ptr(), eps, out.data_ptr(), d,
                              self.threads())
         return out
+
+    def rms_norm_heads(self, x: torch.Tensor, start: int, heads: int, head_dim: int, w: torch.Tensor,
+                       eps: float) -> None:
+        """In place: each of `heads` heads of head_dim values from column
+        `start` of each row of x [T, width] (unit column stride)."""
+        if x.dtype != torch.float32 or x.stride(1) != 1 or start + heads * head_dim > x.shape[1]:
+            raise ValueError(f"{heads} heads of {head_dim} from column {start} of a float32 {tuple(x.shape)}")
+        self.lib.ts_rms_norm_heads(x.data_ptr() + 4 * start, x.shape[0], x.stride(0), heads, head_dim, w.data_ptr(),
+                                   eps, self.threads())
 
     def rope_store(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,

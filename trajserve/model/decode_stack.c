@@ -9,7 +9,8 @@
  *
  * Per layer, on the residual stream x [t, hidden] (updated in place):
  *   h = rms_norm(x, in_norm); qkv = h W_qkv^T (+ b), each part in its format
- *   into its columns; RoPE on q, k and k, v into the pool (ts_rope_store);
+ *   into its columns; Qwen3: each q and k head normed; RoPE on q, k and k, v
+ *   into the pool (ts_rope_store);
  *   a = decode attention over the pool; x += a W_o^T (+ b);
  *   h = rms_norm(x, post_norm); act = silu(h W_gate^T) * (h W_up^T);
  *   x += act W_down^T.
@@ -29,6 +30,8 @@ int ts_qlinear(const float *x, int64_t m, int64_t k, int64_t ldx, const void *w,
                float *y, int64_t ldy, int acc, int amx, int nthreads);
 int ts_qgate_up_silu(const float *x, int64_t m, int64_t k, int64_t ldx, const void *gate, const void *up, int fmt,
                      int64_t inter, float *y, int64_t ldy, const float *pre, int64_t ldp, int amx, int nthreads);
+void ts_rms_norm_heads(float *x, int64_t t, int64_t ldx, int64_t heads, int64_t d, const float *w, float eps,
+                       int nthreads);
 void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, int64_t d, const float *cos_t,
                    const float *sin_t, const int64_t *pos, void *k_cache, void *v_cache, const int64_t *slot_block,
                    const int64_t *slot_offset, int64_t bs, int kv_fmt, int nthreads);
@@ -58,7 +61,7 @@ typedef struct {
 enum { TS_ATTN_VECTOR = 0, TS_ATTN_BF16 = 1, TS_ATTN_AMX = 2 };
 
 typedef struct {
-    const float *in_norm, *post_norm, *cos, *sin;
+    const float *in_norm, *post_norm, *q_norm, *k_norm, *cos, *sin;  // q_norm, k_norm: NULL but on Qwen3
     void *k_cache, *v_cache;
     int64_t window, attn, nqkv;
     TsProduct qkv[3], o, gate_up, down;
@@ -94,6 +97,10 @@ int ts_decode_stack(const TsStack *s, const TsLayer *layers, int64_t nl, float *
         const TsLayer *L = layers + i;
         ts_rms_norm(x, t, D, D, L->in_norm, s->eps, h, D, nt);
         for (int64_t p = 0; p < L->nqkv; p++) failed |= product(L->qkv + p, h, t, D, qkv, width, 0, amx, nt);
+        if (L->q_norm != NULL) {
+            ts_rms_norm_heads(qkv, t, width, s->hq, s->d, L->q_norm, s->eps, nt);
+            ts_rms_norm_heads(qkv + qw, t, width, s->hkv, s->d, L->k_norm, s->eps, nt);
+        }
         ts_rope_store(qkv, t, width, s->hq, s->hkv, s->d, L->cos, L->sin, pos, L->k_cache, L->v_cache, slot_block,
                       slot_offset, s->bs, (int)s->kv_fmt, nt);
         if (L->attn == TS_ATTN_AMX)

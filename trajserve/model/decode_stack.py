@@ -6,8 +6,8 @@ model runs its layers in `ts_decode_stack`: the same kernels, in the same
 order, on the same buffers as LlamaModel._forward_kernels calls them one by
 one, so the logits are the same bits; only the ~50 us of Python and ctypes
 around each layer's 8 calls go. What it cannot run (latent attention,
-experts, sinks, Gemma's norms and GELU, Qwen3's q/k norms) keeps the per-layer
-path; `--kernel-paths-off decode_stack` turns it off for comparisons.
+experts, sinks, Gemma's norms and GELU, OLMoE's whole-q norm and clamp) keeps
+the per-layer path; `--kernel-paths-off decode_stack` turns it off for comparisons.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class _Product(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("cos", ctypes.c_void_p),
                 ("sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("window", ctypes.c_int64), ("attn", ctypes.c_int64), ("nqkv", ctypes.c_int64),
                 ("qkv", _Product * 3), ("o", _Product), ("gate_up", _Product), ("down", _Product)]
@@ -79,7 +80,8 @@ class DecodeStack:
         """The stack of `model`, or None where a layer needs what it does not run."""
         c = model.config
         if (model.kernels is None or model.attention_kernels is None or c.mla is not None or c.moe is not None
-                or c.attn_sinks or c.sandwich_norms or c.hidden_act != "silu" or c.qk_norm or c.clip_qkv is not None):
+                or c.attn_sinks or c.sandwich_norms or c.hidden_act != "silu" or c.qk_norm_whole
+                or c.clip_qkv is not None):
             return None
         layers = []
         for L in model.layers:
@@ -93,7 +95,8 @@ class DecodeStack:
                                     CODES[L.gate_up.gate.fmt]), L.gate_up.up.data)
             else:
                 return None
-            layer = _Layer(in_norm=L.in_norm.data_ptr(), post_norm=L.post_norm.data_ptr(), cos=L.cos.data_ptr(),
+            layer = _Layer(in_norm=L.in_norm.data_ptr(), post_norm=L.post_norm.data_ptr(), q_norm=_ptr(L.q_norm),
+                           k_norm=_ptr(L.k_norm), cos=L.cos.data_ptr(),
                            sin=L.sin.data_ptr(), window=L.window, nqkv=len(qkv), o=_product(o[0]),
                            gate_up=gate_up, down=_product(down[0]))
             for i, part in enumerate(qkv):

@@ -235,7 +235,10 @@ class LlamaModel:
         """In place, before RoPE: Qwen3's RMSNorm of each q and k head
         (OLMoE's: of all q heads together, and all k), then OLMoE's clamp."""
         c, T = self.config, qkv.shape[0]
-        if L.q_norm is not None:
+        if L.q_norm is not None and self.kernels is not None and not c.qk_norm_whole:  # decode_stack.c's norms
+            self.kernels.rms_norm_heads(qkv, 0, c.num_heads, c.head_dim, L.q_norm, c.rms_norm_eps)
+            self.kernels.rms_norm_heads(qkv, self.q_size, c.num_kv_heads, c.head_dim, L.k_norm, c.rms_norm_eps)
+        elif L.q_norm is not None:
             q, k = qkv[:, : self.q_size], qkv[:, self.q_size: self.q_size + self.kv_size]
             if not c.qk_norm_whole:
                 q, k = q.view(T, c.num_heads, c.head_dim), k.view(T, c.num_kv_heads, c.head_dim)

@@ -12,6 +12,9 @@ so neither warms the other's caches, and the medians are compared:
     batch 16   decode tok/s at batch 16 / llama-batched-bench's S_TG at 16 sequences
     prefill    prefill tok/s of one prompt / llama-bench pp
 
+`--agents N` runs an agent load over HTTP instead, against `trajserve
+serve` and `llama-server` (bench/peer_agents.py).
+
 Both run greedy over random tokens with EOS ignored; trajserve with
 speculation and the prefix cache off (bench throughput). Beside each batch-1
 figure, the step's time over its bandwidth floor: the bytes a step reads
@@ -37,6 +40,11 @@ def add_parser(sub) -> None:
     p.add_argument("--generate", type=int, default=128, help="tokens generated at batch 1 (llama-bench -n)")
     p.add_argument("--batch", type=int, default=16, help="sequences of the batched run")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--agents", type=int, default=0, metavar="N",
+                   help="instead: N agents' turns over HTTP against `trajserve serve` and llama-server "
+                        "(bench/peer_agents.py), wall time and its ratio")
+    p.add_argument("--turns", type=int, default=6, help="--agents: turns of each agent")
+    p.add_argument("--reply-tokens", type=int, default=32, help="--agents: greedy tokens of each reply")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
@@ -97,6 +105,17 @@ def run(args: argparse.Namespace) -> int:
     from trajserve.bench.common import command_line, machine_info
 
     threads = args.threads or os.cpu_count() or 1
+    if args.agents:
+        from trajserve.bench.peer_agents import print_agents, run_agents
+
+        res = {"command": command_line(), "machine": machine_info(), "model": args.model, "threads": threads,
+               **run_agents(args, threads)}
+        if not args.json:
+            print(f"{res['command']}\n{res['machine']['cpu']}, {threads} threads, {args.rounds} alternated rounds")
+            print_agents(res)
+            print("\nJSON:")
+        print(json.dumps(res))
+        return 0
     ours, theirs = [], []
     for r in range(args.rounds):
         for who in (("ours", "theirs") if r % 2 == 0 else ("theirs", "ours")):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import random
 import socket
 import statistics
@@ -117,6 +118,7 @@ def _one(engine: str, args: argparse.Namespace, threads: int, work) -> dict:
 
 def run_agents(args: argparse.Namespace, threads: int) -> dict:
     """The agent load on both engines, rounds alternated; medians and their ratio."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     work = conversations(args)
     raw: dict[str, list[dict]] = {"trajserve": [], "llama.cpp": []}
     for r in range(args.rounds):

@@ -393,7 +393,9 @@ class LlamaModel:
         else:
             x = cpu_kernels.packed_rows(self.lm_head.packed, input_ids).contiguous()
         x = self._scaled(x)
-        if self.stack is not None and self.stack.runs(meta, lora, before_layer):  # every row's layers in one call
+        if self.stack is not None and self.stack.runs(meta, lora, before_layer):
+            # Every row's layers in one call; its last layer runs all rows
+            # (sample_meta unused): a row's bits do not depend on the others.
             x = self.stack(x.contiguous(), positions, meta, kv_caches)
             return self._softcap(self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps)))
         last = len(self.layers) - 1

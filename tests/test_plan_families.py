@@ -62,7 +62,8 @@ def test_qwen3_30b_a3b_is_3b_active():
     assert m_token(cfg, "bf16") == 2 * 48 * 4 * 128 * 2  # attention is dense GQA: eq. 1 unchanged
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "gemma3_text", "qwen2_window"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3", "gemma3_text", "qwen2_window", "gpt_oss",
+                                    "llama_bias"])
 def test_config_json_of_each_family_counts_as_transformers(tmp_path, family):
     """A tiny config of the family, written by transformers: the planner
     reads it, and its parameter count is the model's own (every tensor)."""
@@ -81,6 +82,10 @@ def test_config_json_of_each_family_counts_as_transformers(tmp_path, family):
         "gemma3_text": (tf.Gemma3TextConfig, None, dict(sliding_window=16, head_dim=16)),
         "qwen2_window": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(use_sliding_window=True, sliding_window=16,
                                                                   max_window_layers=2)),
+        # sinks, q/k/v/o biases, the router's and every expert's biases
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM, dict(num_local_experts=8, num_experts_per_tok=2,
+                                                                head_dim=16, sliding_window=16)),
+        "llama_bias": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(attention_bias=True)),  # o_proj's bias too
     }
     config_cls, model_cls, extra = made[family]
     config = config_cls(**{**common, **extra})

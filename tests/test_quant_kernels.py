@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 from kquant import random_q4_k, random_q6_k
-from trajserve.model import cpu_kernels
+from trajserve.model import cpu_isa, cpu_kernels
 from trajserve.model.quant import (QUANT_FORMATS, STORED_FORMATS, QuantizedWeight, input_quantization_bound,
                                    quantize_input_rows, target_format)
 
@@ -165,13 +165,13 @@ def test_shape_and_format_errors_are_clear():
 
 def test_builds_the_cpu_cannot_run_are_never_selected(monkeypatch, caplog):
     avx2_only = frozenset({"avx2", "fma", "f16c", "sse4_2"})
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: avx2_only)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: avx2_only)
     assert cpu_kernels.supported_isas() == (["avx2"] if ISAS else [])
     with caplog.at_level(logging.WARNING):
         assert cpu_kernels.load.__wrapped__("avx512") is None
     if ISAS:
         assert "this CPU runs only avx2" in caplog.text
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"sse4_2"}))  # no AVX2: nothing
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"sse4_2"}))  # no AVX2: nothing
     assert cpu_kernels.supported_isas() == []
     assert cpu_kernels.load.__wrapped__() is None
 

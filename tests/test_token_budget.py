@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trajserve.config import AUTO_BUDGET_CEILING, SchedulerConfig
-from trajserve.engine.deadline import pairs
+from trajserve.plan.flops import causal_pairs as pairs
 from trajserve.engine.step_time import StepTimeModel
 from trajserve.engine.token_budget import FALLBACK_BUDGET, MIN_PREFILL, budget_for_itl
 

@@ -146,7 +146,7 @@ def _timed(fn) -> float:
 
 def work_terms(steps: list[Step], model: ModelCost) -> dict[str, np.ndarray]:
     """The fit's regressors per step (sim/fit.py), tp = 1."""
-    from trajserve.sim.cost_model import causal_pairs
+    from trajserve.plan.flops import causal_pairs
 
     L, qd = model.num_layers, model.q_dim
     n_tok = np.array([sum(c for c, _ in s.chunks) for s in steps], dtype=float)

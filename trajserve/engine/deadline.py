@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from trajserve.config import DEADLINE_ADMISSION, PRIORITY_RANGE
 from trajserve.engine.scheduler import PREEMPT_SERVICE_MIN, PREEMPT_SERVICE_RATIO
 from trajserve.engine.step_time import StepTimeModel
+from trajserve.plan.flops import causal_pairs
 
 OUTPUT_WINDOW = 32
 ERROR_WINDOW = 64
@@ -107,7 +108,7 @@ class DeadlineAdmission:
     def observe_step(self, chunks, seconds: float) -> None:
         """A step's chunks (scheduler.ScheduledChunk) and its wall time."""
         self.steps.observe(sum(c.num_tokens for c in chunks), len(chunks),
-                           sum(pairs(c.num_tokens, c.start) for c in chunks), seconds)
+                           sum(causal_pairs(c.num_tokens, c.start) for c in chunks), seconds)
 
     def observe_finished(self, req, end: float) -> None:
         """A request finished at `end` (the engine's clock): its output's
@@ -157,7 +158,7 @@ class DeadlineAdmission:
             (ahead if rank(w) <= mine else behind).append(w)
         queued, queued_pairs = self._prefill_work(ahead)
         rows = min(len(running), cfg.max_num_seqs - 1)  # decodes beside it
-        own = pairs(n - cached, cached)
+        own = causal_pairs(n - cached, cached)
         prefill = self._prefill_s(queued + n - cached, queued_pairs + own, rows, ctx)
         # Its decode steps also carry the prefill chunks of those behind it,
         # as far as the budget left beside the decodes takes them.
@@ -202,7 +203,7 @@ class DeadlineAdmission:
         for r in reqs:
             done = self.cached(r)
             tokens += r.num_tokens - done
-            work += pairs(r.num_tokens - done, done)
+            work += causal_pairs(r.num_tokens - done, done)
         return tokens, work
 
     def _displaces(self, req, running, rank) -> bool:
@@ -248,8 +249,3 @@ class DeadlineAdmission:
         self.num_refused += 1
         self._priced.pop(req.request_id, None)
         raise DeadlineMiss(deadline_s, p, self.margin)
-
-
-def pairs(new: int, cached: int) -> int:
-    """N_pair = c h + c (c + 1) / 2   (inference-optimization 8.2.3; sim/cost_model.causal_pairs)."""
-    return new * cached + new * (new + 1) // 2

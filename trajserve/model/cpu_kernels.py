@@ -10,7 +10,7 @@ hash of the sources and flags, in one of two builds:
 
 The build is chosen from the CPU's flags as the kernel reports them in
 /proc/cpuinfo (Linux lists AVX-512 only where the OS saves its registers,
-the xgetbv check) and torch's own probe; TRAJSERVE_CPU_ISA=avx2|avx512 asks
+the xgetbv check) and torch's own probe (model/cpu_isa.py); TRAJSERVE_CPU_ISA=avx2|avx512 asks
 for one, and a build the CPU cannot run is never loaded. Each build must pass
 a known-answer check at load (a float and a quantized product against numpy)
 or it is dropped with a warning: an avx512 build that fails falls back to
@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from trajserve.model.amx_check import amx_int8_usable, amx_kv_quant_usable, amx_usable
+from trajserve.model.cpu_isa import ISA_NEEDS, cpu_flags, supported_isas  # noqa: F401 (ISA_NEEDS: the tests')
 from trajserve.model.formats import CODES
 from trajserve.model.lora_check import lora_dp_usable
 from trajserve.model.quant import PANEL, QuantizedWeight
@@ -59,10 +60,6 @@ HEADERS = [_DIR / "simd_math.h", _DIR / "kv_rows.h", _DIR / "formats.h"]
 # compiler may not fuse a * b + c into an FMA in one and not the other).
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]}
-# /proc/cpuinfo flags each build needs.
-ISA_NEEDS = {"avx2": ("avx2", "fma", "f16c"),
-             "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")}
-
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _C = ctypes.c_int
@@ -101,24 +98,6 @@ AMX_MIN_QUERIES = 4
 DECODE_VECTOR, DECODE_BF16, DECODE_AMX = 0, 1, 2  # decode attention kernels (decode_path)
 _WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # the formats with an AMX-INT8 tile path (each one checked)
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, sum_lo; int8 q[32]
-
-
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return frozenset(next((l for l in f if l.startswith("flags")), "").split())
-    except OSError:
-        return frozenset()
-
-
-def supported_isas() -> list[str]:
-    """The builds this CPU can run, best first."""
-    capability = torch.backends.cpu.get_cpu_capability()  # torch's cpuid + xgetbv probe
-    if capability not in ("AVX2", "AVX512"):
-        return []
-    flags = cpu_flags()
-    isas = [isa for isa in ("avx512", "avx2") if all(f in flags for f in ISA_NEEDS[isa])]
-    return [isa for isa in isas if isa != "avx512" or capability == "AVX512"]
 
 
 def _cache_dir() -> Path:

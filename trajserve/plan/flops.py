@@ -26,6 +26,13 @@ def attention_pairs(new_tokens: float, cached_tokens: float = 0.0, attention: st
     raise ValueError(f"unknown attention convention {attention!r}; allowed: {', '.join(ATTENTION_CONVENTIONS)}")
 
 
+def causal_pairs(new: int, cached: int) -> int:
+    """N_pair = c h + c (c + 1) / 2   (inference-optimization 8.2.3): the
+    query-key pairs a chunk of c new tokens after h cached ones computes,
+    each query with its own key included (the step-time models' feature)."""
+    return new * cached + new * (new + 1) // 2
+
+
 def forward_flops(n_params: float, num_layers: int, q_dim: int, new_tokens: float,
                   cached_tokens: float = 0.0, attention: str = "causal") -> float:
     """FLOPs to run `new_tokens` through the model after `cached_tokens` of KV.

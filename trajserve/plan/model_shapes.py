@@ -58,13 +58,22 @@ def _layer_matmul_params(c: ModelConfig, layer: int, active: bool) -> int:
     return _attention_params(c) + _mlp_params(c, layer, active)
 
 
-def _layer_other_params(c: ModelConfig) -> int:
+def _layer_other_params(c: ModelConfig, layer: int, active: bool) -> int:
+    """Norms, biases and sinks: what the products do not multiply by."""
     qk = (c.num_heads + c.num_kv_heads) * c.head_dim if c.qk_norm_whole else 2 * c.head_dim
     norms = 2 * c.hidden_size + (qk if c.qk_norm else 0)
     if c.mla is not None:  # the latent's and the query bottleneck's norms
         norms += c.mla.kv_lora_rank + c.mla.q_lora_rank
-    bias = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim if c.attention_bias else 0
-    return norms + bias
+    bias = 0
+    if c.attention_bias:  # q, k, v; and o but on Qwen2 (transformers biases o_proj with attention_bias)
+        bias = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim + (c.hidden_size if c.architecture != "qwen2" else 0)
+    if c.mlp_bias:  # gate, up and down of each expert (of a routed layer's router too), or of the dense MLP
+        moe = c.moe
+        if moe is not None and layer in moe.layers:
+            bias += moe.num_experts + (moe.top_k if active else moe.num_experts) * (2 * moe.expert_size + c.hidden_size)
+        else:
+            bias += 2 * c.intermediate_size + c.hidden_size
+    return norms + bias + (c.num_heads if c.attn_sinks else 0)
 
 
 def matmul_params(c: ModelConfig) -> int:
@@ -82,7 +91,7 @@ def lm_head_params(c: ModelConfig) -> int:
 
 def _params(c: ModelConfig, active: bool) -> int:
     head = 0 if c.tie_word_embeddings else lm_head_params(c)
-    return (sum(_layer_matmul_params(c, i, active) + _layer_other_params(c) for i in range(c.num_layers))
+    return (sum(_layer_matmul_params(c, i, active) + _layer_other_params(c, i, active) for i in range(c.num_layers))
             + embedding_params(c) + head + c.hidden_size)  # + final norm
 
 
@@ -157,6 +166,8 @@ def read_hf_config(path: str | Path) -> tuple[ModelConfig, str, bool]:
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        attn_sinks=model_type == "gpt_oss",
+        mlp_bias=model_type == "gpt_oss",
         qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
         qk_norm_whole=model_type == "olmoe",
         moe=MoESpec.from_hf(raw, int(raw["num_hidden_layers"])),

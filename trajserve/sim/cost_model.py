@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trajserve.plan.flops import causal_pairs
 from trajserve.plan.weight_offload import step_with_offload
 from trajserve.sim.hardware import Hardware, ModelCost
 
@@ -67,11 +68,6 @@ class StepCost:
     @property
     def compute_bound(self) -> bool:
         return self.compute_s >= self.memory_s
-
-
-def causal_pairs(new: int, cached: int) -> int:
-    """N_pair = c h + c (c + 1) / 2   (inference-optimization 8.2.3)."""
-    return new * cached + new * (new + 1) // 2
 
 
 class CostModel:

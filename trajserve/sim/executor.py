@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from trajserve.engine.core import ExecutorOutput, StepStats
 from trajserve.engine.scheduler import SchedulerOutput
-from trajserve.sim.cost_model import CostModel, StepCost, causal_pairs
+from trajserve.plan.flops import causal_pairs
+from trajserve.sim.cost_model import CostModel, StepCost
 
 
 @dataclass(slots=True)

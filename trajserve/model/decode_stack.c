@@ -3,9 +3,11 @@
  * Why: at batch 1 a step's products read the weights at the memory's rate,
  * and what is left is the work around them. Driven from Python, a layer is 8
  * kernel calls through ctypes plus the views, checks and output tensors
- * around each: ~50 us a layer, a third of a 135M model's step. Here the same
- * kernels run in the same order on the same buffers, so the step computes
- * the very bits of the per-layer path, with none of that between them.
+ * around each (~60 us a layer, a third of a 135M model's step), and the
+ * kernels' OpenMP workers fall asleep in those gaps and are woken for each
+ * call. Here the same kernels run in the same order on the same buffers, so
+ * the step computes the very bits of the per-layer path, with none of that
+ * between them.
  *
  * Per layer, on the residual stream x [t, hidden] (updated in place):
  *   h = rms_norm(x, in_norm); qkv = h W_qkv^T (+ b), each part in its format

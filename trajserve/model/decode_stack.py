@@ -4,8 +4,10 @@ A step of decodes only (no prefill chunk, no adapter, no reload to wait for
 layer by layer, one pool index for every layer) on a dense Llama-shaped
 model runs its layers in `ts_decode_stack`: the same kernels, in the same
 order, on the same buffers as LlamaModel._forward_kernels calls them one by
-one, so the logits are the same bits; only the ~50 us of Python and ctypes
-around each layer's 8 calls go. What it cannot run (latent attention,
+one, so the logits are the same bits; what goes is the Python and ctypes
+around each layer's 8 calls (~60 us a layer) and the kernels' OpenMP
+workers falling asleep between them (docs/benchmarks.md: the 1.7B model's
+batch-1 step 1.29x). What it cannot run (latent attention,
 experts, sinks, Gemma's norms and GELU, OLMoE's whole-q norm and clamp) keeps
 the per-layer path; `--kernel-paths-off decode_stack` turns it off for comparisons.
 """

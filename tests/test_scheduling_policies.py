@@ -180,3 +180,40 @@ def test_a_full_house_gives_the_queues_head_a_slot_only_when_it_outranks(policy,
     nxt = sched.schedule() if taken else None
     if taken:  # the head runs the step after, the displaced call waits behind it
         assert [c.request for c in nxt.chunks] == [head] and list(sched.waiting) == [long_call]
+
+
+@pytest.mark.parametrize("policy, head_priority, taken", [
+    ("fcfs", -5, False),      # FCFS: the head waits for the pool
+    ("priority", -5, True),   # an urgent call sends the default ones back until it fits
+    ("priority", 0, False),   # an equal one waits
+    ("program", -5, True),
+])
+def test_a_full_pool_makes_room_for_a_head_that_outranks(policy, head_priority, taken):
+    """Slots are free but two running calls hold 10 of the pool's 12 blocks;
+    the head needs 4: under priority scheduling the newest it outranks goes
+    back (one is enough) and the head runs the step after; every call still
+    gets the tokens it gets alone."""
+    kv = KVCacheManager(12, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, scheduling=policy), kv)
+    a, b, head = make_requests([(70, 40), (70, 40), (60, 4)])
+    head.priority = head_priority
+    sched.add(a)
+    sched.add(b)
+    _step(sched)  # both running, their prompts computed (10 blocks)
+    sched.add(head)
+    out = _step(sched)
+    assert out.preempted == ([b] if taken else [])
+    if taken:
+        nxt = _step(sched)
+        assert head in [c.request for c in nxt.chunks] and list(sched.waiting) == [b]
+    drive(sched, kv)
+    for r in (a, b, head):
+        assert r.all_token_ids[len(r.prompt_token_ids):] == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+def _step(sched: Scheduler):
+    """One step of the stand-in model (drive's, once)."""
+    out = sched.schedule()
+    sched.update(out, {c.request.request_id: next_token(c.request.all_token_ids) for c in out.chunks if c.sample},
+                 time.monotonic())
+    return out

@@ -18,6 +18,8 @@ kv-cache-management "分块预填充调度". Each step:
      the break-even rule; without one the newest, recomputed (its blocks stay
      as cold cache either way until the pool needs them); under priority or
      program scheduling only the lowest priority running is a candidate;
+     and when the queue's head outranks running requests but the pool
+     cannot hold it, the last of them in the policy's order go back first;
   4. admission ceiling: while active blocks (U_KV without the cold cache)
      would exceed tau_high (0.88) of the pool, the queue head waits, unless
      nothing runs; forks above it queue as new requests (they hit the
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from trajserve.config import SchedulerConfig
 from trajserve.engine.attained_service import AttainedService
+from trajserve.engine.forks import Forks
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.request import Request, RequestStatus
@@ -95,7 +98,7 @@ class SchedulerOutput:
         return not self.chunks
 
 
-class Scheduler:
+class Scheduler(Forks):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, pricer: PreemptionPricer | None = None,
                  proposer: DraftProposer | None = None) -> None:
         """pricer: prices swap against recompute for preemption (an engine with a
@@ -207,6 +210,9 @@ class Scheduler:
                 self.waiting.extend(ranked)
             if self.waiting and len(self.running) >= self.config.max_num_seqs:
                 self._preempt_for(self.waiting[0], out, rank)
+            elif self.waiting and self.running:
+                self._preempt_for_pool(self.waiting[0], out, rank, min(budget, cap))
+            if out.preempted:
                 decodes = [r for r in decodes if r.status is RequestStatus.RUNNING]
                 prefills = [r for r in prefills if r.status is RequestStatus.RUNNING]
         running = RequestStatus.RUNNING
@@ -320,6 +326,24 @@ class Scheduler:
                 and rank(victim)[1] > PREEMPT_SERVICE_RATIO * rank(head)[1] + PREEMPT_SERVICE_MIN):
             self._preempt(victim, out)
 
+    def _preempt_for_pool(self, head: Request, out: SchedulerOutput, rank: Callable[[Request], tuple],
+                          room: int) -> None:
+        """A slot is free but the pool cannot hold the head's next chunk (up
+        to `room` tokens), and the head outranks running requests: the last in
+        the policy's order of those it outranks go back to the queue (their
+        blocks to the prefix cache), one by one until the head fits; it is
+        admitted next step. Of equal priorities the head waits, as FCFS."""
+        while self.running:
+            victim = max(reversed(self.running), key=rank)  # the newest among equals
+            if head.priority >= victim.priority:
+                return
+            hit = None if head.prompt_logprobs is not None and not head.prompt_logprobs_done \
+                else self.kv.match(head.request_id, head.all_token_ids, head.cache_scope)
+            start = hit.num_tokens if hit else head.num_computed_tokens
+            if self.kv.can_admit(head.request_id, start + min(head.num_tokens - start, room), hit):
+                return
+            self._preempt(victim, out)
+
     def _preempt_until_fits(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """allocate_slots just failed for req: preempt the newest request not
         in this step (req itself last) and retry, until req fits or is out."""
@@ -366,27 +390,6 @@ class Scheduler:
         out.chunks.append(
             ScheduledChunk(req, req.num_computed_tokens, n, self.kv.block_ids(req.request_id))
         )
-
-    def fork(self, parent: Request, children: list[Request], throttle: bool = True) -> None:
-        """Children continue from the parent's state (tokens and computed KV),
-        sharing its blocks copy-on-write. They join as the newest running
-        requests, so they are the first preempted. A parent without blocks
-        (waiting), or a pool above the admission ceiling, gives children that
-        queue like new prompts (and hit the parent's cached blocks)."""
-        throttle = throttle and self.kv.num_active_blocks >= self.ceiling_blocks
-        self.num_throttled_forks += len(children) if throttle else 0
-        for child in children:
-            child.all_token_ids = list(parent.all_token_ids)
-            child.num_cached_tokens = parent.num_cached_tokens
-            if parent.status is RequestStatus.RUNNING and self.kv.has_table(parent.request_id) and not throttle:
-                self.kv.fork(parent.request_id, child.request_id)
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.status = RequestStatus.RUNNING
-                self.running.append(child)
-            else:
-                child.num_computed_tokens = 0
-                child.status = RequestStatus.WAITING
-                self.waiting.append(child)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int], now: float,
                accepted: dict[str, list[int]] | None = None) -> list[Request]:
@@ -461,22 +464,6 @@ class Scheduler:
             self.kv.cache_computed(req.request_id, req.all_token_ids, verified, req.cache_scope)
         self.kv.truncate(req.request_id, req.num_tokens)
         return False
-
-    def _fork_samples(self, out: SchedulerOutput) -> None:
-        """Prefills that end this step fork into their other samples, before
-        the parent advances: each child takes the parent's state so far and
-        joins this step's chunks, so the loop below advances it like the
-        parent, with its own sampled token. Never queued (they branch now)."""
-        for chunk in list(out.chunks):
-            if not chunk.sample or chunk.request.status is not RequestStatus.RUNNING:
-                continue
-            children = self.pending_samples.pop(chunk.request.request_id, None)
-            if children is None:
-                continue
-            self.fork(chunk.request, children, throttle=False)
-            for child in children:
-                out.chunks.append(ScheduledChunk(child, chunk.start, chunk.num_tokens,
-                                                 self.kv.table(child.request_id).block_ids))
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         self.pending_samples.pop(req.request_id, None)  # its other samples never start

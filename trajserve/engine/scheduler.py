@@ -258,12 +258,7 @@ class Scheduler(Forks):
                 if len(loras) >= max_loras:
                     break  # FCFS: the head waits for a slot
                 loras.add(req.lora.digest)
-            # Radix match: the cached block-aligned prefix needs no compute.
-            # Prompt logprobs need every prompt row's logits, which the
-            # cache does not hold: such a prompt is computed whole (vLLM's rule).
-            hit = None if req.prompt_logprobs is not None and not req.prompt_logprobs_done \
-                else self.kv.match(req.request_id, req.all_token_ids, req.cache_scope)
-            start = hit.num_tokens if hit else req.num_computed_tokens
+            hit, start = self._cached_head(req)
             n = min(req.num_tokens - start, budget, cap)
             if self.running and not self._under_ceiling(req, start + n, hit):
                 self.num_ceiling_waits += 1
@@ -326,6 +321,15 @@ class Scheduler(Forks):
                 and rank(victim)[1] > PREEMPT_SERVICE_RATIO * rank(head)[1] + PREEMPT_SERVICE_MIN):
             self._preempt(victim, out)
 
+    def _cached_head(self, req: Request) -> tuple:
+        """(the radix match, the first token to compute) of a waiting request:
+        the cached block-aligned prefix needs no compute. Prompt logprobs need
+        every prompt row's logits, which the cache does not hold: such a
+        prompt is computed whole (vLLM's rule)."""
+        hit = None if req.prompt_logprobs is not None and not req.prompt_logprobs_done \
+            else self.kv.match(req.request_id, req.all_token_ids, req.cache_scope)
+        return hit, hit.num_tokens if hit else req.num_computed_tokens
+
     def _preempt_for_pool(self, head: Request, out: SchedulerOutput, rank: Callable[[Request], tuple],
                           room: int) -> None:
         """A slot is free but the pool cannot hold the head's next chunk (up
@@ -337,9 +341,7 @@ class Scheduler(Forks):
             victim = max(reversed(self.running), key=rank)  # the newest among equals
             if head.priority >= victim.priority:
                 return
-            hit = None if head.prompt_logprobs is not None and not head.prompt_logprobs_done \
-                else self.kv.match(head.request_id, head.all_token_ids, head.cache_scope)
-            start = hit.num_tokens if hit else head.num_computed_tokens
+            hit, start = self._cached_head(head)
             if self.kv.can_admit(head.request_id, start + min(head.num_tokens - start, room), hit):
                 return
             self._preempt(victim, out)

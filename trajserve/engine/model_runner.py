@@ -29,8 +29,7 @@ from trajserve.engine.scheduler import Scheduler, SchedulerOutput
 from trajserve.kv.copy_engine import CopyEngine, CopyJob, LayerPages, gather_blocks
 from trajserve.lora.rows import LoRARows
 from trajserve.lora.slots import LoRASlots
-from trajserve.model.attention import AttentionMetadata, PrefillSeq
-from trajserve.model.attention import LayerTables
+from trajserve.model.attention import AttentionMetadata, LayerTables, PrefillSeq
 from trajserve.model.llama import LlamaModel
 from trajserve.model.sampler import RowContext, Sampler, token_logprobs
 from trajserve.speculative.verify import verify_drafts

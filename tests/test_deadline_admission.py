@@ -25,7 +25,7 @@ def test_the_step_model_recovers_a_linear_cost_and_waits_for_enough_steps():
         if i == MIN_STEPS - 1:
             assert not m.ready
         m.observe(tokens, seqs, ctx, truth[0] + truth[1] * tokens + truth[2] * seqs + truth[3] * ctx)
-    assert m.ready
+    assert m.ready and m.batch_sizes == set(range(1, 16))
     np.testing.assert_allclose(m.coefficients, truth, rtol=1e-4, atol=1e-9)
     assert m.seconds(1, 100, 4, 1000) == pytest.approx(0.02 + 0.01 + 0.012 + 0.002, rel=1e-4)
 
@@ -151,3 +151,4 @@ def test_pricing_a_request_changes_nothing(engine):
     before = list(engine.deadlines._arrivals)
     engine.deadlines.predict(_request(list(range(5, 45)), 8))
     assert list(engine.deadlines._arrivals) == before and not engine.has_unfinished_requests()
+

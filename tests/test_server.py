@@ -583,6 +583,24 @@ def test_bench_serve_shared_prefix_and_agent(server):
     assert res["successful_requests"] == 4 and res["cached_prompt_tokens"] > 0
 
 
+def test_bench_serve_sweeps_rates_and_reports_the_knee(server):
+    from test_cli import trajserve
+
+    r = trajserve("bench", "serve", "--base-url", server.url, "--num-prompts", "4", "--input-len", "16",
+                  "--output-len", "4", "--sweep-rate", "40,20", "--goodput", "ttft:60000", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert [row["rate"] for row in res["rates"]] == [20, 40]
+    for row in res["rates"]:
+        assert row["completed"] > 0 and row["goodput"] == pytest.approx(row["completed"]) and row["refused"] == 0
+        assert row["in_system"] > 0  # Little's law: completed per second times their mean time in the system
+    best = max(res["rates"], key=lambda row: row["goodput"])
+    assert res["knee"]["rate"] == best["rate"] and res["knee"]["goodput"] == best["goodput"]
+    assert res["server_admission_cap"] is None  # this server has no --admission
+    r = trajserve("bench", "serve", "--base-url", server.url, "--sweep-rate", "4", "--json")
+    assert r.returncode != 0 and "--goodput" in r.stderr
+
+
 # ------------------------------------------- a server with keys and limits
 KEY = "sk-test-4f1c"
 EXAMPLE_TEMPLATE = str(Path(__file__).resolve().parents[1] / "examples" / "chatml_tools.jinja")

@@ -29,8 +29,10 @@ def _kv_agreement(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from trajserve.bench.serve import run
-
+    if args.sweep_rate:
+        from trajserve.bench.rate_sweep import run
+    else:
+        from trajserve.bench.serve import run
     return run(args)
 
 
@@ -182,6 +184,9 @@ def add_bench_parser(sub) -> None:
     v.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
     v.add_argument("--max-concurrency", type=int, default=None)
     v.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:200")
+    v.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
+                   help="run the load at each request rate in turn and report the knee: the rate of highest "
+                        "goodput under --goodput, and the requests in the system there (8.6.2)")
     v.add_argument("--timeout", type=float, default=600)
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--json", action="store_true", help="print only JSON")

@@ -13,15 +13,18 @@ and inter-token latencies are seen by the client. Datasets:
                  reply and a tool result; a trajectory's turns run one after
                  another (closed loop)
 
-Reports successful and failed requests, duration, request and token
-throughput, goodput under `--goodput ttft:MS tpot:MS e2e:MS`, and
-mean/median/p99 of TTFT, TPOT, ITL and E2E latency.
+Reports successful, failed and refused (429) requests, duration, request
+and token throughput, goodput under `--goodput ttft:MS tpot:MS e2e:MS`,
+and mean/median/p99 of TTFT, TPOT, ITL and E2E latency. `--sweep-rate
+R1,R2,...` runs the load at each rate in turn and finds the knee
+(bench/rate_sweep.py).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -102,6 +105,7 @@ def tool_text(rng: random.Random, words: int) -> str:
 
 
 async def run_async(args: argparse.Namespace) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request on a -v run
     rng = random.Random(args.seed)
     nprng = np.random.default_rng(args.seed)
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000)
@@ -190,6 +194,7 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace) 
         "command": command_line(), "base_url": args.base_url, "dataset": args.dataset,
         "request_rate": args.request_rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "successful_requests": len(ok), "failed_requests": len(results) - len(ok),
+        "refused_requests": sum(r.error.startswith("HTTP 429") for r in results),  # the server's admission caps
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration, "request_throughput": len(ok) / duration,
         "output_token_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,

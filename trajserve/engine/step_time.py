@@ -30,6 +30,9 @@ class StepTimeModel:
         self._decay = 0.5 ** (1.0 / HALF_LIFE_STEPS)
         self.num_steps = 0
         self._coef: np.ndarray | None = None
+        # The sequence counts seen: a fit that saw one batch size cannot tell
+        # a step's fixed cost from a row's, and must not be extrapolated.
+        self.batch_sizes: set[int] = set()
 
     def observe(self, tokens: int, seqs: int, pairs: int, seconds: float) -> None:
         """One step ran `tokens` new tokens of `seqs` sequences, `pairs`
@@ -41,6 +44,7 @@ class StepTimeModel:
         self._xty += x * seconds
         self.num_steps += 1
         self._coef = None
+        self.batch_sizes.add(seqs)
 
     @property
     def ready(self) -> bool:

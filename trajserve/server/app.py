@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from trajserve.engine.engine import LLMEngine
+from trajserve.server.admission_limit import AdmissionLimit
 from trajserve.server.async_engine import AsyncEngine
 from trajserve.server.auth import ApiKeyAuth
 from trajserve.server.body_cap import BodyCap
@@ -80,8 +81,12 @@ def build_app(engine: LLMEngine, config: ServerConfig = DEFAULT) -> FastAPI:
     manager = SessionManager(engine, config.sessions) if engine.kv.prefix_caching else None
     slo = SLO(*(None if ms is None else ms / 1e3 for ms in (config.slo_ttft_ms, config.slo_itl_ms)))
     metrics = ServerMetrics(lambda: aengine.snapshot, engine.block_bytes, slo)
+    admission = (None if config.admission == "off" else
+                 AdmissionLimit(config.admission, engine.config.scheduler, slo.ttft_s, slo.itl_s,
+                                n_max=engine.config.scheduler.max_num_seqs + config.max_waiting))
     aengine = AsyncEngine(engine, config.max_waiting, on_finished=metrics.observe,
-                          extra_metrics=(lambda: {"sessions": manager.metrics()}) if manager is not None else None)
+                          extra_metrics=(lambda: {"sessions": manager.metrics()}) if manager is not None else None,
+                          admission=admission)
     state = ServerState(aengine, names, metrics, manager, calls_format, config.generation,
                         KeyPriorities(config.api_keys, config.api_key_priorities) if config.api_key_priorities else None)
     if manager is not None:

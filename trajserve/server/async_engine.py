@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from trajserve.engine.engine import LLMEngine
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
+from trajserve.server.admission_limit import AdmissionLimit
 from trajserve.server.config import DEFAULT
 
 log = logging.getLogger("trajserve.server")
@@ -54,9 +56,11 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT.max_waiting,
                  on_finished: Callable[[RequestOutput, float | None], None] | None = None,
-                 extra_metrics: Callable[[], dict] | None = None) -> None:
+                 extra_metrics: Callable[[], dict] | None = None,
+                 admission: AdmissionLimit | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.admission = admission  # --admission: a cap on the requests in the engine
         # (fn, loop, future): fn(engine) runs on the engine thread; the future
         # (None for fire-and-forget jobs) gets its result on the caller's loop.
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
@@ -65,7 +69,7 @@ class AsyncEngine:
         self._stop = False
         self._error: BaseException | None = None
         # Read by /metrics from other threads: replaced whole, never mutated.
-        self.snapshot: dict[str, Any] = engine.metrics()
+        self.snapshot: dict[str, Any] = {}
         # Every request that ends, its output final: finished, or aborted
         # (its unfinished choices say "abort", or "error" when a step failed
         # under them), so counters see all the work done.
@@ -73,6 +77,7 @@ class AsyncEngine:
         self.num_failed_steps = 0  # steps that raised and were recovered from (_fail_in_flight)
         # More figures for the snapshot, computed on the engine thread.
         self.extra_metrics = extra_metrics
+        self._refresh_snapshot()  # the engine thread refreshes it after every step and while idle
         self._thread = threading.Thread(target=self._run, name="trajserve-engine", daemon=True)
 
     # ------------------------------------------------------------ lifecycle
@@ -108,7 +113,8 @@ class AsyncEngine:
                   request_id: str | None = None, lora: str | None = None, priority: int = 0,
                   program: str | None = None, deadline_s: float | None = None) -> tuple[str, asyncio.Queue]:
         """Queue a request; returns its id and the queue its outputs arrive on.
-        Raises ValueError (bad input), QueueFull or DeadlineMiss (engine/deadline.py) before anything is queued."""
+        Raises ValueError (bad input), QueueFull, AdmissionFull or DeadlineMiss (engine/deadline.py)
+        before anything is queued."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
@@ -116,6 +122,8 @@ class AsyncEngine:
             waiting = len(engine.scheduler.waiting)
             if waiting >= self.max_waiting:
                 raise QueueFull(waiting, self.max_waiting, retry_after_s=1.0)
+            if self.admission is not None:
+                self.admission.check(waiting + len(engine.scheduler.running))
             rid = engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt, lora=lora,
                                      priority=priority, program=program, deadline_s=deadline_s)
             self._streams[rid] = _Stream(loop, q, deadline_s)
@@ -171,18 +179,20 @@ class AsyncEngine:
         def job(engine: LLMEngine) -> None:
             st = self._streams.pop(request_id, None)
             out = engine.abort_request(request_id)
-            if out is not None and self.on_finished is not None:
-                self.on_finished(out, st.deadline_s if st is not None else None)
+            if out is not None:
+                self._ended(out, st)
         self._inbox.put((job, None, None))
         self._wake.set()
 
     # ------------------------------------------------------------ the loop
     def _run(self) -> None:
         engine = self.engine
+        last_end = None  # when the previous step ended, while the engine has been busy since
         try:
             while not self._stop:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
+                    last_end = None
                     engine.step_hooks.idle()  # a session manager's leases, prefetches, expiry
                     self._refresh_snapshot()
                     self._wake.wait(timeout=0.5)
@@ -193,12 +203,18 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - recovered below, or fatal if that fails
                     self._fail_in_flight(e)
                     continue
+                if self.admission is not None:
+                    # Step to step, as clients see it: the loop's own work and the HTTP threads' share of
+                    # the CPU included, not only the step's.
+                    now = time.perf_counter()
+                    if last_end is not None:
+                        self.admission.observe_step(engine.last_step.num_seqs, now - last_end)
+                    last_end = now
                 for out in outs:
                     st = self._streams.get(out.request_id)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
-                        if self.on_finished is not None:
-                            self.on_finished(out, st.deadline_s if st is not None else None)
+                        self._ended(out, st)
                     if st is not None:
                         st.loop.call_soon_threadsafe(st.queue.put_nowait, out)
                 self._refresh_snapshot()
@@ -226,15 +242,24 @@ class AsyncEngine:
         aborted = self.engine.abort_in_flight()
         for rid, out in aborted.items():
             st = self._streams.pop(rid, None)
-            if out is not None and self.on_finished is not None:
-                self.on_finished(out, st.deadline_s if st is not None else None)
+            if out is not None:
+                self._ended(out, st)
             if st is not None:
                 st.loop.call_soon_threadsafe(st.queue.put_nowait, StepFailed(
                     f"the step this request ran in failed ({e!r}); it was aborted, and the server goes on"))
         self.num_failed_steps += 1
 
+    def _ended(self, out: RequestOutput, st: _Stream | None) -> None:
+        """A request ended (finished, aborted, failed): the metrics' callback and the admission cap hear of it."""
+        if self.on_finished is not None:
+            self.on_finished(out, st.deadline_s if st is not None else None)
+        if self.admission is not None:
+            self.admission.observe(out)
+
     def _refresh_snapshot(self) -> None:
         snap = self.engine.metrics()
+        if self.admission is not None:
+            snap.update(self.admission.metrics())
         if self.extra_metrics is not None:
             snap.update(self.extra_metrics())
         self.snapshot = snap

@@ -46,6 +46,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the SLO's time to first token: /metrics counts the requests that meet it (goodput)")
     s.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
                    help="the SLO's time between output tokens (a request's mean): goodput counts against it too")
+    s.add_argument("--admission", default="off", metavar="off|auto|N",
+                   help="cap the requests the engine holds (running and queued); one more gets 429 with "
+                        "Retry-After. auto: where goodput under the SLO starts to fall, from this engine's fitted "
+                        "step times and its recent requests (needs --slo-ttft-ms or --slo-itl-ms; "
+                        "`bench serve --sweep-rate` measures the knee from outside)")
     s.add_argument("--tool-call-parser", choices=("auto", *FORMATS), default=DEFAULT.tool_call_parser,
                    help="how the model writes tool calls (auto: from the chat template; Hermes <tool_call> "
                         "for Qwen, Llama 3's JSON form)")

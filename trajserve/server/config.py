@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trajserve.server.admission_limit import parse_admission
 from trajserve.server.generation_defaults import GenerationDefaults
 from trajserve.server.key_priority import check_key_priorities
 from trajserve.sessions.config import SessionConfig
@@ -34,6 +35,8 @@ class ServerConfig:
     # The SLO goodput counts against (server/goodput.py): None, no target.
     slo_ttft_ms: float | None = None
     slo_itl_ms: float | None = None
+    # A cap on the requests in the engine (server/admission_limit.py): off, auto (the SLO's knee) or a number.
+    admission: str | int = "off"
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_waiting, int) or self.max_waiting < 1:
@@ -43,6 +46,7 @@ class ServerConfig:
         for flag, v in (("--slo-ttft-ms", self.slo_ttft_ms), ("--slo-itl-ms", self.slo_itl_ms)):
             if v is not None and not (0 < v < float("inf")):
                 raise ValueError(f"{flag} must be a positive number of milliseconds, got {v}")
+        parse_admission(self.admission, self.slo_ttft_ms, self.slo_itl_ms)
         if self.api_keys is not None and not all(self.api_keys):
             raise ValueError("--api-key: a key must not be empty")
         check_key_priorities(self.api_keys, self.api_key_priorities)
@@ -67,7 +71,8 @@ class ServerConfig:
                    api_key_priorities=tuple(args.api_key_priority) if args.api_key_priority else None,
                    allowed_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
                    generation=GenerationDefaults.parse(args.override_generation_config),
-                   slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
+                   slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, 
+                   admission=parse_admission(args.admission, args.slo_ttft_ms, args.slo_itl_ms),
                    sessions=SessionConfig(idle_ttl_s=args.session_ttl or None, max_sessions=args.max_sessions or None,
                                           idle_keep_factor=args.idle_keep_factor))
 

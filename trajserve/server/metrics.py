@@ -34,6 +34,9 @@ GAUGES = {
                     "blocks held by requests and pinned paused state / total (admission watches this)", "gauge"),
     "admission_ceiling": ("trajserve_kv_admission_ceiling", "tau_high: above it new requests wait", "gauge"),
     "ceiling_waits": ("trajserve_admission_ceiling_waits", "steps the queue head waited for the ceiling", "counter"),
+    "admission_cap": ("trajserve_admission_cap", "--admission: requests the engine may hold; one more gets 429 "
+                      "(absent: no cap)", "gauge"),
+    "admission_refusals": ("trajserve_admission_refusals", "requests refused at the --admission cap", "counter"),
     "throttled_forks": ("trajserve_throttled_forks", "fork children queued above the ceiling", "counter"),
     "reclaimed_blocks": ("trajserve_kv_reclaimed_blocks", "blocks paused state gave up under pressure",
                          "counter"),
@@ -55,7 +58,7 @@ class _SnapshotCollector(Collector):
     def collect(self) -> Iterator:
         snap = self._snapshot()
         for key, (name, doc, kind) in GAUGES.items():
-            if key not in snap:
+            if snap.get(key) is None:
                 continue
             fam = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, doc)
             fam.add_metric([], float(snap[key]))

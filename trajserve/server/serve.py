@@ -58,6 +58,11 @@ def build_server(args: argparse.Namespace, config: ServerConfig) -> Server:
     if (said := config.generation.describe()) is not None:
         print(f"generation defaults: {said} (--override-generation-config: for requests that name none; "
               "max_new_tokens caps every reply)", file=sys.stderr, flush=True)
+    if config.admission != "off":
+        cap = (f"at most {config.admission} requests in the engine" if config.admission != "auto" else
+               "where goodput under the SLO starts to fall, from this engine's step times once it has run steps of "
+               "three batch sizes")
+        print(f"admission: {cap}; one more gets 429 with Retry-After (--admission)", file=sys.stderr, flush=True)
     app.state.engine.start()
     return Server(engine, app.state.engine, app, app.state.server.names)
 

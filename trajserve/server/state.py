@@ -23,6 +23,7 @@ from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
 from trajserve.server import responses, streams
 from trajserve.engine.deadline import DeadlineMiss
+from trajserve.server.admission_limit import AdmissionFull
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
 from trajserve.server.conversations import conversation_id, inferred_tool, lineage
 from trajserve.server.errors import SAMPLING_FIELDS, APIError, field_named
@@ -155,7 +156,7 @@ class ServerState:
             first = await anext(gen)
         except StopAsyncIteration:  # the client left before the first output: nothing to send
             first = None
-        except QueueFull as e:
+        except (QueueFull, AdmissionFull) as e:
             raise APIError(429, str(e), "rate_limit_error",
                            headers={"Retry-After": str(max(1, round(e.retry_after_s)))}) from None
         except DeadlineMiss as e:  # predicted late: refused before it queued (--deadline-admission)

@@ -21,7 +21,7 @@ class Record:
         self.history, self.keys, self.scope = history, None, CacheScope()
         self.paused_at = self.decision = self.tier = self.residency = self.pin = None
         self.lease_deadline = self.prefetch_at = None
-        self.expected_wait_s, self.forced, self.prefetched = 0.0, False, False
+        self.expected_wait_s, self.forced, self.prefetched, self.priority = 0.0, False, False, 0
 
 
 class Books:
@@ -154,6 +154,29 @@ def test_pressure_moves_kept_state_expected_back_last_first_and_spares_forced_ke
     assert soon.pin is not None and forced.pin is not None
     m.reclaim(100)  # all it can: the forced keep stays
     assert soon.pin is None and forced.pin is not None and m.stats.pressure_demotions == 2
+
+
+def test_pressure_moves_the_least_urgent_sessions_state_first():
+    """Of two kept states, the one expected back first but of a less urgent
+    session (priority 4 against -1) leaves the device first; relieving a stall
+    drops the least urgent too, whatever its age."""
+    m, kv, _, clock = machine(host_rate=1e3)
+    urgent, bulk = Record(list(range(1, 17))), Record(list(range(101, 117)))
+    urgent.priority, bulk.priority = -1, 4
+    for r in (urgent, bulk):
+        cached(kv, r.history)
+    assert m.pause("urgent", urgent, 2.0, True, None, now=0.0).decision is Decision.KEEP
+    assert m.pause("bulk", bulk, 1.0, True, None, now=0.0).decision is Decision.KEEP
+    assert m.reclaim(1) >= 1
+    assert bulk.pin is None and urgent.pin is not None
+    m2, kv2, _, _ = machine(host_rate=1e3)
+    old, new = Record(list(range(1, 17))), Record(list(range(101, 117)))
+    old.priority, new.priority = -1, 4
+    for r in (old, new):
+        cached(kv2, r.history)
+    m2.pause("old", old, 100.0, True, "keep", now=0.0)
+    m2.pause("new", new, 100.0, True, "keep", now=1.0)
+    assert m2.relieve_stall() and new.pin is None and old.pin is not None
 
 
 def test_a_forgotten_records_timers_do_nothing():

@@ -4,6 +4,8 @@ negated), the program a named conversation's session; bad priorities a 4xx
 naming the field."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from server_util import served
@@ -62,6 +64,20 @@ def test_a_conversations_calls_are_one_program(client):
         assert _post(client, "chat", prompt_cache_key="thread-1").status_code == 200
     (a, pa), (b, pb) = client.seen[-2:]
     assert pa is not None and pa == pb and pa.startswith("conv-")  # the session's id, never the client's key
+
+
+def test_a_paused_sessions_state_keeps_its_turns_priority(client):
+    """The turn's priority reaches the session's pause record, which the pause
+    machine reclaims by (least urgent first)."""
+    body = {"session_id": "s-urgent", "tool_wait_s": 5.0}
+    assert _post(client, "chat", priority=-3, **body).status_code == 200
+    sessions = client.app.state.sessions
+    for _ in range(100):  # the turn's end is recorded on the engine thread
+        s = sessions.sessions.get("s-urgent")
+        if s is not None and s.record.priority == -3:
+            break
+        time.sleep(0.05)
+    assert s.record.priority == -3 and s.state.value == "paused"
 
 
 @pytest.mark.parametrize("api", list(ENDPOINTS))

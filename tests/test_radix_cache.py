@@ -193,6 +193,40 @@ def test_unlock_refreshes_lru_time():
     assert pool.ref_counts[b[0]] == 0 and pool.ref_counts[a[0]] == 1
 
 
+def test_the_least_urgent_release_goes_first_then_lru():
+    """A path takes the priority of the request that last released it; the
+    highest number (least urgent) is evicted first, least recently used within
+    a priority, and an unlock without one leaves the path's class."""
+    pool, cache = cache_with()
+    urgent, ru = put(pool, cache, [1, 1])
+    cache.lock(ru.node)
+    cache.unlock(ru.node, priority=-5)  # released first: LRU alone would take it first
+    bulk, rb = put(pool, cache, [2])
+    cache.lock(rb.node)
+    cache.unlock(rb.node, priority=7)
+    plain, rp = put(pool, cache, [3])
+    cache.lock(rp.node)
+    cache.unlock(rp.node, priority=7)  # same class as bulk, more recent
+    assert cache.evict(1) == 1 and pool.ref_counts[bulk[0]] == 0  # 7, older
+    assert cache.evict(1) == 1 and pool.ref_counts[plain[0]] == 0  # 7, newer
+    assert pool.ref_counts[urgent[0]] == 1  # -5: the last to go
+    cache.lock(ru.node)
+    cache.unlock(ru.node)  # an unlock that names no priority leaves the path's class
+    assert ru.node.priority == -5
+    assert cache.evict(5) == 2 and cache.num_cached_blocks == 0
+    pool.check()
+
+
+def test_a_split_upper_node_keeps_the_paths_priority():
+    pool, cache = cache_with()
+    ids, r = put(pool, cache, [1, 2, 3])
+    cache.lock(r.node)
+    cache.unlock(r.node, priority=3)
+    other = pool.allocate(1)
+    cache.insert(NS, seq(1, 9), [ids[0], other[0]])  # splits [1 2 3] after its first block
+    assert r.node.parent.priority == 3 and r.node.priority == 3
+
+
 def test_eviction_cascades_to_parent_only_after_its_children():
     pool, cache = cache_with()
     p, _ = put(pool, cache, [1, 2])
@@ -420,7 +454,8 @@ class RadixMachine(RuleBasedStateMachine):
 
     def _release(self, r: Req) -> None:
         if r.node is not None:
-            self.cache.unlock(r.node)
+            # Requests of three priority classes (and some that name none): eviction orders by them.
+            self.cache.unlock(r.node, (None, -3, 0, 5)[len(r.tokens) % 4])
         self.pool.free(r.table)
 
     def _pick(self, data) -> int:
@@ -500,7 +535,13 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 12))
     def evict(self, k):
         free_before = self.pool.num_free
+        dormant = [n for n in self.cache.iter_nodes() if n.ref_count == 0 and not n.children]
+        first = max((n.priority for n in dormant), default=None)
         freed = self.cache.evict(k)
+        if freed and first is not None:
+            # The least urgent dormant leaf goes first: none of that class was kept while one of another went.
+            gone = [n for n in dormant if n.detached]
+            assert not gone or any(n.priority == first for n in gone)
         assert self.pool.num_free == free_before + freed
         # Short only when nothing dormant is left (the cascade reaches every
         # dormant node, since pins cover whole paths).
@@ -605,7 +646,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     @invariant()
     def tree_shape(self):
-        heap_live = {id(e[2]): e for e in self.cache._heap if e[1] == e[2].heap_stamp}
+        heap_live = {id(e[3]): e for e in self.cache._heap if e[2] == e[3].heap_stamp}
         for root in self.cache._roots.values():
             assert root.block_ids == [] and root.ref_count == 0
         for n in self.cache.iter_nodes():
@@ -614,9 +655,9 @@ class RadixMachine(RuleBasedStateMachine):
             assert len(n.key) == len(n.block_ids) >= 1
             assert all(len(k) == SB for k in n.key)  # never a partial block
             if n.ref_count == 0 and not n.children:
-                # A dormant leaf is findable by eviction, at its LRU time.
+                # A dormant leaf is findable by eviction, at its priority and LRU time.
                 e = heap_live.get(id(n))
-                assert e is not None and e[0] == n.last_access
+                assert e is not None and e[:2] == (-n.priority, n.last_access)
 
     def teardown(self):
         for rid in list(self.reqs):

@@ -217,3 +217,22 @@ def _step(sched: Scheduler):
     sched.update(out, {c.request.request_id: next_token(c.request.all_token_ids) for c in out.chunks if c.sample},
                  time.monotonic())
     return out
+
+
+@pytest.mark.parametrize("policy, kept, dropped", [("priority", "r0", "r1"), ("program", "r0", "r1"),
+                                                   ("fcfs", "r1", "r0")])
+def test_a_high_priority_conversations_blocks_are_the_last_evicted(policy, kept, dropped):
+    """r0 (priority -2) finishes before r1 (priority 5); a larger prompt then
+    needs room. Under priority and program scheduling the prefix cache gives
+    up r1's blocks and keeps r0's; FCFS ignores priorities: plain LRU takes
+    r0's, the older."""
+    kv = KVCacheManager(14, 16, 0.0, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256, scheduling=policy), kv)
+    urgent, bulk, big = make_requests([(64, 1), (64, 1), (128, 1)])
+    urgent.priority, bulk.priority = -2, 5
+    for r in (urgent, bulk, big):
+        sched.add(r)
+        drive(sched, kv)
+    held = {r.request_id: kv.cached_prefix(r.prompt_token_ids, r.cache_scope) for r in (urgent, bulk)}
+    assert held[kept] is not None and held[kept].num_tokens == 64
+    assert held[dropped] is None or held[dropped].num_tokens == 0

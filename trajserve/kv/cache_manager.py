@@ -437,12 +437,12 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
             self._prefix[child_id] = _PrefixState(st.namespace, list(st.keys), st.node)
 
     def release(self, request_id: str, token_ids: list[int] | None = None, num_computed: int = 0,
-                scope: CacheScope | None = None, swap_out: bool = False) -> int:
+                scope: CacheScope | None = None, swap_out: bool = False, priority: int | None = None) -> int:
         """Free a finished or preempted request's blocks; with token_ids, its
         computed full blocks go to the prefix cache first. swap_out (a
         preemption that swaps): the blocks of its path no one else uses move
         to the lower tiers now, so they free at once and come back on a hit.
-        Returns the blocks swapped out."""
+        priority: its path's eviction class from now (RadixCache.unlock). Returns the blocks swapped out."""
         if token_ids is not None:
             self.cache_computed(request_id, token_ids, num_computed, scope)
         self._match_keys.pop(request_id, None)
@@ -450,19 +450,19 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         node = st.node if st is not None else None
         table = self.tables.pop(request_id, None)
         if table is not None:
-            self._drop(request_id, table)
+            self._drop(request_id, table, priority)
         if swap_out and node is not None and self.lower is not None:
             before = self.radix.num_spilled_blocks
             self.radix.evict_path(node, spill=True)
             return self.radix.num_spilled_blocks - before
         return 0
 
-    def _drop(self, request_id: str, table: BlockTable) -> None:
+    def _drop(self, request_id: str, table: BlockTable, priority: int | None = None) -> None:
         st = self._prefix.pop(request_id, None)
         if self.windowed:
             self._win_release(request_id, table.block_ids, len(st.keys) if st is not None else 0)
         if st is not None and st.node is not None:
-            self.radix.unlock(st.node)
+            self.radix.unlock(st.node, priority)
         # Reverse: the tail (least likely to be shared) is reused first.
         self.pool.free(table.block_ids[::-1])
 

@@ -36,7 +36,10 @@ Reference counting, two kinds:
     never evicted, and every ancestor of a pinned node is pinned.
 
 Eviction (spec "动态基数树淘汰"): dormant leaves (ref_count 0, no children)
-sit in a heap ordered by `last_access`; entries are invalidated lazily by a
+sit in a heap ordered by priority, then `last_access`: a path takes the
+priority of the request that last released it (`unlock(node, priority)`),
+and the least urgent go first (the highest number; all 0 under FCFS, plain
+LRU), so a high-priority conversation's blocks are the last to be dropped; entries are invalidated lazily by a
 per-node stamp, so lock/unlock/match/insert push at most one entry each and
 `evict` never rebuilds the heap. When a leaf goes and its parent becomes a
 dormant leaf, the parent is pushed (cascade): a parent is never evicted
@@ -68,7 +71,7 @@ class RadixCache(Invalidation):
         self.block_size = block_size
         self._roots: dict[Hashable, RadixNode] = {}
         self._clock = 0  # monotonic logical time for last_access
-        self._heap: list[tuple[int, int, RadixNode]] = []  # (last_access, stamp, node)
+        self._heap: list[tuple[int, int, int, RadixNode]] = []  # (-priority, last_access, stamp, node)
         self._stamp = 0
         self._num_nodes = 0  # attached, non-root
         self.num_cached_blocks = 0  # blocks held by attached nodes
@@ -144,12 +147,13 @@ class RadixCache(Invalidation):
             node.ref_count += 1
             node = node.parent
 
-    def unlock(self, node: RadixNode) -> None:
+    def unlock(self, node: RadixNode, priority: int | None = None) -> None:
         """Undo one `lock(node)`. A node whose count drops to 0 becomes
         dormant (evictable once it is a leaf); an invalidated node releases its
         blocks to the pool instead. The path counts as used until now, so its
         LRU time is refreshed: a long-running request's prefix is not the
-        first to go the moment it finishes."""
+        first to go the moment it finishes. `priority`: the releasing
+        request's, the path's eviction class from now (None: unchanged)."""
         self._clock += 1
         t = self._clock
         while node.parent is not None:
@@ -157,6 +161,8 @@ class RadixCache(Invalidation):
                 raise AssertionError(f"unlock of an unlocked radix node {node!r}")
             node.ref_count -= 1
             node.last_access = t
+            if priority is not None:
+                node.priority = priority
             if node.ref_count == 0:
                 if node.detached:
                     self._release_detached(node)
@@ -229,7 +235,8 @@ class RadixCache(Invalidation):
     # ---------------------------------------------------------------- eviction
 
     def evict(self, num_blocks: int) -> int:
-        """Drop dormant leaves, least recently used first, until `num_blocks`
+        """Drop dormant leaves, the least urgent priority first and the least
+        recently used within it, until `num_blocks`
         blocks went back to the pool's free list or nothing is evictable.
 
         Returns the number of blocks that actually returned to the free list.
@@ -250,7 +257,7 @@ class RadixCache(Invalidation):
         # new list mid-loop, and entries pushed there must still be seen.
         while freed < num_blocks:
             if self._heap:
-                _, stamp, node = heapq.heappop(self._heap)
+                *_, stamp, node = heapq.heappop(self._heap)
                 if stamp != node.heap_stamp or not self._evictable(node):
                     continue  # stale: locked, grew a child, refreshed or gone since
                 hashes = self.block_hashes(node) if retention else None
@@ -410,13 +417,13 @@ class RadixCache(Invalidation):
         The lower part keeps the node object, so handles held by requests
         (they locked the deep end) stay valid and the heap entry, if any, still
         refers to the leaf. The upper part inherits ref_count (every lock of
-        the node pinned it) and last_access; pool refcounts are unchanged: each
+        the node pinned it), last_access and priority; pool refcounts are unchanged: each
         block is still held once by the tree.
         """
         parent = node.parent
         upper = RadixNode(key=node.key[:j], block_ids=node.block_ids[:j], parent=parent,
                           namespace=node.namespace, children={node.key[j]: node},
-                          ref_count=node.ref_count, last_access=node.last_access)
+                          ref_count=node.ref_count, last_access=node.last_access, priority=node.priority)
         parent.children[upper.key[0]] = upper
         node.key = node.key[j:]
         node.block_ids = node.block_ids[j:]
@@ -443,11 +450,11 @@ class RadixCache(Invalidation):
     def _push(self, node: RadixNode) -> None:
         self._stamp += 1
         node.heap_stamp = self._stamp
-        heapq.heappush(self._heap, (node.last_access, self._stamp, node))
+        heapq.heappush(self._heap, (-node.priority, node.last_access, self._stamp, node))
         # Stale entries pile up under lock/unlock churn; compact when they
         # outnumber live nodes (amortised O(1) per push, never per evict call).
         if len(self._heap) > 2 * self._num_nodes + 64:
-            self._heap = [e for e in self._heap if e[1] == e[2].heap_stamp and self._evictable(e[2])]
+            self._heap = [e for e in self._heap if e[2] == e[3].heap_stamp and self._evictable(e[3])]
             heapq.heapify(self._heap)
 
     def _drop_tree_refs(self, block_ids: list[int]) -> int:

@@ -54,6 +54,10 @@ class RadixNode:
     children: dict[BlockKey, RadixNode] = field(default_factory=dict)
     ref_count: int = 0
     last_access: int = 0
+    # The priority of the request that last released the path (lower runs
+    # first; --scheduling priority / program): eviction takes the least
+    # urgent class first, least recently used within it.
+    priority: int = 0
     # Stamp of this node's only valid heap entry (-1: none). Older entries
     # for the node are stale and skipped when popped.
     heap_stamp: int = -1

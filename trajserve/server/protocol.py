@@ -89,6 +89,8 @@ class _Common(BaseModel):
     _notes: dict = PrivateAttr(default_factory=dict)
     # The pause other engines' hints ask for (server/hints.py), read when the turn begins.
     _hinted_pause: dict = PrivateAttr(default_factory=dict)
+    # The priority the request runs at (ServerState.order): its session's paused state keeps it.
+    _turn_priority: int = PrivateAttr(default=0)
     # Other engines' hint envelopes (server/hints.py): vLLM's kv_hints, Dynamo's nvext.
     kv_hints: KvHints | None = None
     nvext: NvExt | None = None
@@ -122,6 +124,14 @@ class _Common(BaseModel):
     @hinted_pause.setter
     def hinted_pause(self, pause: dict) -> None:
         self._hinted_pause = dict(pause)
+
+    @property
+    def turn_priority(self) -> int:
+        return self._turn_priority
+
+    @turn_priority.setter
+    def turn_priority(self, priority: int) -> None:
+        self._turn_priority = priority
 
     def note(self, field: str, value) -> None:
         self._notes[field] = value

@@ -241,6 +241,7 @@ class ServerState:
                 deadline_ms = check_deadline_ms(value, DEADLINE_HEADER)
             except ValueError as e:
                 raise APIError(400, str(e), param=DEADLINE_HEADER) from None
+        req.turn_priority = priority or 0
         return {"priority": priority or 0, "program": sess.session_id if sess is not None else None,
                 "deadline_s": None if deadline_ms is None else deadline_ms / 1e3}
 
@@ -273,7 +274,7 @@ class ServerState:
                 if isinstance(req, ChatCompletionRequest) else None
             tool = inferred_tool(message)
         self.aengine.submit(lambda _: self.sessions.after_turn(
-            sess, final.prompt_token_ids if final else [], final, wait, tool, decision))
+            sess, final.prompt_token_ids if final else [], final, wait, tool, decision, req.turn_priority))
 
     async def session_stream(self, outs, sess, req):
         final = None

@@ -310,15 +310,18 @@ class SessionManager:
 
     def after_turn(self, s: Session, prompt_ids: list[int], out: RequestOutput | None,
                    tool_wait_s: float | None = None, tool: str | None = None,
-                   decision: Decision | str | None = None) -> None:
+                   decision: Decision | str | None = None, priority: int = 0) -> None:
         """Record a finished turn; with a wait hint, a tool name or a forced
         decision, pause the session (the hint may be None: the wait is then
-        estimated from the tool's history)."""
+        estimated from the tool's history). priority: the turn's (under
+        --scheduling priority / program its paused state is reclaimed after
+        less urgent sessions')."""
         s.in_flight = False
         self.engine.kv.cancel_hold(s)  # the turn ended (admitted, or not at all)
         if out is None or not out.finished or s.state is SessionState.CLOSED:
             return
         s.history = list(prompt_ids) + list(out.outputs[0].token_ids)
+        s.record.priority = priority if self.engine.config.scheduler.scheduling != "fcfs" else 0
         self._turn_done(s, out)
         if tool_wait_s is not None or tool is not None or decision is not None:
             self.pause(s, tool_wait_s, tool, decision)

@@ -64,6 +64,7 @@ class PausedRecord:
     history: list[int] = field(default_factory=list)
     keys: list | None = None           # the history's block keys, chunked once by the owner (None: chunk here)
     scope: CacheScope = CacheScope()   # the namespace its blocks live in: salt and adapter (kv/scope.py)
+    priority: int = 0                  # its last turn's (lower runs first): pressure moves the least urgent first
     # The machine's own.
     paused_at: float | None = None
     expected_wait_s: float = math.inf  # inf when unknown
@@ -240,14 +241,15 @@ class PauseMachine:
 
     def reclaim(self, need: int) -> int:
         """The KV manager's reclaimer: free `need` blocks by moving kept paused
-        state down a tier, the state expected back last first (its hold costs
-        the most block-seconds). Saves in flight land first (their frames are
+        state down a tier, the least urgent sessions' first (the highest
+        priority number; all 0 under FCFS) and within a priority the state
+        expected back last first (its hold costs the most block-seconds). Saves in flight land first (their frames are
         leaving anyway). Forced keeps stay; a prefetch's hold is the
         machine's own, so it can go again."""
         freed = self.transfers.land_saves(need)
         now = self.clock()
         cands = [p for p in self.paused.values() if p.pin is not None and (p.prefetched or not p.forced)]
-        cands.sort(key=lambda p: p.paused_at + p.expected_wait_s - now, reverse=True)
+        cands.sort(key=lambda p: (p.priority, p.paused_at + p.expected_wait_s - now), reverse=True)
         kv = self.kv
         for p in cands:
             if freed >= need:
@@ -262,13 +264,14 @@ class PauseMachine:
         """Nothing could run and nothing was released: land copies in flight
         (they hold frames), else drop the oldest pinned paused state (the
         engine's stand-in for an out-of-memory failure), else release the
-        admission holds. False when none of that freed anything."""
+        admission holds. False when none of that freed anything. The oldest
+        of the least urgent priority goes first."""
         if self.transfers.land_all():
             return True
         victims = [p for p in self.paused.values() if p.pin is not None]
         if not victims:
             return self.kv.release_all_holds() > 0
-        v = min(victims, key=lambda p: p.paused_at)
+        v = min(victims, key=lambda p: (-p.priority, p.paused_at))
         self.kv.unpin(v.pin)
         v.pin = None
         self.kv.evict_prefix(v.history, v.scope, v.keys)

@@ -43,3 +43,44 @@ def test_bench_programs_counts_calls_refused_late_and_on_time_against_a_deadline
     assert d["on_time"] == 0 and d["admitted_late"] == d["calls_admitted"]
     assert d["calls_refused"] + d["calls_admitted"] >= 4  # every short program sent its first call
     assert d["calls_refused"] > 0  # the long programs' steps fit the model before the last short arrivals
+
+
+def test_the_simulator_runs_the_same_programs_beside_the_engine(tmp_path):
+    """--simulate: each policy's programs through the simulator (the engine's
+    scheduler over a cost model) on a profile, the engine's replies replayed;
+    predicted / measured per class and the policies' order. The profile here
+    is made up (its ratios mean nothing): what is checked is that every
+    program ran in the simulator, with the engine's tokens."""
+    from test_sim_cli import profile_doc
+
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps(profile_doc()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["bench", "programs", "--long", "2", "--long-calls", "3", "--short", "3", "--short-calls", "2",
+                   "--reply-tokens", "4", "--arrival-window-s", "0.5", "--wait-scale", "0.001",
+                   "--preamble-tokens", "100", "--kv-cache-memory", "256MiB", "--policies", "fcfs,program",
+                   "--simulate", str(prof), "--json"])
+    assert rc == 0
+    sim = json.loads(out.getvalue())["simulator"]
+    assert set(sim["predicted"]) == {"fcfs", "program"}
+    for policy, figures in sim["predicted"].items():
+        for kind in ("short", "long"):
+            assert 0 < figures[kind]["p50_s"] <= figures[kind]["p99_s"]
+            assert sim["ratios"][policy][f"{kind}_p50_ratio"] > 0
+        assert figures["long"]["tokens_per_s"] > 0
+    for v in sim["same_order"].values():
+        assert 0 <= v["same"] <= v["pairs"] <= 1
+
+
+def test_a_program_is_a_session_that_replays_the_engines_calls():
+    from trajserve.bench.programs import Program
+    from trajserve.bench.programs_sim import sessions_for
+
+    p = Program("long0", "long", 0.3, [1, 2, 3], [([7, 8], 0.5), ([9], 0.25)])
+    (s,) = sessions_for([p], {"long0": [[4], [5, 6], [10]]})
+    first, second, third = s.calls
+    assert first.arrival == 0.3 and first.prompt([]) == [1, 2, 3] and first.output_ids == [4]
+    history = [1, 2, 3, 4]  # what the simulator hands the next call: the prompt and its outputs
+    assert second.wait == 0.5 and second.prompt(history) == [1, 2, 3, 4, 7, 8] and second.output_len == 2
+    assert third.prompt([1, 2, 3, 4, 7, 8, 5, 6]) == [1, 2, 3, 4, 7, 8, 5, 6, 9] and third.wait == 0.25

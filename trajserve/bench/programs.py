@@ -145,9 +145,10 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
                     p.end = done
                 else:
                     p.due = done + p.turns[p.calls - 1][1]
+        num_blocks = engine.kv.num_blocks
     finally:
         engine.close()
-    out = {"policy": policy, "replies": {p.name: p.replies for p in progs if not p.refused}}
+    out = {"policy": policy, "replies": {p.name: p.replies for p in progs if not p.refused}, "num_blocks": num_blocks}
     if deadline is not None:
         short = [p for p in progs if p.kind == "short"]
         admitted = sum(p.late + p.on_time for p in short)
@@ -171,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
     from trajserve.engine.options import config_from_args
 
     cfg = config_from_args(args)
+    if args.simulate is not None:  # the simulator decodes a token a step: so does the engine it is compared with
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, speculative="off"))
     probe = LLMEngine(cfg)
     tok = probe.tokenizer
     probe.close()
@@ -201,6 +204,9 @@ def run(args: argparse.Namespace) -> int:
                                 "met": best.get(name) is not None and (best[name] <= bound if op == "<="
                                                                        else best[name] >= bound)}
                          for name, (op, bound) in TARGETS.items()}
+    if args.simulate is not None:
+        from trajserve.bench.programs_sim import compare
+        report["simulator"] = compare(cfg, args.simulate, workload, results)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -220,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{d['calls_refused']} refused, {d['calls_admitted']} admitted, {d['admitted_late']} of them late "
                   f"({100 * d['late_share']:.1f} %), {d['on_time']} on time")
     print(f"greedy replies the same under every policy: {same}")
+    if args.simulate is not None:
+        from trajserve.bench.programs_sim import print_comparison
+        print_comparison(report["simulator"], report["policies"])
     for name, t in report["targets"].items():
         print(f"target {name} {t['want']}: {t['got'] if t['got'] is None else round(t['got'], 3)} "
               f"({'met' if t['met'] else 'NOT met'})")
@@ -252,6 +261,9 @@ def add_parser(bsub) -> None:
                    help="each short program's call must finish within this many seconds of being sent "
                    "(priced under --deadline-admission)")
     s.add_argument("--workload-seed", type=int, default=0)
+    s.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="also run each policy's programs through the simulator on this hardware profile "
+                   "(`trajserve calibrate`) and compare (speculation off in both)")
     s.add_argument("--json", action="store_true", help="print only JSON")
     # One pool size for every policy's engine (a fraction of free memory would vary between them).
     add_engine_args(s, defaults={"max_num_seqs": 4, "kv_cache_memory": "2GiB"})

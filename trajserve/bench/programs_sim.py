@@ -1,0 +1,110 @@
+"""`trajserve bench programs --simulate PROFILE`: the same programs through
+the simulator, beside what the engine measured.
+
+The simulator runs the engine's own scheduler and KV manager over a cost
+model calibrated on this machine (`trajserve calibrate`'s profile), so each
+policy's order, preemptions and prefix hits are the engine's; only the step
+times are predicted. Each program is a simulator session: its first call at
+the program's arrival, each later call its tool result appended to the
+history, `wait` seconds after the previous call ended, the replies the
+engine produced replayed (the same tokens, so the same cache hits). Per
+policy and class: predicted over measured p50 and p99 of the programs'
+end-to-end time, and whether the policies come out in the same order.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from trajserve.sim.build import SimSetup
+from trajserve.sim.hardware import Hardware, ModelCost, load_profile
+from trajserve.sim.workload import Call, Session, fixed
+
+P50_TOLERANCE = 0.15  # the agreement asked of the simulator on p50
+TIE = 0.05  # policies the simulator puts within this of each other are not ordered by it
+
+
+def sessions_for(workload, replies: dict[str, list[list[int]]]) -> list[Session]:
+    out = []
+    for p in workload:
+        got = replies[p.name]
+        calls = [Call(fixed(lambda ids=p.first: list(ids)), len(got[0]), arrival=p.arrival, output_ids=got[0])]
+        for k, (obs, wait) in enumerate(p.turns, start=1):
+            calls.append(Call(lambda history, obs=obs: history + list(obs), len(got[k]), wait=wait,
+                              output_ids=got[k], turn=k))
+        out.append(Session(p.name, calls))
+    return out
+
+
+def simulate_policy(cfg, profile: dict, num_blocks: int, workload, replies, policy: str) -> dict:
+    setup = SimSetup(hw=Hardware.from_profile(profile), model=ModelCost.from_profile(profile), num_blocks=num_blocks,
+                     block_size=cfg.cache.block_size, scheduler=dataclasses.replace(cfg.scheduler, scheduling=policy),
+                     pool_source="the measured engine's pool")
+    sim, _ = setup.simulator()
+    res = sim.run(sessions_for(workload, replies))
+    r = res.records
+    end: dict[str, float] = {}
+    computed: dict[str, int] = {}
+    for i, name in enumerate(r.name):
+        program = name.rsplit("#", 1)[0]
+        end[program] = max(end.get(program, 0.0), r.finish[i])
+        computed[program] = computed.get(program, 0) + r.prompt_tokens[i] - r.cached_tokens[i] + r.output_tokens[i]
+    out = {}
+    for kind in ("short", "long"):
+        e2e = sorted(end[p.name] - p.arrival for p in workload if p.kind == kind and p.name in end) or [math.nan]
+        out[kind] = {"p50_s": statistics.median(e2e),
+                     "p99_s": e2e[min(len(e2e) - 1, max(0, round(0.99 * (len(e2e) - 1))))]}
+    longs = [p for p in workload if p.kind == "long" and p.name in end]
+    span = max(end[p.name] for p in longs) - min(p.arrival for p in longs) if longs else math.nan
+    out["long"]["tokens_per_s"] = sum(computed[p.name] for p in longs) / span if longs else math.nan
+    return out
+
+
+def compare(cfg, profile_path: str, workload, measured: dict[str, dict]) -> dict:
+    """measured: policy -> run_policy's result (its replies and per-class figures)."""
+    profile = load_profile(profile_path)
+    predicted = {}
+    for policy, m in measured.items():
+        predicted[policy] = simulate_policy(cfg, profile, m["num_blocks"], workload, m["replies"], policy)
+    rows = {}
+    for policy in measured:
+        rows[policy] = {f"{kind}_{q}_ratio": predicted[policy][kind][f"{q}_s"] / measured[policy][kind][f"{q}_s"]
+                        for kind in ("short", "long") for q in ("p50", "p99")}
+
+    def agree(kind: str, q: str) -> dict:
+        """Pairs of policies the simulator tells apart (more than TIE), and
+        how many of them the engine ordered the same way. Policies that run
+        the same order on this workload (priority is FCFS when no request
+        names one) tie in the simulator, whose clock has no noise."""
+        key = f"{q}_s"
+        pairs = same = 0
+        names = list(measured)
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                pa, pb = predicted[a][kind][key], predicted[b][kind][key]
+                if abs(pa - pb) <= TIE * max(pa, pb):
+                    continue
+                pairs += 1
+                same += (pa < pb) == (measured[a][kind][key] < measured[b][kind][key])
+        return {"pairs": pairs, "same": same}
+
+    same_order = {f"{kind}_{q}": agree(kind, q) for kind in ("short", "long") for q in ("p50", "p99")}
+    p50_within = all(abs(r[f"{kind}_p50_ratio"] - 1) <= P50_TOLERANCE for r in rows.values() for kind in ("short", "long"))
+    return {"profile": profile_path, "predicted": predicted, "ratios": rows, "same_order": same_order,
+            "p50_within_tolerance": p50_within, "tolerance": P50_TOLERANCE}
+
+
+def print_comparison(cmp: dict, measured: dict) -> None:
+    print(f"\nsimulator (profile {cmp['profile']}) beside the engine: predicted / measured")
+    print(f"{'policy':<9} {'short p50':>16} {'short p99':>16} {'long p50':>16} {'long p99':>16}")
+    for policy, ratios in cmp["ratios"].items():
+        cells = []
+        for kind in ("short", "long"):
+            for q in ("p50", "p99"):
+                cells.append(f"{cmp['predicted'][policy][kind][f'{q}_s']:.2f}/{measured[policy][kind][f'{q}_s']:.2f}s"
+                             f" {ratios[f'{kind}_{q}_ratio']:.2f}")
+        print(f"{policy:<9} " + " ".join(f"{c:>16}" for c in cells))
+    agree = ", ".join(f"{k} {v['same']} of {v['pairs']}" for k, v in cmp["same_order"].items())
+    print(f"pairs of policies the simulator tells apart, ordered the same by the engine: {agree}")
+    print(f"every p50 within {cmp['tolerance']:.0%}: {cmp['p50_within_tolerance']}")

@@ -111,6 +111,26 @@ def test_the_expected_output_and_the_margin_follow_finished_requests():
         d.observe_finished(req, 10.0 + (3.0 if i % 10 == 0 else 1.0))  # one in ten took 1.5x its price
     assert d.expected_output(500) == 7 and d.expected_output(3) == 3
     assert d.margin == pytest.approx(1.5) and not d._priced
+    # The margin is the (1 - miss target) quantile: tolerating 20 % late, the 80th percentile.
+    loose = DeadlineAdmission(scheduler=None, kv=None, miss_target=0.2)
+    loose._errors.extend(d._errors)
+    assert loose.margin == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="deadline_miss_target must be in"):
+        SchedulerConfig(deadline_miss_target=0.0)
+
+
+def test_early_the_margin_only_grows():
+    """From the first finished request a prediction that ran late raises the
+    margin; one that ran early lowers it only once MIN_ERRORS have finished."""
+    from trajserve.engine.deadline import MIN_ERRORS, DeadlineAdmission
+
+    early, late = DeadlineAdmission(scheduler=None, kv=None), DeadlineAdmission(scheduler=None, kv=None)
+    early._errors.append(0.5)
+    late._errors.append(2.0)
+    assert early.margin == 1.0 and late.margin == 2.0
+    early._errors.extend([0.5] * (MIN_ERRORS - 1))
+    assert early.margin == 0.5
+
 
 
 def test_a_bad_policy_is_refused_by_name():
@@ -151,4 +171,3 @@ def test_pricing_a_request_changes_nothing(engine):
     before = list(engine.deadlines._arrivals)
     engine.deadlines.predict(_request(list(range(5, 45)), 8))
     assert list(engine.deadlines._arrivals) == before and not engine.has_unfinished_requests()
-

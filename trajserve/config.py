@@ -325,6 +325,9 @@ class SchedulerConfig:
     # refuse (DeadlineMiss: 429 / 503), deprioritize (queue it at the lowest
     # priority) or off (admit it as any other).
     deadline_admission: str = "refuse"
+    # The share of admitted deadline requests allowed to finish late: the
+    # prediction's margin is the (1 - this) quantile of how late predictions ran.
+    deadline_miss_target: float = 0.02
     # The allowed inter-token latency: each step's token budget is what fits
     # in it (8.2.4's two-step rule, engine/token_budget.py), at most
     # max_num_batched_tokens; None: max_num_batched_tokens every step.
@@ -336,6 +339,8 @@ class SchedulerConfig:
         if self.deadline_admission not in DEADLINE_ADMISSION:
             raise ValueError(f"deadline_admission must be one of {', '.join(DEADLINE_ADMISSION)}, "
                              f"got {self.deadline_admission!r}")
+        if not (isinstance(self.deadline_miss_target, (int, float)) and 0 < self.deadline_miss_target <= 0.5):
+            raise ValueError(f"deadline_miss_target must be in (0, 0.5], got {self.deadline_miss_target!r}")
         if self.max_num_batched_tokens == "auto":  # --max-num-batched-tokens auto: the ITL target decides
             if self.itl_target_ms is None:
                 raise ValueError("max_num_batched_tokens (--max-num-batched-tokens) auto derives each step's budget "

@@ -184,7 +184,7 @@ class LLMEngine(RequestChecks):
         self.proposer = proposer
         self.scheduler = Scheduler(sc, self.kv, pricer, self.proposer)
         # Requests with a deadline are priced before they queue (engine/deadline.py).
-        self.deadlines = DeadlineAdmission(self.scheduler, self.kv, sc.deadline_admission)
+        self.deadlines = DeadlineAdmission(self.scheduler, self.kv, sc.deadline_admission, sc.deadline_miss_target)
         if sc.itl_target_ms is not None:  # each step's budget from the allowed ITL (engine/token_budget.py)
             self.scheduler.budget_rule = ITLBudget(self.scheduler, self.deadlines.steps, sc.itl_target_ms / 1e3,
                                                    self.deadlines.cached)

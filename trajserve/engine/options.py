@@ -124,6 +124,9 @@ OPTIONS: tuple[Option, ...] = (
            "times predict it would miss: refuse (429 when the load is the cause, 503 when an idle engine "
            "would miss it too), deprioritize (queue it at the lowest priority) or off",
            choices=DEADLINE_ADMISSION),
+    Option("deadline_miss_target", "scheduler.deadline_miss_target", "--deadline-miss-target",
+           "the share of admitted requests with a deadline allowed to finish late (0.02: a prediction "
+           "is multiplied by the 98th percentile of how late this engine's predictions have run)", type=float),
     Option("speculative", "scheduler.speculative", "--speculative",
            "speculative decoding: ngram (drafts from the sequence's own context: prompt lookup), suffix "
            "(also from finished sequences of the same cache_salt) or off; drafts are verified in the batch, "

@@ -1,6 +1,7 @@
 """`serve --admission off|auto|N`: at most N requests in the engine
-(running and queued); one more is refused with 429 and Retry-After before
-it queues.
+(running and queued, counted as the scheduler counts them: a request of n
+choices is n sequences); one more is refused with 429 and Retry-After
+before it queues.
 
 Why a cap (inference-optimization 8.6.2): past the arrival rate where
 goodput peaks, more arrivals only lengthen the queue. The chapter's

@@ -71,7 +71,7 @@ class ServerConfig:
                    api_key_priorities=tuple(args.api_key_priority) if args.api_key_priority else None,
                    allowed_origins=tuple(args.allowed_origins), tool_call_parser=args.tool_call_parser,
                    generation=GenerationDefaults.parse(args.override_generation_config),
-                   slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms, 
+                   slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
                    admission=parse_admission(args.admission, args.slo_ttft_ms, args.slo_itl_ms),
                    sessions=SessionConfig(idle_ttl_s=args.session_ttl or None, max_sessions=args.max_sessions or None,
                                           idle_keep_factor=args.idle_keep_factor))

@@ -73,6 +73,32 @@ def test_the_simulator_runs_the_same_programs_beside_the_engine(tmp_path):
         assert 0 <= v["same"] <= v["pairs"] <= 1
 
 
+def test_the_simulator_fitted_to_the_fcfs_runs_steps():
+    """--simulate fit: the cost model is fitted to the FCFS run's own steps
+    (their shapes and times) and predicts the other policies' runs."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["bench", "programs", "--long", "2", "--long-calls", "3", "--short", "3", "--short-calls", "2",
+                   "--reply-tokens", "8", "--arrival-window-s", "0.5", "--wait-scale", "0.001",
+                   "--preamble-tokens", "300", "--kv-cache-memory", "256MiB", "--policies", "fcfs,program",
+                   "--simulate", "fit", "--json"])
+    assert rc == 0
+    report = json.loads(out.getvalue())
+    sim = report["simulator"]
+    assert sim["profile"] == "fit"
+    for policy in ("fcfs", "program"):
+        for kind in ("short", "long"):
+            # Fitted to this machine's steps: the right order of magnitude at least (a made-up profile is not).
+            assert 0.3 < sim["ratios"][policy][f"{kind}_p50_ratio"] < 3
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = main(["bench", "programs", "--long", "1", "--long-calls", "2", "--short", "1", "--short-calls", "2",
+                   "--reply-tokens", "2", "--arrival-window-s", "0.1", "--wait-scale", "0.001",
+                   "--preamble-tokens", "50", "--kv-cache-memory", "256MiB", "--policies", "program",
+                   "--simulate", "fit", "--json"])
+    assert rc != 0 and "run --policies with fcfs" in err.getvalue()
+
+
 def test_a_program_is_a_session_that_replays_the_engines_calls():
     from trajserve.bench.programs import Program
     from trajserve.bench.programs_sim import sessions_for

@@ -161,7 +161,6 @@ def work_terms(steps: list[Step], model: ModelCost) -> dict[str, np.ndarray]:
 def calibrate(engine, quick: bool = False, seed: int = 0, log=print) -> dict:
     plan = QUICK if quick else DEFAULT
     rng = random.Random(seed)
-    model = model_cost_of(engine)
     t0 = time.perf_counter()
     # Warm-up: first calls pay for allocation and oneDNN primitive creation.
     measure_prefill(engine, 64, 128, rng)
@@ -185,10 +184,22 @@ def calibrate(engine, quick: bool = False, seed: int = 0, log=print) -> dict:
     log(f"memory read {read_bw / 1e9:.1f} GB/s, host copy {host / 1e9:.1f} GB/s, "
         f"disk write (fsync) {disk / 1e9:.2f} GB/s")
 
-    terms = work_terms(steps, model)
     # Each configuration counts once: (decode, batch, prompt) or (prefill,
     # chunk, 512-token band of context), whatever its number of steps.
     groups = [(s.kind, s.size, s.context if s.kind == "decode" else s.context // 512) for s in steps]
+    return profile_from_steps(engine, steps, read_bw, host, disk, groups,
+                              f"trajserve calibrate{' --quick' if quick else ''}", t0, quick)
+
+
+def profile_from_steps(engine, steps: list[Step], read_bw: float, host: float, disk: float, groups: list,
+                       source: str, t0: float, quick: bool = False) -> dict:
+    """The hardware profile of sim/fit.py's step model fitted to `steps`
+    (decodes memory-bound first), each of `groups`' configurations weighing
+    one in all."""
+    from trajserve.engine.memory import available_memory
+
+    model = model_cost_of(engine)
+    terms = work_terms(steps, model)
     count = {g: groups.count(g) for g in set(groups)}
     fit = fit_steps(terms["t"], terms["n_seq"], terms["f_mm"], terms["f_att"], terms["d_w"], terms["d_kv"],
                     memory_bound_first=np.array([s.kind == "decode" for s in steps]), b_min=1.0 / read_bw,
@@ -196,8 +207,6 @@ def calibrate(engine, quick: bool = False, seed: int = 0, log=print) -> dict:
     if fit.a_mm <= 0:
         raise RuntimeError(f"calibration could not separate compute from memory time (fit {fit}); "
                            "run without --quick for more points")
-    from trajserve.engine.memory import available_memory
-
     abs_err = np.abs(fit.rel_error)
     cfg = engine.config
     return {
@@ -212,7 +221,7 @@ def calibrate(engine, quick: bool = False, seed: int = 0, log=print) -> dict:
             "fixed_overhead_s": fit.t_fixed, "per_seq_overhead_s": fit.t_seq,
             "host_link_bandwidth": host, "nvme_bandwidth": disk, "read_bandwidth": read_bw,
             "memory_bytes": available_memory(engine.device),
-            "source": f"trajserve calibrate{' --quick' if quick else ''}, dtype {str(engine.dtype).removeprefix('torch.')}",
+            "source": f"{source}, dtype {str(engine.dtype).removeprefix('torch.')}",
         },
         "model": model.to_profile(),
         "engine": {"dtype": str(engine.dtype).removeprefix("torch."), "block_size": cfg.cache.block_size,

@@ -105,6 +105,8 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
     for p in progs:
         p.due = p.arrival
     by_rid: dict[str, Program] = {}
+    # --simulate fit: each step's shape and time in the FCFS run, the simulator's cost model fitted to them.
+    steps = [] if args.simulate == "fit" and policy == "fcfs" else None
     sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
     t0 = time.monotonic()
     try:
@@ -126,7 +128,10 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
                 if due:  # none: the last programs just ended on a refusal
                     time.sleep(max(0.0, min(due) - now))
                 continue
-            for out in engine.step():
+            outs = engine.step()
+            if steps is not None and engine.last_schedule is not None:
+                steps.append(step_of(engine))
+            for out in outs:
                 if not out.finished:
                     continue
                 p = by_rid.pop(out.request_id)
@@ -146,9 +151,14 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
                 else:
                     p.due = done + p.turns[p.calls - 1][1]
         num_blocks = engine.kv.num_blocks
+        if steps:
+            from trajserve.bench.programs_sim import profile_of_run
+            profile = profile_of_run(engine, steps)
     finally:
         engine.close()
     out = {"policy": policy, "replies": {p.name: p.replies for p in progs if not p.refused}, "num_blocks": num_blocks}
+    if steps:
+        out["profile"] = profile
     if deadline is not None:
         short = [p for p in progs if p.kind == "short"]
         admitted = sum(p.late + p.on_time for p in short)
@@ -166,11 +176,23 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
     return out
 
 
+def step_of(engine):
+    """The step the engine just ran, as calibration records one (bench/calibrate.py)."""
+    from trajserve.bench.calibrate import Step
+
+    chunks = engine.last_schedule.chunks
+    decode = all(c.num_tokens - len(c.draft) == 1 for c in chunks)
+    return Step("decode" if decode else "prefill", engine.last_step.total, [(c.num_tokens, c.start) for c in chunks],
+                sum(1 + len(c.draft) for c in chunks if c.sample), len(chunks))
+
+
 def run(args: argparse.Namespace) -> int:
     from trajserve.bench.common import command_line, machine_info
     from trajserve.engine.engine import LLMEngine
     from trajserve.engine.options import config_from_args
 
+    if args.simulate == "fit" and "fcfs" not in args.policies.split(","):
+        raise ValueError("--simulate fit fits the simulator to the FCFS run's steps: run --policies with fcfs")
     cfg = config_from_args(args)
     if args.simulate is not None:  # the simulator decodes a token a step: so does the engine it is compared with
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, speculative="off"))
@@ -261,9 +283,10 @@ def add_parser(bsub) -> None:
                    help="each short program's call must finish within this many seconds of being sent "
                    "(priced under --deadline-admission)")
     s.add_argument("--workload-seed", type=int, default=0)
-    s.add_argument("--simulate", default=None, metavar="PROFILE",
+    s.add_argument("--simulate", default=None, metavar="PROFILE|fit",
                    help="also run each policy's programs through the simulator on this hardware profile "
-                   "(`trajserve calibrate`) and compare (speculation off in both)")
+                   "(`trajserve calibrate`), or on one fitted to the FCFS run's own steps (fit), and compare "
+                   "(speculation off in both)")
     s.add_argument("--json", action="store_true", help="print only JSON")
     # One pool size for every policy's engine (a fraction of free memory would vary between them).
     add_engine_args(s, defaults={"max_num_seqs": 4, "kv_cache_memory": "2GiB"})

@@ -61,9 +61,25 @@ def simulate_policy(cfg, profile: dict, num_blocks: int, workload, replies, poli
     return out
 
 
+def profile_of_run(engine, steps) -> dict:
+    """A hardware profile fitted to the steps a run took (bench/calibrate.py's
+    fit, each kind of step, prefill or decode, weighing one in all)."""
+    from trajserve.bench.calibrate import copy_bandwidth, disk_bandwidth, profile_from_steps
+    from trajserve.bench.common import read_bandwidth
+
+    return profile_from_steps(engine, steps, read_bandwidth(engine.device, 256 * 2**20), copy_bandwidth(64),
+                              disk_bandwidth(16), [s.kind for s in steps], "bench programs' FCFS run", 0.0)
+
+
 def compare(cfg, profile_path: str, workload, measured: dict[str, dict]) -> dict:
-    """measured: policy -> run_policy's result (its replies and per-class figures)."""
-    profile = load_profile(profile_path)
+    """measured: policy -> run_policy's result (its replies and per-class
+    figures). profile_path "fit": the profile fitted to the FCFS run's steps."""
+    if profile_path == "fit":
+        if "fcfs" not in measured:
+            raise ValueError("--simulate fit fits the simulator to the FCFS run's steps: run --policies with fcfs")
+        profile = measured["fcfs"]["profile"]
+    else:
+        profile = load_profile(profile_path)
     predicted = {}
     for policy, m in measured.items():
         predicted[policy] = simulate_policy(cfg, profile, m["num_blocks"], workload, m["replies"], policy)
@@ -96,7 +112,8 @@ def compare(cfg, profile_path: str, workload, measured: dict[str, dict]) -> dict
 
 
 def print_comparison(cmp: dict, measured: dict) -> None:
-    print(f"\nsimulator (profile {cmp['profile']}) beside the engine: predicted / measured")
+    source = "fitted to the FCFS run's steps" if cmp["profile"] == "fit" else cmp["profile"]
+    print(f"\nsimulator (profile {source}) beside the engine: predicted / measured")
     print(f"{'policy':<9} {'short p50':>16} {'short p99':>16} {'long p50':>16} {'long p99':>16}")
     for policy, ratios in cmp["ratios"].items():
         cells = []

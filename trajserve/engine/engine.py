@@ -198,6 +198,7 @@ class LLMEngine(RequestChecks):
         self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler, prompt_logits))
         self._ids = itertools.count()
         self.last_step = StepStats()
+        self.last_schedule = None  # the last step's SchedulerOutput (None: it ran nothing)
         self.startup_summary = startup_line(self, formats, why)
         log.info(self.startup_summary)
 
@@ -385,14 +386,14 @@ class LLMEngine(RequestChecks):
         t0 = time.perf_counter()
         rec = self.core.step()
         if rec is None:
-            self.last_step = StepStats(schedule=time.perf_counter() - t0)
+            self.last_step, self.last_schedule = StepStats(schedule=time.perf_counter() - t0), None
             return []
         t = time.perf_counter()
         outputs = self.outputs.process(rec.result.ids, rec.result.logprobs, rec.end, rec.result.accepted_logprobs)
         if self.lora is not None and self.lora.in_flight:
             self.lora.finished([o for o in outputs if o.finished])
         rec.stats.update += time.perf_counter() - t
-        self.last_step = rec.stats
+        self.last_step, self.last_schedule = rec.stats, rec.sched  # what ran, for a caller that times steps
         self.deadlines.observe_step(rec.sched.chunks, rec.stats.total)
         for r in rec.finished:
             self.deadlines.observe_finished(r, rec.end)

@@ -1,10 +1,12 @@
-"""`trajserve bench programs --simulate PROFILE`: the same programs through
-the simulator, beside what the engine measured.
+"""`trajserve bench programs --simulate PROFILE|fit`: the same programs
+through the simulator, beside what the engine measured.
 
 The simulator runs the engine's own scheduler and KV manager over a cost
-model calibrated on this machine (`trajserve calibrate`'s profile), so each
-policy's order, preemptions and prefix hits are the engine's; only the step
-times are predicted. Each program is a simulator session: its first call at
+model calibrated on this machine: a `trajserve calibrate` profile, or
+(`fit`) the same fit made to the steps the engine took in the FCFS run, so
+each policy's order, preemptions and prefix hits are the engine's; only
+the step times are predicted (for the other policies, by a fit they did
+not feed). Each program is a simulator session: its first call at
 the program's arrival, each later call its tool result appended to the
 history, `wait` seconds after the previous call ended, the replies the
 engine produced replayed (the same tokens, so the same cache hits). Per

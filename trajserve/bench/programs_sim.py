@@ -108,7 +108,8 @@ def compare(cfg, profile_path: str, workload, measured: dict[str, dict]) -> dict
         return {"pairs": pairs, "same": same}
 
     same_order = {f"{kind}_{q}": agree(kind, q) for kind in ("short", "long") for q in ("p50", "p99")}
-    p50_within = all(abs(r[f"{kind}_p50_ratio"] - 1) <= P50_TOLERANCE for r in rows.values() for kind in ("short", "long"))
+    p50_within = all(abs(r[f"{kind}_p50_ratio"] - 1) <= P50_TOLERANCE
+                     for r in rows.values() for kind in ("short", "long"))
     return {"profile": profile_path, "predicted": predicted, "ratios": rows, "same_order": same_order,
             "p50_within_tolerance": p50_within, "tolerance": P50_TOLERANCE}
 

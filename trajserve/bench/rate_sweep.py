@@ -67,6 +67,8 @@ def row(rate: float, res: dict) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.sweep_rate)
+    if args.burstiness <= 0:
+        raise ValueError(f"--burstiness must be > 0, got {args.burstiness}")
     if not parse_goodput(args.goodput or []):
         raise ValueError("--sweep-rate finds where goodput peaks: give the SLO with --goodput, e.g. ttft:2000 tpot:200")
     rows = []

@@ -35,15 +35,16 @@ Reference counting, two kinds:
     (`lock` pins the whole path to the root). A node with ref_count > 0 is
     never evicted, and every ancestor of a pinned node is pinned.
 
-Eviction (spec "动态基数树淘汰"): dormant leaves (ref_count 0, no children)
-sit in a heap ordered by priority, then `last_access`: a path takes the
+Eviction (spec "动态基数树淘汰"): dormant leaves (ref_count 0, no children) sit
+in a heap ordered by priority, then `last_access`: a path takes the
 priority of the request that last released it (`unlock(node, priority)`),
 and the least urgent go first (the highest number; all 0 under FCFS, plain
-LRU), so a high-priority conversation's blocks are the last to be dropped; entries are invalidated lazily by a
-per-node stamp, so lock/unlock/match/insert push at most one entry each and
-`evict` never rebuilds the heap. When a leaf goes and its parent becomes a
-dormant leaf, the parent is pushed (cascade): a parent is never evicted
-before its children.
+LRU), so a high-priority conversation's blocks are the last to be dropped;
+entries are invalidated lazily by a per-node stamp, so
+lock/unlock/match/insert push at most one entry each and `evict` never
+rebuilds the heap. When a leaf goes and its parent becomes a dormant leaf,
+the parent is pushed (cascade): a parent is never evicted before its
+children.
 
 Lower tiers (hierarchical cache, "分层辅助存储"): with a `spill` set, LRU
 eviction hands each leaf's blocks to it before they are freed, under their
@@ -417,8 +418,8 @@ class RadixCache(Invalidation):
         The lower part keeps the node object, so handles held by requests
         (they locked the deep end) stay valid and the heap entry, if any, still
         refers to the leaf. The upper part inherits ref_count (every lock of
-        the node pinned it), last_access and priority; pool refcounts are unchanged: each
-        block is still held once by the tree.
+        the node pinned it), last_access and priority; pool refcounts are
+        unchanged: each block is still held once by the tree.
         """
         parent = node.parent
         upper = RadixNode(key=node.key[:j], block_ids=node.block_ids[:j], parent=parent,

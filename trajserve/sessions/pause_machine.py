@@ -240,12 +240,12 @@ class PauseMachine:
         self._timer(at, "prefetch", p)
 
     def reclaim(self, need: int) -> int:
-        """The KV manager's reclaimer: free `need` blocks by moving kept paused
-        state down a tier, the least urgent sessions' first (the highest
-        priority number; all 0 under FCFS) and within a priority the state
-        expected back last first (its hold costs the most block-seconds). Saves in flight land first (their frames are
-        leaving anyway). Forced keeps stay; a prefetch's hold is the
-        machine's own, so it can go again."""
+        """The KV manager's reclaimer: free `need` blocks by moving kept paused state
+        down a tier, the least urgent sessions' first (the highest priority
+        number; all 0 under FCFS) and within a priority the state expected
+        back last first (its hold costs the most block-seconds). Saves in
+        flight land first (their frames are leaving anyway). Forced keeps
+        stay; a prefetch's hold is the machine's own, so it can go again."""
         freed = self.transfers.land_saves(need)
         now = self.clock()
         cands = [p for p in self.paused.values() if p.pin is not None and (p.prefetched or not p.forced)]

@@ -9,15 +9,22 @@ import json
 
 from trajserve.cli import main
 
+SMALL = ["--long", "2", "--long-calls", "3", "--short", "3", "--short-calls", "2", "--arrival-window-s", "0.5",
+         "--wait-scale", "0.001", "--kv-cache-memory", "256MiB", "--json"]
 
-def test_bench_programs_runs_every_policy_on_the_same_workload():
+
+def _programs(*flags: str) -> tuple[int, str]:
+    """`trajserve bench programs` on the small workload (flags after SMALL win): exit code and stdout."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = main(["bench", "programs", "--long", "2", "--long-calls", "3", "--short", "3", "--short-calls", "2",
-                   "--reply-tokens", "4", "--arrival-window-s", "0.5", "--wait-scale", "0.001",
-                   "--preamble-tokens", "100", "--kv-cache-memory", "256MiB", "--json"])
+        rc = main(["bench", "programs", *SMALL, *flags])
+    return rc, out.getvalue()
+
+
+def test_bench_programs_runs_every_policy_on_the_same_workload():
+    rc, out = _programs("--reply-tokens", "4", "--preamble-tokens", "100")
     assert rc == 0
-    report = json.loads(out.getvalue())
+    report = json.loads(out)
     assert report["same_replies"] is True
     assert set(report["policies"]) == {"fcfs", "priority", "program"}
     for name, p in report["policies"].items():
@@ -55,14 +62,10 @@ def test_the_simulator_runs_the_same_programs_beside_the_engine(tmp_path):
 
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps(profile_doc()))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = main(["bench", "programs", "--long", "2", "--long-calls", "3", "--short", "3", "--short-calls", "2",
-                   "--reply-tokens", "4", "--arrival-window-s", "0.5", "--wait-scale", "0.001",
-                   "--preamble-tokens", "100", "--kv-cache-memory", "256MiB", "--policies", "fcfs,program",
-                   "--simulate", str(prof), "--json"])
+    rc, out = _programs("--reply-tokens", "4", "--preamble-tokens", "100", "--policies", "fcfs,program",
+                        "--simulate", str(prof))
     assert rc == 0
-    sim = json.loads(out.getvalue())["simulator"]
+    sim = json.loads(out)["simulator"]
     assert set(sim["predicted"]) == {"fcfs", "program"}
     for policy, figures in sim["predicted"].items():
         for kind in ("short", "long"):
@@ -76,14 +79,10 @@ def test_the_simulator_runs_the_same_programs_beside_the_engine(tmp_path):
 def test_the_simulator_fitted_to_the_fcfs_runs_steps():
     """--simulate fit: the cost model is fitted to the FCFS run's own steps
     (their shapes and times) and predicts the other policies' runs."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        rc = main(["bench", "programs", "--long", "2", "--long-calls", "3", "--short", "3", "--short-calls", "2",
-                   "--reply-tokens", "8", "--arrival-window-s", "0.5", "--wait-scale", "0.001",
-                   "--preamble-tokens", "300", "--kv-cache-memory", "256MiB", "--policies", "fcfs,program",
-                   "--simulate", "fit", "--json"])
+    rc, out = _programs("--reply-tokens", "8", "--preamble-tokens", "300", "--policies", "fcfs,program",
+                        "--simulate", "fit")
     assert rc == 0
-    report = json.loads(out.getvalue())
+    report = json.loads(out)
     sim = report["simulator"]
     assert sim["profile"] == "fit"
     for policy in ("fcfs", "program"):

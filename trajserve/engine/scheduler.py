@@ -378,7 +378,7 @@ class Scheduler(Forks):
         # Its computed blocks go to the prefix cache: the recompute may hit them.
         # A swap moves them down to the host tier at once; re-admission loads them back.
         if self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_scope,
-                           swap_out=swap, priority=self._evict_class(req)):
+                           swap_out=swap, priority=self.eviction_class(req.priority)):
             self.num_swap_preemptions += 1
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -475,11 +475,12 @@ class Scheduler(Forks):
         if not _remove_identical(self.running, req):
             _remove_identical(self.waiting, req)
         self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_scope,
-                        priority=self._evict_class(req))
+                        priority=self.eviction_class(req.priority))
 
-    def _evict_class(self, req: Request) -> int | None:
-        """The priority its cached blocks keep in the prefix cache's eviction order (none under FCFS)."""
-        return None if self.config.scheduling == "fcfs" else req.priority
+    def eviction_class(self, priority: int) -> int | None:
+        """The class a request's cached blocks and paused state keep in the eviction and pressure orders
+        (kv/radix_cache.py, sessions/pause_machine.py): its priority, none under FCFS."""
+        return None if self.config.scheduling == "fcfs" else priority
 
 
 def _remove_identical(seq: list[Request] | deque[Request], req: Request) -> bool:

@@ -321,7 +321,7 @@ class SessionManager:
         if out is None or not out.finished or s.state is SessionState.CLOSED:
             return
         s.history = list(prompt_ids) + list(out.outputs[0].token_ids)
-        s.record.priority = priority if self.engine.config.scheduler.scheduling != "fcfs" else 0
+        s.record.priority = self.engine.scheduler.eviction_class(priority) or 0
         self._turn_done(s, out)
         if tool_wait_s is not None or tool is not None or decision is not None:
             self.pause(s, tool_wait_s, tool, decision)

@@ -15,6 +15,7 @@
  * All tensors are float32, row-major; `ld*` are row strides in floats.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -687,6 +688,25 @@ static inline __attribute__((always_inline)) void scores32(
         for (int g = 0; g < 4; g++) _mm256_storeu_ps(s + j * KB + t + 8 * g, acc[j][g]);
 }
 
+/* Into L2, the K and V rows of keys [k0, k1) of kv head h. A key block's
+ * rows lie in pieces of one pool block (16 rows of 256 bytes for a float32
+ * head of 64) scattered over the pool, and the hardware prefetchers stop at
+ * each piece's end: fetched one key block ahead, a piece's misses overlap
+ * the block before it instead of stalling its first loads. */
+static inline void prefetch_keys(const void *k_cache, const void *v_cache, const int64_t *table, int64_t hkv,
+                                 int64_t h, int64_t bs, int64_t rb, int64_t k0, int64_t k1) {
+    for (int64_t key = k0; key < k1;) {
+        const int64_t r = (table[key / bs] * hkv + h) * bs + key % bs;
+        const int64_t rows = bs - key % bs < k1 - key ? bs - key % bs : k1 - key;
+        const char *kp = (const char *)k_cache + r * rb, *vp = (const char *)v_cache + r * rb;
+        for (int64_t b = 0; b < rows * rb; b += 64) {
+            _mm_prefetch(kp + b, _MM_HINT_T1);
+            _mm_prefetch(vp + b, _MM_HINT_T1);
+        }
+        key += rows;
+    }
+}
+
 /* One (sequence, kv head, run of query heads) task. fmt is a constant in
  * each copy (decode_heads_any). A quantized pool's K rows are dequantized
  * in registers where the float32 kernel loads them (each K element is read
@@ -721,9 +741,19 @@ static inline __attribute__((always_inline)) void decode_heads(
         const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, hid = lo > kb0 ? lo - kb0 : 0;
         const float *vp[KB];
         int64_t t = 0;
+        // The next key block's keys t .. t + N - 1, fetched while this block's are scored (the task's
+        // first block was fetched by the task before it: ts_decode_attention_q).
+#define PREFETCH_NEXT(N)                                                                                    \
+    if (kb0 + KB + t < ctx)                                                                                 \
+        prefetch_keys(k_cache, v_cache, table, hkv, h, bs, rb, kb0 + KB + t,                                \
+                      ctx - (kb0 + KB + t) < (N) ? ctx : kb0 + KB + t + (N));
         if (!quant && nh <= 2)  // float32 rows, one or two heads: 32 keys at a time
-            for (; t + 32 <= nk; t += 32) scores32(qs, nh, d, k_cache, v_cache, table, hkv, h, bs, kb0, t, hid, s, vp);
+            for (; t + 32 <= nk; t += 32) {
+                PREFETCH_NEXT(32);
+                scores32(qs, nh, d, k_cache, v_cache, table, hkv, h, bs, kb0, t, hid, s, vp);
+            }
         for (; t < nk; t += 8) {
+            PREFETCH_NEXT(8);
             const float *kp[8];
             const uint8_t *kb[8];
             for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
@@ -810,13 +840,22 @@ void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
     // batch of 1 with 3 kv heads on 2 threads that beat 9 per-head tasks,
     // which transpose each key tile 3 times: 236 vs 294 us at 3,000 keys).
     const int64_t per = n * hkv >= nthreads && group <= MAX_GROUP ? group : 1, runs = group / per;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
-    for (int64_t si = 0; si < n; si++)
-        for (int64_t t = 0; t < hkv * runs; t++) {
-            const int64_t h = t / runs, j0 = (t % runs) * per;
+    const int64_t tasks = n * hkv * runs, rb = kv_row_bytes(kv_fmt, d);
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t T = omp_get_num_threads();
+        for (int64_t ti = omp_get_thread_num(); ti < tasks; ti += T) {
+            if (ti + T < tasks) {  // this thread's next task: its first key block, one task ahead
+                const int64_t sn = (ti + T) / (hkv * runs), hn = (ti + T) % (hkv * runs) / runs;
+                const int64_t lo = window_start(ctx[sn] - 1, window);
+                prefetch_keys(k_cache, v_cache, tables + table_start[sn], hkv, hn, bs, rb, lo,
+                              ctx[sn] - lo < KB ? ctx[sn] : lo + KB);
+            }
+            const int64_t si = ti / (hkv * runs), t = ti % (hkv * runs), h = t / runs, j0 = (t % runs) * per;
             decode_heads_any(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, tables + table_start[si],
                              window_start(ctx[si] - 1, window), ctx[si], h, j0, per, scale, out + rows[si] * ldo);
         }
+    }
 }
 
 void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv,

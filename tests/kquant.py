@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K bytes for tests: gguf has no K-quant quantizer, so this
+"""Q4_K, Q5_K and Q6_K bytes for tests: gguf has no K-quant quantizer, so this
 writes valid super-blocks by plain rules (llama.cpp's quantizer searches
 scales harder; the kernels read any valid block the same way), in ggml's
 layouts. Q4_K: d and dmin (fp16), 12 bytes of 6-bit scales and minimums, 128
@@ -36,6 +36,34 @@ def quantize_q4_k(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(n, -1))
 
 
+def quantize_q5_k(a: np.ndarray) -> np.ndarray:
+    """[n, k] float (k a multiple of 256) -> uint8 [n, k / 256 * 176]: Q4_K's
+    rule on a grid of 32, the fifth bits in 32 bytes before the nibbles."""
+    n, k = a.shape
+    x = a.astype(np.float32).reshape(n, k // 256, 8, 32)
+    lo = np.minimum(x.min(-1), 0)
+    scale = (x.max(-1) - lo) / 31
+    mins = -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.rint(np.divide(x + (dmf * m)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 31)
+    q = q.astype(np.uint8)
+    packed = np.zeros((n, k // 256, 12), np.uint8)
+    packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
+    packed[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((m[..., 4:8] & 0x0F) << 4)
+    low = q & 0x0F
+    codes = low[..., 0::2, :] | (low[..., 1::2, :] << 4)  # [n, s, 4, 32]
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8).reshape(8, 1)).sum(-2, dtype=np.uint8)  # bit s of byte l
+    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qh,
+                          codes.reshape(n, k // 256, 128)], axis=-1)
+    return np.ascontiguousarray(out.reshape(n, -1))
+
+
 def quantize_q6_k(a: np.ndarray) -> np.ndarray:
     """[n, k] float (k a multiple of 256) -> uint8 [n, k / 256 * 210]."""
     n, k = a.shape
@@ -68,6 +96,16 @@ def random_q4_k(n: int, k: int, seed: int, wild: bool = False) -> QuantizedWeigh
         raw[..., 2:4] = (rng.random((n, k // 256, 1)) * 4e-3).astype(np.float16).view(np.uint8)
         raw = raw.reshape(n, -1)
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw)), "q4_k", (n, k))
+
+
+def random_q5_k(n: int, k: int, seed: int) -> QuantizedWeight:
+    """Valid Q5_K bytes (Q4_K's fields and 32 bytes of fifth bits a
+    super-block), every scale, minimum, code and fifth bit random, d and dmin small."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
+    raw[..., 0:2] = (rng.random((n, k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+    raw[..., 2:4] = (rng.random((n, k // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
+    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1))), "q5_k", (n, k))
 
 
 def random_q6_k(n: int, k: int, seed: int) -> QuantizedWeight:

@@ -18,8 +18,9 @@ from trajserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler or no AVX2 here")
 SP = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=3)
-Q4_0, Q8_0, Q4_K, Q6_K = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0,
-                          gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
+Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0,
+                                gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+                                gguf.GGMLQuantizationType.Q6_K)
 
 
 @pytest.fixture
@@ -64,10 +65,11 @@ def _model(tmp_path, case: str):
                           num_key_value_heads=2, vocab_size=300)
         write_gguf(path, m, "llama", Q4_0, qtypes={".v_proj.": Q8_0, ".down_proj.": Q8_0}, tokenizer=True)
         return path, {"kv": "q8_0"}
-    assert case == "Q4_K with v and down in Q6_K"  # a Q4_K_M file's mix
+    assert case in ("Q4_K with v and down in Q6_K", "Q5_K with v and down in Q6_K")  # Q4_K_M's, Q5_K_M's mix
     m = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=300)
-    write_gguf(path, m, "llama", Q4_K, qtypes={".v_proj.": Q6_K, ".down_proj.": Q6_K}, tokenizer=True)
+    write_gguf(path, m, "llama", Q4_K if case.startswith("Q4_K") else Q5_K,
+               qtypes={".v_proj.": Q6_K, ".down_proj.": Q6_K}, tokenizer=True)
     return path, {}
 
 
@@ -97,13 +99,13 @@ def _greedy(eng: LLMEngine) -> list[tuple]:
 
 @pytest.mark.parametrize("case", ["float weights, GQA", "qwen2 biases, q4_0 at load, bf16 pool", "qwen3 q/k norms",
                                   "sliding window, all-global q4_0 pool", "q4_0 with v and down in q8_0, q8_0 pool",
-                                  "Q4_K with v and down in Q6_K"])
+                                  "Q4_K with v and down in Q6_K", "Q5_K with v and down in Q6_K"])
 def test_the_stack_gives_the_per_layer_paths_bits(tmp_path, case, stack_calls):
     path, kw = _model(tmp_path, case)
     alone = _greedy(_engine(path, kw, ("decode_stack",)))
     assert stack_calls == []
     eng = _engine(path, kw, ())
-    if case.startswith(("q4_0 with", "Q4_K")):  # the fused q|k|v of two formats: one product per part
+    if case.startswith(("q4_0 with", "Q4_K", "Q5_K")):  # the fused q|k|v of two formats: one product per part
         assert isinstance(eng.model.layers[0].qkv, QLinearParts)
     assert _greedy(eng) == alone
     # It ran the decode-only steps, of 1 to 3 rows: the prompts' chunks were

@@ -1,6 +1,7 @@
-"""Q4_K and Q6_K executed as stored (quant_kernels.c). Q4_K: the
+"""Q4_K, Q5_K and Q6_K executed as stored (quant_kernels.c). Q4_K: the
 super-block's d and dmin times each block's 6-bit scale and minimum make a
-Q4_1-shaped block whose scales are exact in float32; Q6_K: 6-bit codes with
+Q4_1-shaped block whose scales are exact in float32; Q5_K: the same with a
+fifth bit a code; Q6_K: 6-bit codes with
 an int8 scale per 16 values, two sums a block. test_quant_kernels.py holds
 their products to the other formats' two bounds and checks that a row's bits
 do not depend on its batch, the threads or the build; here, their layouts,
@@ -10,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kquant import random_q4_k, random_q6_k
+from kquant import random_q4_k, random_q5_k, random_q6_k
 from test_quant_kernels import BUILDS, needs_kernels
-from trajserve.model.quant import QuantizedWeight, q4_k_fields, q6_k_fields, target_format
+from trajserve.model.quant import QuantizedWeight, q4_k_fields, q5_k_fields, q6_k_fields, target_format
 
 
 def test_fields_are_ggml_layout():
@@ -26,6 +27,15 @@ def test_fields_are_ggml_layout():
     assert sc.max() > 47 and m.max() > 47  # the high two bits of the 6-bit fields were exercised
 
 
+def test_q5_k_fields_are_ggml_layout():
+    w = random_q5_k(6, 512, 3)
+    d, dmin, sc, m, codes = q5_k_fields(w.data.numpy().reshape(6, 2, 176))
+    df, dmf = d.copy().view(np.float16).astype(np.float32), dmin.copy().view(np.float16).astype(np.float32)
+    vals = (df * sc)[..., None] * codes.reshape(6, 2, 8, 32) - (dmf * m)[..., None]
+    assert np.array_equal(vals.reshape(6, 512), w.dequantize().numpy())
+    assert codes.max() == 31 and codes.min() == 0 and (codes >= 16).mean() > 0.4  # the fifth bits were read
+
+
 def test_q6_k_fields_are_ggml_layout():
     w = random_q6_k(5, 512, 2)
     d, sc, codes = q6_k_fields(w.data.numpy().reshape(5, 2, 210))
@@ -36,7 +46,7 @@ def test_q6_k_fields_are_ggml_layout():
 
 
 @needs_kernels
-@pytest.mark.parametrize("make", [random_q4_k, random_q6_k])
+@pytest.mark.parametrize("make", [random_q4_k, random_q5_k, random_q6_k])
 def test_k_quant_gate_up_and_embedding_rows(make):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(9, 512, generator=g)
@@ -55,7 +65,9 @@ def test_k_quant_bytes_per_weight_and_what_runs_as_stored():
     assert target_format("model.layers.0.mlp.down_proj.weight", "Q4_K", "auto", 1024) == "q4_k"
     assert target_format("lm_head.weight", "Q4_K", "auto", 1024) == "q4_k"
     assert target_format("model.layers.0.mlp.down_proj.weight", "Q6_K", "auto", 1024) == "q6_k"
-    assert target_format("model.layers.0.mlp.down_proj.weight", "Q5_K", "auto", 1024) == "q8_0"
+    assert target_format("model.layers.0.mlp.down_proj.weight", "Q5_K", "auto", 1024) == "q5_k"
+    assert target_format("model.layers.0.mlp.down_proj.weight", "Q3_K", "auto", 1024) == "q8_0"
+    assert random_q5_k(32, 1024, 2).pack().nbytes == 32 * 1024 * 45 // 64  # 5.625 bits: the file's 5.5 + scales as bytes
     assert random_q6_k(32, 1024, 2).pack().nbytes == 32 * 1024 * 105 // 128  # 6.5625 bits: the file's
     assert target_format("model.layers.0.mlp.down_proj.weight", "Q4_K", "none", 1024) is None
     with pytest.raises(ValueError, match="q4_k"):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kquant import quantize_q4_k, quantize_q6_k
+from kquant import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from tiny_models import tiny_hf_model
 from trajserve.config import ModelConfig
 from trajserve.model import gguf_reader, loader
@@ -116,7 +116,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype=gguf.GGMLQua
         if replace and gguf_name(name) in replace:
             w.add_tensor(gguf_name(name), replace[gguf_name(name)])
         elif a.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
-            own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+            own = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+                   gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
             data = own[qt](a) if qt in own else gguf.quants.quantize(a, qt)
             expected[name] = torch.from_numpy(gguf.quants.dequantize(data, qt).reshape(a.shape).copy())
             if arch == "llama" and ".q_proj." in name:

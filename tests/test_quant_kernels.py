@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from kquant import random_q4_k, random_q6_k
+from kquant import random_q4_k, random_q5_k, random_q6_k
 from trajserve.model import cpu_isa, cpu_kernels
 from trajserve.model.quant import (QUANT_FORMATS, STORED_FORMATS, QuantizedWeight, input_quantization_bound,
                                    quantize_input_rows, target_format)
@@ -24,7 +24,7 @@ BUILDS = {isa: cpu_kernels.load(isa) for isa in ISAS}
 needs_kernels = pytest.mark.skipif(not any(BUILDS.values()), reason="no C compiler or no AVX2 here")
 
 
-K_QUANTS = ("q4_k", "q6_k")  # read from GGUF files only: their test bytes come from tests/kquant.py
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # read from GGUF files only: their test bytes come from tests/kquant.py
 
 
 def _g(seed):
@@ -34,6 +34,8 @@ def _g(seed):
 def _weight(fmt: str, n: int, k: int, seed: int, g: torch.Generator) -> QuantizedWeight:
     if fmt == "q4_k":
         return random_q4_k(n, k, seed, wild=bool(seed % 2))
+    if fmt == "q5_k":
+        return random_q5_k(n, k, seed)
     if fmt == "q6_k":
         return random_q6_k(n, k, seed)
     return QuantizedWeight.quantize(torch.randn(n, k, generator=g), fmt)
@@ -231,6 +233,23 @@ def test_largest_q6_k_codes_against_largest_inputs_do_not_overflow():
     raw[:12, :, 0:192] = 0xFF  # every code 63
     raw[12:, :, 0:192] = 0x00  # every code 0
     raw[:, :, 192:208] = 127  # the largest scales
+    x = torch.ones(3, 512)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    want = w.reference_product(x)
+    for K in BUILDS.values():
+        torch.testing.assert_close(K.qlinear(x, w.pack()), want, atol=1e-3, rtol=1e-5)
+
+
+@needs_kernels
+def test_largest_q5_k_codes_against_largest_inputs_do_not_overflow():
+    """Q5_K codes all 31 against inputs of +-127: the AVX2 build adds two
+    groups' 5-bit pair sums in int16 (at most 4 * 7874), not four."""
+    w = random_q5_k(24, 512, 4)
+    raw = w.data.numpy().reshape(24, 2, 176)
+    raw[:12, :, 16:176] = 0xFF  # every code 31: all fifth bits and nibbles set
+    raw[12:, :, 16:176] = 0x00
+    raw[:, :, 4:16] = 0xFF  # the largest 6-bit scales and minimums
     x = torch.ones(3, 512)
     x[1] = -1.0
     x[2, ::2] = -1.0

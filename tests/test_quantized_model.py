@@ -99,6 +99,7 @@ def test_embedded_model_quantized_against_its_float32_path(engine_float_weights)
 @pytest.mark.parametrize("qtype,fmt", [(gguf.GGMLQuantizationType.Q4_0, "q4_0"),
                                        (gguf.GGMLQuantizationType.Q8_0, "q8_0"),
                                        (gguf.GGMLQuantizationType.Q4_K, "q4_k"),
+                                       (gguf.GGMLQuantizationType.Q5_K, "q5_k"),
                                        (gguf.GGMLQuantizationType.Q6_K, "q6_k"),
                                        (gguf.GGMLQuantizationType.Q5_0, "q8_0")])  # not run as stored: requantized
 def test_tiny_llama_gguf_runs_quantized_close_to_float(tmp_path, qtype, fmt):
@@ -106,7 +107,7 @@ def test_tiny_llama_gguf_runs_quantized_close_to_float(tmp_path, qtype, fmt):
     kind: kept or requantized as target_format says, the logprobs close to
     the same file dequantized (K-quants need widths of 256)."""
     torch.manual_seed(0)
-    wide = qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K)
+    wide = qtype in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K)
     model = tiny_hf_model("llama", hidden_size=256 if wide else 64, intermediate_size=512 if wide else 96,
                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
     path = tmp_path / "tiny.gguf"

@@ -67,7 +67,7 @@ OPTIONS: tuple[Option, ...] = (
            "bfloat16 with AVX-512 BF16/AMX, else float32), bfloat16 on CUDA",
            choices=("auto", "bfloat16", "float32", "float16")),
     Option("quantization", "quantization", "--quantization",
-           "weights run in a block format by the C kernels: auto (a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q6_K as stored, "
+           "weights run in a block format by the C kernels: auto (a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K as stored, "
            "other quantized types as q8_0, float as float), none (dequantize to --dtype), or q8_0/q4_0/q4_1 (the "
            "decoder's matrices quantized at load)", choices=QUANTIZATIONS),
     Option("kv_cache_dtype", "cache.kv_cache_dtype", "--kv-cache-dtype",

@@ -296,7 +296,7 @@ def _gguf_tensors(
     quantization: str = "none", requantized: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor | QuantizedWeight]:
     """`requantized`, if given, counts the matrices brought to another block
-    format ("Q5_K -> q8_0": n), for the start-up line."""
+    format ("Q3_K -> q8_0": n), for the start-up line."""
     wanted = []
     unknown = []
     for t in reader.tensors:

@@ -1,4 +1,4 @@
-"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
 
 A QuantizedWeight is the bytes of a GGUF tensor of one of those types, row by
 row ([n, k / group * group bytes]): the C kernels (quant_kernels.c) multiply
@@ -9,7 +9,7 @@ planner and simulator price weights and KV with.
 
 `quantize` and `dequantize` use the gguf package's reference implementations,
 so a float checkpoint quantized here holds the bytes llama.cpp's tools would
-write (gguf has no K-quant quantizer: Q4_K and Q6_K come from GGUF files as stored);
+write (gguf has no K-quant quantizer: Q4_K, Q5_K and Q6_K come from GGUF files as stored);
 `reference_product` is the float64 product the kernels are tested against.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ PANEL = 16  # weight rows per packed panel, float (cpu_kernels.pack) and quantiz
 QK_K = 256  # values per K-quant super-block
 GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
               "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-              "q6_k": gguf.GGMLQuantizationType.Q6_K}
+              "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
 STORED_FORMATS = tuple(GGML_TYPES)  # what the kernels run as stored
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_1")  # what a float matrix can be quantized to here (--quantization)
 
@@ -126,11 +126,12 @@ class QuantizedPanels:
 def panel_block_bytes(fmt: str) -> int:
     """One block of 32 values of 16 rows: fp16 scales (and minimums) then
     codes; q4_k: its 6-bit scales and minimums as bytes then codes, with the
-    super-block's d and -dmin (64 bytes) before every 8 blocks; q6_k: two
-    int8 scales (values 0-15, 16-31), the codes' low 4 bits, their high 2
-    bits, with the super-block's d (32 bytes) before every 8 blocks."""
+    super-block's d and -dmin (64 bytes) before every 8 blocks; q5_k: q4_k's
+    block and the codes' fifth bits (64 bytes); q6_k: two int8 scales
+    (values 0-15, 16-31), the codes' low 4 bits, their high 2 bits, with the
+    super-block's d (32 bytes) before every 8 blocks."""
     return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q4_k": 32 + 256 + 64 // 8,
-            "q6_k": 32 + 256 + 128 + 32 // 8}[fmt]
+            "q5_k": 32 + 256 + 64 + 64 // 8, "q6_k": 32 + 256 + 128 + 32 // 8}[fmt]
 
 
 def _nibble_codes(u: np.ndarray, panels: int, nb: int) -> np.ndarray:
@@ -158,6 +159,17 @@ def q4_k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
     q = qs.reshape(*qs.shape[:-1], 4, 32)  # 4 chunks of 32 bytes: sub-block 2c in the low nibbles, 2c+1 high
     codes = np.stack([q & 0x0F, q >> 4], axis=-2).reshape(*qs.shape[:-1], 256)
     return d, dmin, scales.astype(np.uint8), mins.astype(np.uint8), codes
+
+
+def q5_k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q5_K super-blocks [..., 176] -> Q4_K's fields, the codes 0-31: the
+    low 4 bits as Q4_K's (128 bytes after the 32 of high bits), the fifth
+    of value l of sub-block s bit s of high byte l (ggml's layout)."""
+    lead = raw.shape[:-1]
+    d, dmin, scales, mins, low = q4_k_fields(np.concatenate([raw[..., 0:16], raw[..., 48:176]], axis=-1))
+    qh = raw[..., 16:48].reshape(*lead, 1, 32)
+    high = (qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # [..., 8 sub-blocks, 32]
+    return d, dmin, scales, mins, low | (high.reshape(*lead, 256) << 4)
 
 
 def q6_k_fields(raw: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -194,27 +206,42 @@ def _pack_q6_k(w: QuantizedWeight, panels: int) -> np.ndarray:
     return np.concatenate([head, sub.reshape(panels, ns, -1)], axis=-1).reshape(panels, -1)
 
 
+def _fifth_bits(codes: np.ndarray, panels: int, nb: int) -> np.ndarray:
+    """Q5_K's fifth bits [panels * 16, nb, 32] -> [panels, nb, 64]: byte
+    4r + t holds, at bit g, that of value 4g + t (group g's low nibble) and,
+    at bit 4 + g, that of value 16 + 4g + t (its high nibble)."""
+    h = (codes >> 4).reshape(panels, PANEL, nb, 2, 4, 4)  # [.., nibble, group, t]
+    g = np.arange(4, dtype=np.uint8).reshape(4, 1)
+    byte = ((h[..., 0, :, :] << g) | (h[..., 1, :, :] << (g + 4))).sum(-2, dtype=np.uint8)  # [p, 16, nb, 4]
+    return byte.transpose(0, 2, 1, 3).reshape(panels, nb, 64)
+
+
 def _pack_q4_k(w: QuantizedWeight, panels: int) -> np.ndarray:
+    """Q4_K, or Q5_K (the same and each block's fifth bits after its codes)."""
     n, k = w.shape
     ns = k // QK_K
-    raw = np.zeros((panels * PANEL, ns, 144), np.uint8)
-    raw[:n] = w.data.numpy().reshape(n, ns, 144)
-    d, dmin, scales, mins, codes = q4_k_fields(raw)
+    size = block_bytes(w.fmt)
+    raw = np.zeros((panels * PANEL, ns, size), np.uint8)
+    raw[:n] = w.data.numpy().reshape(n, ns, size)
+    d, dmin, scales, mins, codes = (q4_k_fields if w.fmt == "q4_k" else q5_k_fields)(raw)
     neg = dmin.copy()
     neg[..., 1] ^= 0x80  # -dmin: the kernels add (-dmin * m) * s_x as Q4_1 adds m * s_x; negation is exact
     head = np.concatenate([_by_panel(d, panels, ns), _by_panel(neg, panels, ns)], axis=-1)  # [panels, ns, 64]
     nb = k // QK
-    sub = np.concatenate([_by_panel(scales.reshape(-1, nb, 1), panels, nb),
-                          _by_panel(mins.reshape(-1, nb, 1), panels, nb),
-                          _nibble_codes(codes.reshape(-1, nb, QK), panels, nb)], axis=-1)  # [panels, nb, 288]
+    codes = codes.reshape(-1, nb, QK)
+    sub = [_by_panel(scales.reshape(-1, nb, 1), panels, nb), _by_panel(mins.reshape(-1, nb, 1), panels, nb),
+           _nibble_codes(codes & 0x0F, panels, nb)]  # [panels, nb, 288]
+    if w.fmt == "q5_k":
+        sub.append(_fifth_bits(codes, panels, nb))
+    sub = np.concatenate(sub, axis=-1)
     return np.concatenate([head, sub.reshape(panels, ns, -1)], axis=-1).reshape(panels, -1)
 
 
 def pack_panels(w: QuantizedWeight) -> torch.Tensor:
     n, k = w.shape
     nb, panels = k // QK, -(-n // PANEL)
-    if w.fmt in ("q4_k", "q6_k"):
-        out = np.ascontiguousarray((_pack_q4_k if w.fmt == "q4_k" else _pack_q6_k)(w, panels))
+    if w.fmt in ("q4_k", "q5_k", "q6_k"):
+        out = np.ascontiguousarray((_pack_q6_k if w.fmt == "q6_k" else _pack_q4_k)(w, panels))
         assert out.shape[1] == nb * panel_block_bytes(w.fmt)
         return torch.from_numpy(out)
     raw = np.zeros((panels * PANEL, nb, block_bytes(w.fmt)), np.uint8)
@@ -267,7 +294,7 @@ def input_quantization_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tenso
 QUANTIZATION_CHOICES = QUANTIZATIONS  # auto, none and the block formats
 assert QUANTIZATIONS[2:] == QUANT_FORMATS, "config.QUANTIZATIONS must list the formats quantize() writes"
 # GGUF types the kernels run as stored, by their gguf enum name.
-KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q6_K": "q6_k"}
+KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 _EDGE_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -282,8 +309,8 @@ def target_format(name: str, source: str, quantization: str, width: int) -> str 
     checkpoint) runs in under --quantization, None for float.
 
     none: every matrix float (dequantized at load).
-    auto: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K as stored; any other quantized
-          type (Q5_K, Q2_K, Q3_K, Q5_*, IQ*) requantized to q8_0, which loses
+    auto: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K as stored; any other quantized
+          type (Q2_K, Q3_K, Q5_0, Q5_1, IQ*) requantized to q8_0, which loses
           no more than the file already did (an 8-bit grid over a 2-5 bit
           one); float stays float.
     q8_0 / q4_0 / q4_1: the decoder's projections in that format; the

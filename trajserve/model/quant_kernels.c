@@ -1,4 +1,4 @@
-/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K).
+/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
  *
  * Why: a batch-1 decode step reads every weight once (inference-optimization
  * 8.2.1, I_weight ~ 2b/s_w), so its time is the weight bytes over the memory
@@ -26,6 +26,8 @@
  * Q4_K u = q (o = 0) with d_w = d * sc and m_w = -dmin * m, the super-block's
  * fp16 d and dmin times the block's 6-bit scale and minimum: products exact in
  * float32, so a Q4_K block is a Q4_1 block whose scales are computed.
+ * Q5_K is Q4_K with 5-bit codes (u = q, 0-31): the fifth bits are or-ed
+ * onto the nibbles before the same integer dot product.
  * Q6_K u = q + 32 (o = 32), 6-bit, with one int8 scale per 16 values: two
  * sums a block (values 0-15 and 16-31, the input's sum_lo and sum - sum_lo),
  * d_w = d * sc of each.
@@ -39,6 +41,9 @@
  *   d[16] fp16 | Q4_1: m[16] fp16 | codes
  *   Q4_K: sc[16] u8 | m[16] u8 | codes, and before every 8 blocks (a
  *   super-block of 256) d[16] fp16 | -dmin[16] fp16
+ *   Q5_K: Q4_K's, and after the codes 64 bytes of fifth bits: byte 4r + t,
+ *   bit g = that of value 4g + t (group g's low nibble), bit 4 + g = that of
+ *   value 16 + 4g + t (its high nibble)
  *   Q6_K: sc_lo[16] i8 | sc_hi[16] i8 | codes (their low 4 bits, as Q4) |
  *   high bits: 2 x 64 bytes, byte 4r + t of vector p = the high 2 bits of
  *   the low and the high nibble's codes of group 2p (low 4 bits) and 2p + 1;
@@ -73,24 +78,31 @@ typedef struct {
  * super-block header shared by 8 blocks). */
 #define Q4K_BLOCK (32 + 256)
 #define Q4K_SUPER (64 + 8 * Q4K_BLOCK)
+#define Q5K_BLOCK (32 + 256 + 64)
+#define Q5K_SUPER (64 + 8 * Q5K_BLOCK)
 #define Q6K_BLOCK (32 + 256 + 128)
 #define Q6K_SUPER (32 + 8 * Q6K_BLOCK)
 static inline int64_t panel_block_bytes(const int fmt) {
     return fmt == TS_Q8_0 ? 32 + 512 : fmt == TS_Q4_0 ? 32 + 256 : fmt == TS_Q4_K ? Q4K_SUPER / 8
+         : fmt == TS_Q5_K ? Q5K_SUPER / 8
          : fmt == TS_Q6_K ? Q6K_SUPER / 8 : 64 + 256;
 }
 
 /* Block b of a panel, and where its codes start. */
 static inline const uint8_t *panel_block(const uint8_t *panel, int64_t b, const int fmt) {
     if (fmt == TS_Q4_K) return panel + (b >> 3) * Q4K_SUPER + 64 + (b & 7) * Q4K_BLOCK;
+    if (fmt == TS_Q5_K) return panel + (b >> 3) * Q5K_SUPER + 64 + (b & 7) * Q5K_BLOCK;
     if (fmt == TS_Q6_K) return panel + (b >> 3) * Q6K_SUPER + 32 + (b & 7) * Q6K_BLOCK;
     return panel + b * panel_block_bytes(fmt);
 }
 
 static inline int codes_offset(const int fmt) { return fmt == TS_Q4_1 ? 64 : 32; }
 
-/* A K-quant block's header: the d (Q4_K: and -dmin) of its super-block. */
-static inline const uint8_t *q4k_head(const uint8_t *panel, int64_t b) { return panel + (b >> 3) * Q4K_SUPER; }
+/* A K-quant block's header: the d (Q4_K, Q5_K: and -dmin) of its super-block. */
+static inline const uint8_t *q4k_head(const uint8_t *panel, int64_t b, const int fmt) {
+    return panel + (b >> 3) * (fmt == TS_Q5_K ? Q5K_SUPER : Q4K_SUPER);
+}
+static inline int has_min(const int fmt) { return fmt == TS_Q4_1 || fmt == TS_Q4_K || fmt == TS_Q5_K; }
 static inline const uint8_t *q6k_head(const uint8_t *panel, int64_t b) { return panel + (b >> 3) * Q6K_SUPER; }
 
 /* Formats with an AMX-INT8 tile path (amx_product). */
@@ -202,8 +214,8 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
             continue;
         }
         __m512 dw, mw = _mm512_setzero_ps();
-        if (fmt == TS_Q4_K) {  // d * sc and -dmin * m: exact in float32
-            const uint8_t *head = q4k_head(panel, b);
+        if (fmt == TS_Q4_K || fmt == TS_Q5_K) {  // d * sc and -dmin * m: exact in float32
+            const uint8_t *head = q4k_head(panel, b, fmt);
             dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)),
                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))));
             mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))),
@@ -222,9 +234,16 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
                     isum[i] = _mm512_dpbusd_epi32(isum[i], c, _mm512_set1_epi32(dword(x[i * nb + b].q, g)));
             }
         } else {
+            const __m512i fifth = _mm512_set1_epi8(0x10);
+            __m512i h5 = _mm512_setzero_si512();
+            if (fmt == TS_Q5_K) h5 = _mm512_loadu_si512(codes + 256);
             for (int g = 0; g < 4; g++) {
                 const __m512i c = _mm512_loadu_si512(codes + 64 * g);
-                const __m512i lo = _mm512_and_si512(c, low), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+                __m512i lo = _mm512_and_si512(c, low), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+                if (fmt == TS_Q5_K) {  // bit g -> 4 (low nibble's value), bit 4 + g -> 4 (high's)
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h5, 4 - g), fifth));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(h5, g), fifth));
+                }
                 for (int i = 0; i < nr; i++) {
                     isum[i] = _mm512_dpbusd_epi32(isum[i], lo, _mm512_set1_epi32(dword(x[i * nb + b].q, g)));
                     isum[i] = _mm512_dpbusd_epi32(isum[i], hi, _mm512_set1_epi32(dword(x[i * nb + b].q, g + 4)));
@@ -235,7 +254,7 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
             const block_q8x *xb = x + i * nb + b;
             if (offset) isum[i] = _mm512_sub_epi32(isum[i], _mm512_set1_epi32(offset * xb->sum));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[i]), _mm512_mul_ps(dw, _mm512_set1_ps(xb->d)), acc[i]);
-            if (fmt == TS_Q4_1 || fmt == TS_Q4_K) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[i]);
+            if (has_min(fmt)) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xb->s), acc[i]);
         }
     }
     for (int i = 0; i < nr; i++) _mm512_storeu_ps(o + i * PANEL, acc[i]);
@@ -313,24 +332,38 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
             }
         } else {
             // 4-bit codes: a vpmaddubsw pair sum is at most 2 * 15 * 127 = 3810, so all 8
-            // of a block add up in int16 (<= 30480) before one vpmaddwd widens them.
-            __m256i s16[QTILE_ROWS];
-            for (int i = 0; i < nr; i++) s16[i] = _mm256_setzero_si256();
-            for (int g = 0; g < 4; g++) {
-                const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * g));
-                const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+            // of a block add up in int16 (<= 30480) before one vpmaddwd widens them; Q5_K's
+            // 5-bit ones (2 * 31 * 127 = 7874) four at a time (<= 31496).
+            const int span = fmt == TS_Q5_K ? 2 : 4;
+            const __m256i fifth = _mm256_set1_epi8(0x10);
+            __m256i h5 = _mm256_setzero_si256();
+            if (fmt == TS_Q5_K) h5 = _mm256_loadu_si256((const __m256i *)(codes + 256));  // this half's 32 bytes
+            for (int g0 = 0; g0 < 4; g0 += span) {
+                __m256i s16[QTILE_ROWS];
+                for (int i = 0; i < nr; i++) s16[i] = _mm256_setzero_si256();
+                for (int g = g0; g < g0 + span; g++) {
+                    const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * g));
+                    __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                    if (fmt == TS_Q5_K) {  // as the avx512 build
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h5, 4 - g), fifth));
+                        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(h5, g), fifth));
+                    }
+                    for (int i = 0; i < nr; i++) {
+                        const __m256i xl = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
+                        const __m256i xh = _mm256_set1_epi32(dword(x[i * nb + b].q, g + 4));
+                        s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                           _mm256_maddubs_epi16(hi, xh)));
+                    }
+                }
                 for (int i = 0; i < nr; i++) {
-                    const __m256i xl = _mm256_set1_epi32(dword(x[i * nb + b].q, g));
-                    const __m256i xh = _mm256_set1_epi32(dword(x[i * nb + b].q, g + 4));
-                    s16[i] = _mm256_add_epi16(s16[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
-                                                                       _mm256_maddubs_epi16(hi, xh)));
+                    const __m256i w = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
+                    isum[i] = g0 ? _mm256_add_epi32(isum[i], w) : w;
                 }
             }
-            for (int i = 0; i < nr; i++) isum[i] = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
         }
         __m256 dw, mw = _mm256_setzero_ps();
-        if (fmt == TS_Q4_K) {  // d * sc and -dmin * m, as the avx512 build computes them
-            const uint8_t *head = q4k_head(panel, b);
+        if (fmt == TS_Q4_K || fmt == TS_Q5_K) {  // d * sc and -dmin * m, as the avx512 build computes them
+            const uint8_t *head = q4k_head(panel, b, fmt);
             dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 16 * h))),
                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * h)))));
             mw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 32 + 16 * h))),
@@ -343,7 +376,7 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
             const block_q8x *xb = x + i * nb + b;
             if (offset) isum[i] = _mm256_sub_epi32(isum[i], _mm256_set1_epi32(offset * xb->sum));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(dw, _mm256_set1_ps(xb->d)), acc[i]);
-            if (fmt == TS_Q4_1 || fmt == TS_Q4_K) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
+            if (has_min(fmt)) acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xb->s), acc[i]);
         }
     }
     for (int i = 0; i < nr; i++) _mm256_storeu_ps(o + i * PANEL + 8 * h, acc[i]);
@@ -372,6 +405,7 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
         case TS_Q8_0: QTILE_NR(TS_Q8_0) break;
         case TS_Q4_0: QTILE_NR(TS_Q4_0) break;
         case TS_Q4_K: QTILE_NR(TS_Q4_K) break;
+        case TS_Q5_K: QTILE_NR(TS_Q5_K) break;
         case TS_Q6_K: QTILE_NR(TS_Q6_K) break;
         default: QTILE_NR(TS_Q4_1) break;
     }
@@ -725,7 +759,8 @@ void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int6
         float *o = out + i * ldo;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = panel_block(panel, b, fmt);
-            float d = fmt == TS_Q4_K ? f16(q4k_head(panel, b) + 2 * r) * (float)blk[r] : f16(blk + 2 * r);
+            const int kq = fmt == TS_Q4_K || fmt == TS_Q5_K;
+            float d = kq ? f16(q4k_head(panel, b, fmt) + 2 * r) * (float)blk[r] : f16(blk + 2 * r);
             float *ob = o + b * QK;
             if (fmt == TS_Q6_K) {
                 const float d16 = f16(q6k_head(panel, b) + 2 * r);
@@ -745,13 +780,14 @@ void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int6
             } else {
                 const uint8_t *codes = blk + codes_offset(fmt);
                 const float mn = fmt == TS_Q4_1   ? f16(blk + 32 + 2 * r)
-                                 : fmt == TS_Q4_K ? f16(q4k_head(panel, b) + 32 + 2 * r) * (float)blk[16 + r]
-                                                  : 0.0f;
-                const int o4 = fmt == TS_Q4_1 || fmt == TS_Q4_K ? 0 : 8;
+                                 : kq ? f16(q4k_head(panel, b, fmt) + 32 + 2 * r) * (float)blk[16 + r]
+                                      : 0.0f;
+                const int o4 = has_min(fmt) ? 0 : 8;
                 for (int j = 0; j < QK / 2; j++) {
-                    const uint8_t byte = codes[64 * (j / 4) + 4 * r + j % 4];
-                    ob[j] = d * (float)((byte & 0x0F) - o4) + mn;
-                    ob[j + QK / 2] = d * (float)((byte >> 4) - o4) + mn;
+                    const int g = j / 4, lane = 4 * r + j % 4;
+                    const uint8_t byte = codes[64 * g + lane], h5 = fmt == TS_Q5_K ? codes[256 + lane] : 0;
+                    ob[j] = d * (float)((byte & 0x0F) + ((h5 >> g) & 1) * 16 - o4) + mn;
+                    ob[j + QK / 2] = d * (float)((byte >> 4) + ((h5 >> (4 + g)) & 1) * 16 - o4) + mn;
                 }
             }
         }

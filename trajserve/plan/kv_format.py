@@ -39,6 +39,8 @@ FORMATS: dict[str, StorageFormat] = {
     "q4_1": StorageFormat("q4_1", 32, Fraction(16), 4),  # a scale and a minimum: GGUF weights
     # K-quant super-blocks of 256: d, dmin (fp16) and 8 x (6-bit scale, 6-bit min) in 12 bytes
     "q4_k": StorageFormat("q4_k", 256, Fraction(128), 16),
+    # as q4_k, and each code's fifth bit (32 bytes a super-block)
+    "q5_k": StorageFormat("q5_k", 256, Fraction(160), 16),
     # 6-bit codes (4 low bits, 2 high) of 256 values, 16 int8 scales, an fp16 d
     "q6_k": StorageFormat("q6_k", 256, Fraction(192), 18),
 }

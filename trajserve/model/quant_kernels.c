@@ -333,7 +333,7 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
         } else {
             // 4-bit codes: a vpmaddubsw pair sum is at most 2 * 15 * 127 = 3810, so all 8
             // of a block add up in int16 (<= 30480) before one vpmaddwd widens them; Q5_K's
-            // 5-bit ones (2 * 31 * 127 = 7874) four at a time (<= 31496).
+            // 5-bit ones (2 * 31 * 127 = 7874) two groups' four at a time (<= 31496).
             const int span = fmt == TS_Q5_K ? 2 : 4;
             const __m256i fifth = _mm256_set1_epi8(0x10);
             __m256i h5 = _mm256_setzero_si256();
@@ -389,16 +389,23 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
 }
 #endif
 
+#if QTILE_ROWS == 8
+#define QTILE_WIDE(FMT)                                \
+    case 4: qtile(panel, nb, x, 4, FMT, o); break;     \
+    case 5: qtile(panel, nb, x, 5, FMT, o); break;     \
+    case 6: qtile(panel, nb, x, 6, FMT, o); break;     \
+    case 7: qtile(panel, nb, x, 7, FMT, o); break;
+#else
+#define QTILE_WIDE(FMT)
+#endif
+
 static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int nr, int fmt, float *o) {
 #define QTILE_NR(FMT)                                          \
     switch (nr) {                                              \
         case 1: qtile(panel, nb, x, 1, FMT, o); break;         \
         case 2: qtile(panel, nb, x, 2, FMT, o); break;         \
         case 3: qtile(panel, nb, x, 3, FMT, o); break;         \
-        case 4: qtile(panel, nb, x, 4, FMT, o); break;         \
-        case 5: qtile(panel, nb, x, 5, FMT, o); break;         \
-        case 6: qtile(panel, nb, x, 6, FMT, o); break;         \
-        case 7: qtile(panel, nb, x, 7, FMT, o); break;         \
+        QTILE_WIDE(FMT)                                        \
         default: qtile(panel, nb, x, QTILE_ROWS, FMT, o); break; \
     }
     switch (fmt) {

@@ -11,12 +11,13 @@ import torch
 from trajserve.model.quant import QuantizedWeight
 
 
-def quantize_q4_k(a: np.ndarray) -> np.ndarray:
-    """[n, k] float (k a multiple of 256) -> uint8 [n, k / 256 * 144]."""
+def _scaled_codes(a: np.ndarray, top: int) -> tuple[np.ndarray, ...]:
+    """Q4_K's / Q5_K's rule on a grid of top + 1 codes: d, dmin (fp16 bytes),
+    the 12 bytes of 6-bit scales and minimums, the codes [n, s, 8, 32]."""
     n, k = a.shape
     x = a.astype(np.float32).reshape(n, k // 256, 8, 32)
     lo = np.minimum(x.min(-1), 0)
-    scale = (x.max(-1) - lo) / 15
+    scale = (x.max(-1) - lo) / top
     mins = -lo
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (mins.max(-1) / 63).astype(np.float16)
@@ -24,15 +25,20 @@ def quantize_q4_k(a: np.ndarray) -> np.ndarray:
     sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
     m = np.clip(np.rint(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
     step = (df * sc)[..., None]
-    q = np.clip(np.rint(np.divide(x + (dmf * m)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 15)
-    q = q.astype(np.uint8)
+    q = np.clip(np.rint(np.divide(x + (dmf * m)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, top)
     packed = np.zeros((n, k // 256, 12), np.uint8)
     packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
     packed[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((m[..., 4:8] & 0x0F) << 4)
+    return d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, q.astype(np.uint8)
+
+
+def quantize_q4_k(a: np.ndarray) -> np.ndarray:
+    """[n, k] float (k a multiple of 256) -> uint8 [n, k / 256 * 144]."""
+    n, k = a.shape
+    d, dmin, packed, q = _scaled_codes(a, 15)
     codes = q[..., 0::2, :] | (q[..., 1::2, :] << 4)  # [n, s, 4, 32]
-    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed,
-                          codes.reshape(n, k // 256, 128)], axis=-1)
+    out = np.concatenate([d, dmin, packed, codes.reshape(n, k // 256, 128)], axis=-1)
     return np.ascontiguousarray(out.reshape(n, -1))
 
 
@@ -40,27 +46,11 @@ def quantize_q5_k(a: np.ndarray) -> np.ndarray:
     """[n, k] float (k a multiple of 256) -> uint8 [n, k / 256 * 176]: Q4_K's
     rule on a grid of 32, the fifth bits in 32 bytes before the nibbles."""
     n, k = a.shape
-    x = a.astype(np.float32).reshape(n, k // 256, 8, 32)
-    lo = np.minimum(x.min(-1), 0)
-    scale = (x.max(-1) - lo) / 31
-    mins = -lo
-    d = (scale.max(-1) / 63).astype(np.float16)
-    dmin = (mins.max(-1) / 63).astype(np.float16)
-    df, dmf = d.astype(np.float32)[..., None], dmin.astype(np.float32)[..., None]
-    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(np.divide(mins, dmf, out=np.zeros_like(mins), where=dmf > 0)), 0, 63).astype(np.uint8)
-    step = (df * sc)[..., None]
-    q = np.clip(np.rint(np.divide(x + (dmf * m)[..., None], step, out=np.zeros_like(x), where=step > 0)), 0, 31)
-    q = q.astype(np.uint8)
-    packed = np.zeros((n, k // 256, 12), np.uint8)
-    packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
-    packed[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
-    packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((m[..., 4:8] & 0x0F) << 4)
+    d, dmin, packed, q = _scaled_codes(a, 31)
     low = q & 0x0F
     codes = low[..., 0::2, :] | (low[..., 1::2, :] << 4)  # [n, s, 4, 32]
     qh = ((q >> 4) << np.arange(8, dtype=np.uint8).reshape(8, 1)).sum(-2, dtype=np.uint8)  # bit s of byte l
-    out = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qh,
-                          codes.reshape(n, k // 256, 128)], axis=-1)
+    out = np.concatenate([d, dmin, packed, qh, codes.reshape(n, k // 256, 128)], axis=-1)
     return np.ascontiguousarray(out.reshape(n, -1))
 
 

@@ -688,13 +688,14 @@ static inline __attribute__((always_inline)) void scores32(
         for (int g = 0; g < 4; g++) _mm256_storeu_ps(s + j * KB + t + 8 * g, acc[j][g]);
 }
 
-/* Into L2, the K and V rows of keys [k0, k1) of kv head h. A key block's
+/* Into L2, the K and V rows of keys [k0, min(k0 + n, ctx)) of kv head h. A key block's
  * rows lie in pieces of one pool block (16 rows of 256 bytes for a float32
  * head of 64) scattered over the pool, and the hardware prefetchers stop at
  * each piece's end: fetched one key block ahead, a piece's misses overlap
  * the block before it instead of stalling its first loads. */
 static inline void prefetch_keys(const void *k_cache, const void *v_cache, const int64_t *table, int64_t hkv,
-                                 int64_t h, int64_t bs, int64_t rb, int64_t k0, int64_t k1) {
+                                 int64_t h, int64_t bs, int64_t rb, int64_t k0, int64_t n, int64_t ctx) {
+    const int64_t k1 = k0 + n < ctx ? k0 + n : ctx;
     for (int64_t key = k0; key < k1;) {
         const int64_t r = (table[key / bs] * hkv + h) * bs + key % bs;
         const int64_t rows = bs - key % bs < k1 - key ? bs - key % bs : k1 - key;
@@ -741,19 +742,15 @@ static inline __attribute__((always_inline)) void decode_heads(
         const int64_t nk = ctx - kb0 < KB ? ctx - kb0 : KB, hid = lo > kb0 ? lo - kb0 : 0;
         const float *vp[KB];
         int64_t t = 0;
-        // The next key block's keys t .. t + N - 1, fetched while this block's are scored (the task's
-        // first block was fetched by the task before it: ts_decode_attention_q).
-#define PREFETCH_NEXT(N)                                                                                    \
-    if (kb0 + KB + t < ctx)                                                                                 \
-        prefetch_keys(k_cache, v_cache, table, hkv, h, bs, rb, kb0 + KB + t,                                \
-                      ctx - (kb0 + KB + t) < (N) ? ctx : kb0 + KB + t + (N));
+        // Before scoring keys t.. of this block, fetch keys t.. of the next one (the task's first
+        // block was fetched during the task before it: ts_decode_attention_q).
         if (!quant && nh <= 2)  // float32 rows, one or two heads: 32 keys at a time
             for (; t + 32 <= nk; t += 32) {
-                PREFETCH_NEXT(32);
+                prefetch_keys(k_cache, v_cache, table, hkv, h, bs, rb, kb0 + KB + t, 32, ctx);
                 scores32(qs, nh, d, k_cache, v_cache, table, hkv, h, bs, kb0, t, hid, s, vp);
             }
         for (; t < nk; t += 8) {
-            PREFETCH_NEXT(8);
+            prefetch_keys(k_cache, v_cache, table, hkv, h, bs, rb, kb0 + KB + t, 8, ctx);
             const float *kp[8];
             const uint8_t *kb[8];
             for (int u = 0; u < 8; u++) {  // past the context: repeat the last key (its lanes are dropped)
@@ -847,9 +844,8 @@ void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
         for (int64_t ti = omp_get_thread_num(); ti < tasks; ti += T) {
             if (ti + T < tasks) {  // this thread's next task: its first key block, one task ahead
                 const int64_t sn = (ti + T) / (hkv * runs), hn = (ti + T) % (hkv * runs) / runs;
-                const int64_t lo = window_start(ctx[sn] - 1, window);
-                prefetch_keys(k_cache, v_cache, tables + table_start[sn], hkv, hn, bs, rb, lo,
-                              ctx[sn] - lo < KB ? ctx[sn] : lo + KB);
+                prefetch_keys(k_cache, v_cache, tables + table_start[sn], hkv, hn, bs, rb,
+                              window_start(ctx[sn] - 1, window), KB, ctx[sn]);
             }
             const int64_t si = ti / (hkv * runs), t = ti % (hkv * runs), h = t / runs, j0 = (t % runs) * per;
             decode_heads_any(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, tables + table_start[si],

@@ -85,6 +85,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from trajserve.server import log_guard
 
+    if args.slo is not None and (args.replicas is not None or args.ray_address is not None):
+        raise ValueError("--slo chooses one engine's configuration: it does not take --replicas / --ray-address")
     # Before anything logs: a slow or full stderr must never stall serving.
     log_guard.install(logging.getLogger().level)
     if args.replicas is not None or args.ray_address is not None:

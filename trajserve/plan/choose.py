@@ -18,6 +18,11 @@ prices them:
      device memory, no extra prefill), a few tokens a round, a lookup's time
      added to each round.
 
+The chapter's KV is bf16; `kv_format` prices A, B, D and E at another
+pool format (an engine's float32 pool on a CPU: `trajserve serve --slo`,
+server/slo_choice.py), C staying q8_0. `draft=False` leaves D out, for an
+engine that has no draft model to run.
+
 A result is good when it is correct (all candidates are assumed to answer
 correctly) and on time: a batch that misses the deadline has no good
 result, and its accelerator time per good result is unbounded.
@@ -68,13 +73,13 @@ class Candidate:
 
 def candidates(model: ModelSpec, device: DeviceSpec, requests: int, prompt: int, shared: int, output: int,
                memory_bytes: float, deadline_s: float, measured: Measured = Measured(),
-               block_size: int = 16) -> list[Candidate]:
+               block_size: int = 16, kv_format: str = "bf16", draft: bool = True) -> list[Candidate]:
     if not 0 <= shared <= prompt:
         raise ValueError(f"the shared prefix ({shared:,} tokens) must be within the input ({prompt:,})")
     if min(requests, prompt, output) < 1:
         raise ValueError("requests, input and output tokens must be >= 1")
     c, n, m = model.config, requests, measured
-    k, k_q8 = m_token(c), m_token(c, "q8_0")
+    k, k_q8 = m_token(c, kv_format), m_token(c, "q8_0")
     weights = 2 * decode_read_params(c)
     xs = [weights + b * m.round_context * k for b in m.rounds]
     ys = list(m.rounds.values())
@@ -90,9 +95,9 @@ def candidates(model: ModelSpec, device: DeviceSpec, requests: int, prompt: int,
     private = concurrency.trajectory_blocks(prompt, output, shared, block_size) * block_size
     shared_mem = (shared + n * private) * k
     rows = [  # name, what, memory, prefill, round, tokens a round
-        ("A", "bf16 KV, separate contexts", n * per_request * k, separate_prefill,
+        ("A", f"{kv_format} KV, separate contexts", n * per_request * k, separate_prefill,
          batch_config.round_time_interpolated(weights + n * prompt * k, xs, ys), 1.0),
-        ("B", "bf16 KV, shared prefix", shared_mem, m.shared_prefill_s, m.shared_round_s, 1.0),
+        ("B", f"{kv_format} KV, shared prefix", shared_mem, m.shared_prefill_s, m.shared_round_s, 1.0),
         ("C", "q8_0 KV, separate contexts", n * per_request * k_q8, separate_prefill,
          batch_config.round_time_interpolated(weights + n * prompt * k_q8, xs, ys), 1.0),
         ("D", "shared prefix + draft model", shared_mem + m.draft_memory_bytes,
@@ -104,6 +109,8 @@ def candidates(model: ModelSpec, device: DeviceSpec, requests: int, prompt: int,
     ]
     out = []
     for name, what, mem, prefill, round_s, per_round in rows:
+        if name == "D" and not draft:
+            continue
         t = batch_config.completion_time(prefill, output, round_s, per_round)
         fits, on_time = mem <= memory_bytes, t <= deadline_s
         out.append(Candidate(name, what, mem, t, fits, on_time, t / n if on_time else math.inf))

@@ -10,6 +10,15 @@ from trajserve.server.config import DEFAULT
 from trajserve.server.tool_calls import FORMATS
 
 
+def _slo(text: str):
+    from trajserve.server.slo_choice import parse_slo
+
+    try:
+        return parse_slo(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -46,6 +55,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the SLO's time to first token: /metrics counts the requests that meet it (goodput)")
     s.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
                    help="the SLO's time between output tokens (a request's mean): goodput counts against it too")
+    s.add_argument("--slo", type=_slo, default=None, metavar="requests=N,input=T,shared=T,output=T,deadline=S",
+                   help="choose the configuration (KV format, prefix sharing, drafts by lookup) that meets this "
+                        "deadline for a batch of N requests arriving together, as `plan choose` does, priced from "
+                        "this engine's step times measured at start-up, and run it (also memory=BYTES: the KV "
+                        "budget, default the pool's; lookup=TOKENS a round by lookup drafts, default 2; "
+                        "drafts=N positions verified a round, default 4); the start-up line says why")
     s.add_argument("--admission", default="off", metavar="off|auto|N",
                    help="cap the requests the engine holds (running and queued); one more gets 429 with "
                         "Retry-After. auto: where goodput under the SLO starts to fall, from this engine's fitted "

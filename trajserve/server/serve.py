@@ -53,7 +53,13 @@ def build_server(args: argparse.Namespace, config: ServerConfig) -> Server:
     from trajserve.llm import LLM
     from trajserve.server.app import build_app
 
-    engine = LLM.from_args(args).engine
+    if getattr(args, "slo", None) is not None:  # calibrate, choose, maybe rebuild (server/slo_choice.py)
+        from trajserve.server.slo_choice import build_for_slo
+
+        engine, said = build_for_slo(args, args.slo)
+        print(said, file=sys.stderr, flush=True)
+    else:
+        engine = LLM.from_args(args).engine
     app = build_app(engine, config)
     if (said := config.generation.describe()) is not None:
         print(f"generation defaults: {said} (--override-generation-config: for requests that name none; "

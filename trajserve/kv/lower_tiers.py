@@ -10,6 +10,10 @@ request that needs it recomputes it. With them:
        ^                      |                         |
        +------ a match reaches a block held below: loaded back into the tree
 
+"LRU" is the order within a priority: a spilled block keeps its path's
+priority, and each tier takes its least urgent class first
+(kv/tier_classes.py), retained prefixes last (kv/retention.py).
+
 Blocks are named by their chained hash (radix_cache.chain_hash: the hash of
 a block's tokens chained through every block before it, under the
 namespace's hash), so equal names mean equal prefixes: a block loaded back
@@ -51,7 +55,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -59,7 +63,8 @@ from dataclasses import dataclass
 import torch
 
 from trajserve.kv.dir_lock import ScratchDir, sweep_orphans
-from trajserve.kv.retention import Passed, Retention
+from trajserve.kv.retention import Retention
+from trajserve.kv.tier_classes import TierClasses
 from trajserve.kv.tier_holds import SessionHolds
 from trajserve.kv.tier_restarts import DiskRestarts
 from trajserve.kv.tiers import BlockIdentity, BlockLayout, DiskKVStore, HostKVStore, namespace_digest
@@ -154,6 +159,7 @@ class LowerTiers(SessionHolds, DiskRestarts):
         self._lock = threading.Lock()
         self.on_event: Callable[[str, bool, bytes], None] | None = None  # subscribe()
         self.retention: Retention | None = None  # prefixes clients asked to keep: LRU takes them last
+        self.classes = TierClasses()  # spilled blocks' priorities: LRU takes the least urgent class first
         self._loading: set[str] = set()  # blocks a promotion is about to load: LRU never takes them
         self._io = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="trajserve-kv-cache-io")
                     if isinstance(self.disk, DiskKVStore) else None)
@@ -171,8 +177,9 @@ class LowerTiers(SessionHolds, DiskRestarts):
                    files=False, copy=False)
 
     # ------------------------------------------------------------ the spill
-    def save(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> None:
-        """The radix cache is evicting these device blocks: keep their KV."""
+    def save(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int], priority: int = 0) -> None:
+        """The radix cache is evicting these device blocks: keep their KV.
+        priority: their path's eviction class (kv/tier_classes.py)."""
         if not block_ids:
             return
         ns = _ns_digest(namespace)
@@ -184,6 +191,7 @@ class LowerTiers(SessionHolds, DiskRestarts):
             self._forget(key)  # an older copy of the same prefix (evicted, recomputed, evicted again)
             self.stats.saved_blocks += 1
             self._index(key, ns)
+            self.classes.set(key, priority)
             if not (self._to_host(key, block) or self._to_disk(key, block)):
                 self._unindex(key)
                 self.stats.dropped_blocks += 1
@@ -278,6 +286,7 @@ class LowerTiers(SessionHolds, DiskRestarts):
                     self.disk.discard(key)
         self._disk_lru.clear()
         self._disk_used = 0
+        self.classes.clear()
         self._ns.clear()
         self._by_ns.clear()
 
@@ -357,9 +366,26 @@ class LowerTiers(SessionHolds, DiskRestarts):
         self._note("host", True, key)
         return True
 
+    def _victim(self, tier: str, keys: Iterable[str], blocks: int) -> str | None:
+        """The block LRU takes next from a tier's keys (oldest first): never
+        one a paused session holds or a promotion is loading; retained ones
+        last; of the rest the tier's least urgent class first, the oldest
+        within it (kv/tier_classes.py). Stops at the first key of that class."""
+        worst = self.classes.worst(tier, blocks)
+        best, best_rank = None, None
+        for key in keys:
+            if key in self._holds or key in self._loading:
+                continue
+            retained = bool(self.retention) and self.retention.holds_hex(key)
+            p = self.classes.of(key)
+            if not retained and p == worst:
+                return key
+            if best_rank is None or (retained, -p) < best_rank:
+                best, best_rank = key, (retained, -p)
+        return best
+
     def _demote_oldest_host(self) -> bool:
-        key = self.host.oldest(skip=Passed(self._holds, self._loading, retention=self.retention)) \
-            or self.host.oldest(skip=Passed(self._holds, self._loading))
+        key = self._victim("host", self.host.in_lru_order(), len(self.host))
         if key is None:
             return False
         block = self.host.get(key)
@@ -381,10 +407,7 @@ class LowerTiers(SessionHolds, DiskRestarts):
         if size > room - self._held_bytes["disk"]:
             return False
         while self._disk_used + size > room:
-            first, then = (Passed(self._holds, self._loading, retention=self.retention),
-                           Passed(self._holds, self._loading))
-            old = next((k for k in self._disk_lru if k not in first), None) \
-                or next((k for k in self._disk_lru if k not in then), None)
+            old = self._victim("disk", self._disk_lru, len(self._disk_lru))
             if old is None:
                 return False
             self._disk_discard(old)
@@ -449,6 +472,7 @@ class LowerTiers(SessionHolds, DiskRestarts):
             self._unindex(key)
 
     def _note(self, tier: str, stored: bool, key: str) -> None:
+        self.classes.moved(tier, stored, key)
         if self.on_event is not None:
             self.on_event(tier, stored, bytes.fromhex(key))
 
@@ -457,6 +481,7 @@ class LowerTiers(SessionHolds, DiskRestarts):
         self._by_ns.setdefault(ns, set()).add(key)
 
     def _unindex(self, key: str) -> None:
+        self.classes.forget(key)
         ns = self._ns.pop(key, None)
         if ns is not None:
             keys = self._by_ns.get(ns)

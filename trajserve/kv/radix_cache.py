@@ -272,7 +272,7 @@ class RadixCache(Invalidation):
                 break
             if self.spill is not None:
                 # Down a tier instead of gone; the blocks are read before they are freed.
-                self.spill.save(node.namespace, hashes or self.block_hashes(node), node.block_ids)
+                self.spill.save(node.namespace, hashes or self.block_hashes(node), node.block_ids, node.priority)
                 self.num_spilled_blocks += len(node.block_ids)
             freed += self._remove_leaf(node)
         for node in kept:  # still cached: back in the heap at their own time
@@ -290,7 +290,7 @@ class RadixCache(Invalidation):
         while node.parent is not None and not node.detached and self._evictable(node):
             parent = node.parent
             if spill and self.spill is not None:
-                self.spill.save(node.namespace, self.block_hashes(node), node.block_ids)
+                self.spill.save(node.namespace, self.block_hashes(node), node.block_ids, node.priority)
                 self.num_spilled_blocks += len(node.block_ids)
             freed += self._remove_leaf(node)
             node = parent

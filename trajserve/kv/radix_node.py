@@ -38,7 +38,7 @@ def namespace_hash(namespace: Hashable) -> bytes:
 class Spill(Protocol):
     """Where LRU-evicted blocks go instead of nowhere (kv/lower_tiers.py)."""
 
-    def save(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> None: ...
+    def save(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int], priority: int = 0) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

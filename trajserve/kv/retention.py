@@ -74,14 +74,3 @@ class Retention:
     def clear(self) -> None:
         self._until.clear()
 
-
-class Passed:
-    """For a lower tier's LRU scan (`key in passed`): the keys it passes
-    over, those in any of `kept` (held by a paused session, being loaded)
-    and, given a retention, the retained ones."""
-
-    def __init__(self, *kept, retention: Retention | None = None) -> None:
-        self.kept, self.retention = kept, retention
-
-    def __contains__(self, key: str) -> bool:
-        return any(key in k for k in self.kept) or (bool(self.retention) and self.retention.holds_hex(key))

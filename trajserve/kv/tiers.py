@@ -50,7 +50,7 @@ import logging
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Hashable
@@ -238,10 +238,9 @@ class HostKVStore:
     def keys(self) -> list[str]:
         return list(self._blocks)
 
-    def oldest(self, skip=()) -> str | None:
-        """The key stored longest ago (LRU order: a stored block is never
-        touched in place), passing over the keys in `skip`; None if none is left."""
-        return next((k for k in self._blocks if k not in skip), None)
+    def in_lru_order(self) -> Iterator[str]:
+        """The keys, stored longest ago first (a stored block is never touched in place)."""
+        return iter(self._blocks)
 
     def discard(self, key: str) -> None:
         b = self._blocks.pop(key, None)

@@ -191,3 +191,50 @@ def test_the_sweeps_knee_is_the_rate_of_highest_goodput():
     for bad in ("", "0,1", "x", "inf", "-2"):
         with pytest.raises(ValueError, match="--sweep-rate"):
             parse_rates(bad)
+
+
+@pytest.mark.parametrize("scheduling, counts", [("fcfs", (3, 3, 3)), ("priority", (1, 2, 3)),
+                                                ("program", (1, 2, 3))])
+def test_the_cap_counts_what_a_newcomer_of_its_priority_runs_behind(scheduling, counts):
+    from trajserve.engine.scheduler import Scheduler
+    from trajserve.kv.cache_manager import KVCacheManager
+    from trajserve.request import Request
+
+    sched = Scheduler(SchedulerConfig(scheduling=scheduling), KVCacheManager(64, 16, 0.0))
+    for rid, p in (("urgent", -3), ("plain", 0), ("batch", 5)):
+        sched.add(Request(rid, [1, 2, 3], SamplingParams(max_tokens=1), 10**6, priority=p))
+    sched.running.append(sched.waiting.pop())  # one of them running: counted the same
+    assert tuple(sched.num_ahead_of(p) for p in (-3, 0, 5)) == counts
+
+
+def test_a_more_urgent_request_is_admitted_past_less_urgent_ones(engine_f32):
+    """--admission 1 under the default program scheduling: a batch request
+    holds the only place, yet a plain one is taken (the batch one gives way
+    to it); then another of either is refused."""
+    from trajserve.server.async_engine import AsyncEngine
+
+    assert engine_f32.config.scheduler.scheduling == "program"
+    ae = AsyncEngine(engine_f32, admission=AdmissionLimit(1, engine_f32.config.scheduler))
+    ae.start()
+    long = SamplingParams(max_tokens=4000, temperature=0, ignore_eos=True)
+
+    async def go():
+        await ae.add(list(range(10, 30)), long, request_id="batch", priority=5)
+        await ae.add(list(range(40, 60)), long, request_id="plain", priority=0)
+        for p in (5, 0):
+            with pytest.raises(AdmissionFull, match="holds 1 requests" if p == 0 else "holds 2 requests"):
+                await ae.add(list(range(70, 90)), long, priority=p)
+        await ae.add(list(range(70, 90)), SamplingParams(max_tokens=1), request_id="urgent", priority=-1)
+
+    try:
+        asyncio.run(go())
+        assert ae.admission.num_refused == 2
+    finally:
+        for rid in ("batch", "plain", "urgent"):
+            ae.abort(rid)
+        for _ in range(200):  # the aborts run on the engine thread: the shared engine is left empty
+            if not engine_f32.has_unfinished_requests():
+                break
+            time.sleep(0.05)
+        ae.shutdown()
+        assert not engine_f32.has_unfinished_requests()

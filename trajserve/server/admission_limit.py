@@ -1,7 +1,11 @@
 """`serve --admission off|auto|N`: at most N requests in the engine
 (running and queued, counted as the scheduler counts them: a request of n
 choices is n sequences); one more is refused with 429 and Retry-After
-before it queues.
+before it queues. Under `--scheduling priority` / `program` a newcomer
+counts only the requests of its priority or a more urgent one
+(Scheduler.num_ahead_of): the less urgent give way to it, so a burst of
+batch work does not lock an interactive request out; under FCFS every
+request counts.
 
 Why a cap (inference-optimization 8.6.2): past the arrival rate where
 goodput peaks, more arrivals only lengthen the queue. The chapter's

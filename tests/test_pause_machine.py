@@ -200,3 +200,20 @@ def test_the_engine_and_the_simulator_run_this_machine():
     assert not transitions & set(vars(sim_pauses.PauseController))
     assert not transitions & set(vars(sim_pauses.CostModelLink))
     assert sim_pauses.PauseMachine is PauseMachine
+
+
+def test_a_session_prices_the_pool_without_the_kept_state_of_less_urgent_ones():
+    """Kept state of a batch session (priority 4) fills the pool past the
+    ceiling: a plain session pausing beside it is moved off the device (the
+    pool is past the ceiling), an urgent one (priority -1) is kept, as the
+    batch state would go first if the pool needed its frames."""
+    m, kv, _, _ = machine(ceiling=0.5, host_rate=1e3)  # a slow link: the policy keeps short waits
+    bulk, plain, urgent = Record(list(range(1, 161))), Record(list(range(201, 217))), Record(list(range(301, 317)))
+    bulk.priority, plain.priority, urgent.priority = 4, 4, -1
+    for r in (bulk, plain, urgent):
+        cached(kv, r.history)
+    assert m.pause("bulk", bulk, 1.0, True, None, now=0.0).decision is Decision.KEEP  # 40 of 64 blocks
+    assert kv.active_usage() > 0.5
+    d = m.pause("plain", plain, 1.0, True, None, now=0.0)
+    assert d.decision is not Decision.KEEP and "ceiling" in d.reason
+    assert m.pause("urgent", urgent, 1.0, True, None, now=0.0).decision is Decision.KEEP

@@ -163,7 +163,7 @@ class PauseMachine:
         nblocks = len(hit.block_ids)
         d = self.policy.decide(PauseState(
             num_tokens=nblocks * kv.block_size, kv_bytes=nblocks * self.block_bytes, expected_wait_s=wait_s,
-            pool_usage=min(1.0, max(0.0, kv.active_usage())),
+            pool_usage=self._usage_for(p.priority),
             host_free_bytes=self.transfers.free_bytes(Decision.HOST),
             disk_free_bytes=self.transfers.free_bytes(Decision.DISK)))
         if forced is not None:
@@ -259,6 +259,18 @@ class PauseMachine:
             self.stats.pressure_demotions += 1
             freed += kv.num_free_blocks - before
         return freed
+
+    def _usage_for(self, priority: int) -> float:
+        """U_KV (eq. 8, cold cache left out) as a session of this priority
+        prices holding its state: the kept state of less urgent sessions is
+        not counted, since pressure moves it first (`reclaim`). A block such
+        state shares with others is not counted either: a little below the
+        truth, where sessions share a preamble. All priorities are 0 under
+        FCFS: the pool's active usage."""
+        kv = self.kv
+        yielding = sum(len(q.history) // kv.block_size for q in self.paused.values()
+                       if q.pin is not None and q.priority > priority and (q.prefetched or not q.forced))
+        return min(1.0, max(0.0, (kv.num_active_blocks - yielding) / kv.num_blocks))
 
     def relieve_stall(self) -> bool:
         """Nothing could run and nothing was released: land copies in flight

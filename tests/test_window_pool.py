@@ -179,3 +179,20 @@ def test_agent_turns_hit_on_a_window_pool_as_on_its_all_global_twin(num_blocks):
     window_hit, total_w = _agent_hits((32, 6, (0, 1, 2, 3, 4)), num_blocks)
     assert total_w == total and dense_hit > 0.4 * total
     assert window_hit >= 0.95 * dense_hit
+
+
+def test_a_head_is_admitted_when_the_trees_kept_windows_fill_the_pool():
+    """Cached paths whose last window the tree keeps hold most of the pages;
+    what eviction would free counts their global pages only, so a new prompt
+    looks short of room. With nothing running it must still be admitted
+    (eviction frees the kept windows too), not wait for ever."""
+    kv = KVCacheManager(40, 4, watermark=0.0, enable_prefix_caching=True, window=(8, 6, (0, 1, 2, 3, 4)))
+    for i in range(8):  # 8 paths of 4 blocks: the last two of each keep their window parts in the tree
+        tokens = list(range(1000 * (i + 1), 1000 * (i + 1) + 16))
+        assert _compute(kv, f"p{i}", tokens, 0, 16, 16)
+        kv.release(f"p{i}", tokens, 16, SCOPE)
+    need = 30
+    assert kv.pool.num_free + kv.num_reclaimable < need  # what the count alone sees
+    assert kv.can_admit("new", need * 4, None, others_running=False)
+    assert _compute(kv, "new", list(range(50_000, 50_000 + need * 4)), 0, need * 4, 16)
+    _windows_held(kv)

@@ -224,7 +224,7 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         n = min(len(hashes), self.pool.num_free + self.num_reclaimable - self.watermark_blocks - rest)
         if n > self.pool.num_free:
             with lower.loading(hashes[:n]):  # what the eviction spills must not push them out
-                self.radix.evict(n - self.pool.num_free)
+                self._evict_for(n - self.pool.num_free)
         n = min(n, self.pool.num_free)
         new_ids = self.pool.allocate(n) if n > 0 else []
         if self.windowed:  # the tiers carry global layers only (kv/window_parts.py)
@@ -305,8 +305,8 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         # Reclaimable blocks the hit itself uses are not reclaimable for it.
         avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         short = need + reserve - avail
-        if short > 0 and self.reclaimer is not None:
-            self.reclaim(short, keep=hit)  # paused state makes room
+        if short > 0:  # paused state makes room, and a window pool's cold blocks (kv/window_parts.py)
+            self._make_room(short, hit)
             avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         return need + reserve <= avail
 
@@ -327,7 +327,7 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
                     and write_from // self.block_size == len(ids) - 1 and self.pool.ref_counts[ids[-1]] == 1):
                 short = self.watermark_blocks - self.pool.num_free
                 if short > 0 and self.radix is not None:
-                    self.radix.evict(short)
+                    self._evict_for(short)
                 return True
         new_table = table is None
         if new_table:
@@ -370,7 +370,7 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         free = self.pool.num_free
         short = need + self.watermark_blocks - free
         if short > 0 and self.radix is not None:
-            self.radix.evict(short)
+            self._evict_for(short)
             free = self.pool.num_free
             if need > free and self.reclaimer is not None:
                 # This request's blocks (its table, its locked prefix) are not

@@ -77,7 +77,7 @@ class PathOps:
         self.radix.lock(hit.last_node)
         short = need + self.watermark_blocks - self.pool.num_free
         if short > 0:
-            self.radix.evict(short)
+            self._evict_for(short)
         if need > self.pool.num_free:
             self.radix.unlock(hit.last_node)
             return None

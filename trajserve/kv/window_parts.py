@@ -48,6 +48,33 @@ class WindowParts:
         B = self.block_size
         return max(0, (num_tokens // B) * B - self.window_tokens + 1) // B
 
+    def _evict_for(self, blocks: int) -> None:
+        """Evict cold cached blocks until `blocks` more whole blocks are free,
+        or nothing is left to evict. A dense block frees a whole block; a
+        window pool's frees its global pages and its window part only where
+        no one else held it, so a whole block's worth (a page every layer)
+        may take several, and eviction is asked again until the room is there."""
+        target = self.pool.num_free + blocks
+        while self.pool.num_free < target and self.radix.evict(target - self.pool.num_free):
+            pass
+
+    def _make_room(self, short: int, keep: MatchResult | None) -> None:
+        """Admission is `short` blocks short. A window pool's count of what
+        eviction frees leaves out the window parts that only the tree keeps, so
+        it evicts for real (the match about to be used locked meanwhile);
+        then paused state makes room (the reclaimer)."""
+        if self.windowed and self.radix is not None:
+            locked = keep is not None and bool(keep.block_ids)
+            if locked:
+                self.radix.lock(keep.last_node)
+            before = self.pool.num_free
+            self._evict_for(short)
+            short -= self.pool.num_free - before
+            if locked:
+                self.radix.unlock(keep.last_node)
+        if short > 0 and self.reclaimer is not None:
+            self.reclaim(short, keep=keep)
+
     def _win_ready(self, ids: list[int]) -> bool:
         """Does every block a query right after ids reads still have its window
         part? (A preemption between a match and its admission may have

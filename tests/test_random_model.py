@@ -53,3 +53,30 @@ def test_catalog_shapes_for_speed_runs():
     assert (m.config.num_layers, m.config.hidden_size, m.config.intermediate_size) == (24, 2048, 8192)
     assert total_params(m.config) == m.params == 1_711_376_384
     assert total_params(get_model("llama-3.2-3b").config) == 3_212_749_824
+
+
+def test_a_gemma3_shape_and_its_all_global_twin(tmp_path):
+    """A Gemma 3 shape is written as llama.cpp's gemma3 (its window and
+    per-layer pattern, sandwich and query-key norms); the twin has no window
+    layer. The engine frees window pages for the first, not the second."""
+    import dataclasses
+
+    from trajserve.config import WindowSpec
+
+    base = get_model("gemma-3-1b").config
+    assert base.window == WindowSpec(512, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 18, 19, 20, 21, 22,
+                                           24, 25))
+    small = dataclasses.replace(base, vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=6,
+                                num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=4096,
+                                window=WindowSpec(32, (0, 1, 2, 3, 4)))
+    for window, name in ((small.window, "g.gguf"), (None, "global.gguf")):
+        path = tmp_path / name
+        write_random_gguf(dataclasses.replace(small, window=window), path, "q8_0")
+        back = read_gguf_config(path)
+        assert back.architecture == "gemma3" and back.sandwich_norms and back.qk_norm
+        assert (back.window.size, back.window.layers) == (32, (0, 1, 2, 3, 4)) if window else back.window is None
+        llm = LLM(model=str(path), num_blocks=64)
+        assert llm.engine.kv.windowed == (window is not None)
+        out = llm.generate(["Hello " * 40], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4

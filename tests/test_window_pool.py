@@ -123,6 +123,20 @@ def test_the_pool_holds_what_the_window_layers_shed_at_equal_bytes():
     assert paged / dense >= 3.6
 
 
+def test_gemma3_1b_layout_holds_over_4x_at_8k():
+    """Gemma 3 1B's shape: 26 layers, 22 of them windows of 512 tokens (5 to
+    1, the last two windows); 8,192-token contexts, blocks of 16, chunks of
+    512. A sequence keeps 512 x 4 global pages and 33 x 22 window pages once
+    computed: 2,774 against 13,312 all-global (ideal 4.8x); 38 sequences
+    where the all-global twin holds 8, 4.75x."""
+    layers = 26
+    windows = tuple(i for i in range(layers) if (i + 1) % 6)
+    assert len(windows) == 22
+    dense = _sequences_held(None, 4096, 8192, 16, 512)
+    paged = _sequences_held((512, layers, windows), 4096, 8192, 16, 512)
+    assert dense == 8 and paged == 38 and paged / dense >= 4.0
+
+
 def test_a_hit_whose_window_part_went_since_its_match_is_not_admitted():
     kv = KVCacheManager(64, 4, watermark=0.0, enable_prefix_caching=True, window=(8, 4, (0, 1, 3)))
     tokens = list(range(30))

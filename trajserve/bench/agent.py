@@ -74,10 +74,13 @@ def cached_phase(engine, args, rng: random.Random) -> tuple[list[dict], PrefixOr
                 n = rng.randint(args.tool_min_tokens, args.tool_max_tokens)
                 conv.append({"role": "user", "content": "Tool output:\n" + tool_result(tok, rng, n)})
             ids = tok.encode_chat(conv)
+            cut = engine.kv.num_window_recomputed_tokens
             out = run_one(engine, ids, sp)
             comp = out.outputs[0]
             records.append({"turn": turn, "trajectory": i, "prompt_tokens": len(ids),
                             "cached_tokens": out.num_cached_tokens, "oracle_tokens": oracle.reusable(ids),
+                            # Hit tokens recomputed because a window layer's part of them was gone.
+                            "window_recomputed_tokens": engine.kv.num_window_recomputed_tokens - cut,
                             "ttft_s": out.metrics.ttft, "output_tokens": len(comp.token_ids),
                             "prompt_ids": ids, "output_ids": list(comp.token_ids)})
             oracle.add(ids + list(comp.token_ids[:-1]))  # the last sampled token is never computed
@@ -163,6 +166,7 @@ def per_turn(records: list[dict], pairs: list[dict], cfg) -> list[dict]:
                      # prompt is 21% of it, whatever is cached).
                      "must_compute": 1 - sum(r["oracle_tokens"] for r in rs) / prompt,
                      "hit_rate": sum(r["cached_tokens"] for r in rs) / prompt,
+                     "window_recomputed_tokens": sum(r["window_recomputed_tokens"] for r in rs),
                      "oracle_hit_rate": sum(r["oracle_tokens"] for r in rs) / prompt,
                      "ttft_cached_ms": statistics.median(r["ttft_s"] for r in rs) * 1e3,
                      "ttft_uncached_ms": statistics.median(u["ttft_uncached_s"] for u in us) * 1e3 if us else None,
@@ -250,10 +254,12 @@ def run(args: argparse.Namespace) -> int:
         "trajectories": args.trajectories, "turns": args.turns, "preamble_tokens": args.preamble_tokens,
         "tool_tokens": [args.tool_min_tokens, args.tool_max_tokens], "reply_tokens": args.reply_tokens,
         "block_size": engine.kv.block_size, "num_blocks": engine.num_blocks,
+        "windowed_pool": engine.kv.windowed, "token_capacity": engine.kv.token_capacity,
         "working_set_blocks": oracle.num_blocks,
         "lower_tier_blocks": dict(zip(("host", "disk"), lower_tier_blocks(engine))),
         "promoted_blocks": engine.kv.num_promoted_blocks,
         "hit_rate": cached / prompt, "oracle_hit_rate": ideal / prompt,
+        "window_recomputed_tokens": sum(r["window_recomputed_tokens"] for r in records),
         "cached_phase_s": cached_phase_s,  # wall time of phase 1: the makespan of the cached run
         "uncached_outputs_identical": all(u["same_output"] for u in pairs),
         # Phase 2's cached runs found what phase 1's did (else the pairs measure another cache state).
@@ -294,19 +300,24 @@ def print_report(res: dict) -> None:
           + (f"; each side the fastest of {res['pair_repeats']} runs)" if res["pair_repeats"] > 1 else ")"))
     print("must: share of prompt tokens any cache must compute (1 - oracle); floor: the ratio if TTFT were")
     print("proportional to FLOPs (the new tokens attend to the whole history, so floor > must)")
+    win = res["windowed_pool"]
     print(f"{'turn':>4} {'prompt':>7} {'hit':>7} {'oracle':>7} {'must':>6} {'TTFT cached':>12} {'uncached':>9} "
-          f"{'ratio':>6} {'floor':>6}")
+          f"{'ratio':>6} {'floor':>6}" + (f" {'window recomputed':>18}" if win else ""))
     for t in res["per_turn"]:
         unc = f"{t['ttft_uncached_ms']:>7.0f}ms" if t["ttft_uncached_ms"] is not None else f"{'-':>9}"
         ratio = f"{t['ttft_ratio']:>6.3f}" if t["ttft_ratio"] is not None else f"{'-':>6}"
         floor = f"{t['flop_floor']:>6.3f}" if t["flop_floor"] is not None else f"{'-':>6}"
         print(f"{t['turn']:>4} {t['prompt_tokens_median']:>7.0f} {t['hit_rate'] * 100:>6.1f}% "
               f"{t['oracle_hit_rate'] * 100:>6.1f}% {t['must_compute']:>6.3f} {t['ttft_cached_ms']:>10.0f}ms {unc} "
-              f"{ratio} {floor}")
+              f"{ratio} {floor}" + (f" {t['window_recomputed_tokens']:>18,}" if win else ""))
     print(f"\nall turns: hit rate {res['hit_rate'] * 100:.2f}%, oracle {res['oracle_hit_rate'] * 100:.2f}%; "
           f"greedy replies identical without the cache: {res['uncached_outputs_identical']}; "
           f"pairs found phase 1's hits: {res['paired_hits_match']}; "
           f"model-free replay reproduces the engine's hits: {res['replay_matches_engine']}\n")
+    if win:
+        print(f"window layers' pages freed behind their windows: the pool holds {res['token_capacity']:,} tokens' "
+              f"worth of whole blocks and more across sequences; hit tokens recomputed for a window layer "
+              f"{res['window_recomputed_tokens']:,} (column above). The replay below models an all-global pool.\n")
     print("hit rate vs pool size (replay of the same requests"
           + (", same lower tiers):" if low["host"] or low["disk"] else "):"))
     print(f"{'blocks':>7} {'of WS':>6} {'hit':>7} {'vs oracle':>9} {'evicted':>8} {'preempt':>8}")

@@ -4,6 +4,8 @@ weights, for speed runs where no model hub can be reached.
     trajserve bench random-model --shape smollm2-1.7b --out /tmp/smollm2-1.7b-f16.gguf
     llama-quantize /tmp/smollm2-1.7b-f16.gguf /tmp/smollm2-1.7b-q4_k_m.gguf Q4_K_M
     trajserve bench throughput --model /tmp/smollm2-1.7b-q4_k_m.gguf
+    trajserve bench random-model --shape gemma-3-1b --layers 6 --type q8_0 --out /tmp/gemma-3-1b-6.gguf
+    trajserve bench random-model --shape gemma-3-1b --layers 6 --type q8_0 --all-global --out /tmp/global-6.gguf
 
 The shape is a catalog model's (trajserve/plan/catalog.toml: layers, heads,
 widths, vocabulary, tied embeddings); the weights are N(0, 0.02) (norms 1),
@@ -12,6 +14,10 @@ its text. The tokenizer is the embedded SmolLM2's, padded with unused
 tokens to the shape's vocabulary, so both trajserve and llama.cpp load the
 file. --type writes f16 (what llama.cpp's quantizer starts from, for K-quant
 files), f32, or a block format the gguf package writes (q8_0, q4_0, q4_1).
+A Gemma 3 shape is written as llama.cpp's `gemma3` architecture: its
+window and per-layer pattern, the sandwich and query-key norms;
+--all-global writes its twin, every layer global (the same bytes a token,
+no window to free blocks behind), for comparisons at equal pool bytes.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ def add_parser(sub) -> None:
     r.add_argument("--type", choices=tuple(TYPES), default="f16", help="how the matrices are stored")
     r.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (tests, quick runs)")
     r.add_argument("--context", type=int, default=8192, help="the context length the file declares")
+    r.add_argument("--all-global", action="store_true",
+                   help="a shape with sliding-window layers (gemma-3-*): every layer global instead")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=run)
 
@@ -69,7 +77,8 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
 
     if cfg.moe is not None and cfg.moe.layers != tuple(range(cfg.num_layers)):
         raise ValueError("a random MoE file routes every layer (llama.cpp's qwen3moe graph)")
-    arch = "qwen3moe" if cfg.moe is not None else "qwen3" if cfg.qk_norm else "llama"
+    gemma = cfg.architecture == "gemma3"
+    arch = "gemma3" if gemma else "qwen3moe" if cfg.moe is not None else "qwen3" if cfg.qk_norm else "llama"
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"random {cfg.name or arch}")
     w.add_block_count(cfg.num_layers)
@@ -83,6 +92,10 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if gemma:  # the window and which layers have it (none: the all-global twin)
+        window = cfg.window.layers if cfg.window is not None else ()
+        w.add_sliding_window(cfg.window.size if cfg.window is not None else 0)
+        w.add_array(f"{arch}.attention.sliding_window_pattern", [i in window for i in range(cfg.num_layers)])
     if cfg.moe is not None:
         w.add_expert_count(cfg.moe.num_experts)
         w.add_expert_used_count(cfg.moe.top_k)
@@ -117,9 +130,12 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
         matrix(p + "attn_k.weight", kv, h)
         matrix(p + "attn_v.weight", kv, h)
         matrix(p + "attn_output.weight", h, q)
-        if cfg.qk_norm:
+        if cfg.qk_norm or gemma:
             norm(p + "attn_q_norm.weight", cfg.head_dim)
             norm(p + "attn_k_norm.weight", cfg.head_dim)
+        if gemma:  # Gemma's sandwich: norms on the attention's and the MLP's outputs too
+            norm(p + "post_attention_norm.weight", h)
+            norm(p + "post_ffw_norm.weight", h)
         norm(p + "ffn_norm.weight", h)
         if cfg.moe is not None:  # the router (float, as llama.cpp's converter keeps it), then the experts
             e, inter = cfg.moe.num_experts, cfg.moe.expert_size
@@ -150,8 +166,16 @@ def run(args: argparse.Namespace) -> int:
     cfg = spec.config
     layers = cfg.num_layers if args.layers is None else args.layers
     moe = dataclasses.replace(cfg.moe, layers=tuple(range(layers))) if cfg.moe is not None else None
-    cfg = dataclasses.replace(cfg, max_position_embeddings=args.context, num_layers=layers, moe=moe)
+    window = cfg.window
+    if args.all_global and window is None:
+        raise ValueError(f"--all-global: {spec.name} has no sliding-window layers")
+    if window is not None:
+        window = None if args.all_global else dataclasses.replace(
+            window, layers=tuple(i for i in window.layers if i < layers))
+    cfg = dataclasses.replace(cfg, max_position_embeddings=args.context, num_layers=layers, moe=moe, window=window)
     size = write_random_gguf(cfg, Path(args.out), args.type, args.seed)
-    print(f"wrote {args.out}: {spec.name}'s shape ({cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+    kinds = (f", {len(cfg.window.layers)} window layers of {cfg.window.size}" if cfg.window is not None else
+             ", every layer global" if args.all_global else "")
+    print(f"wrote {args.out}: {spec.name}'s shape ({cfg.num_layers} layers{kinds}, hidden {cfg.hidden_size}, "
           f"vocab {cfg.vocab_size:,}), random {args.type} weights, {size / 2**30:.2f} GiB")
     return 0

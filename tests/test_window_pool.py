@@ -78,6 +78,8 @@ def test_every_window_a_table_covers_keeps_its_parts(data):
     for rid, tokens in list(live.items()):
         kv.release(rid, tokens, len(tokens), SCOPE)
     _windows_held(kv)
+    # Nothing holds a block now: whatever the tree keeps, a prompt of the pool's capacity is admitted.
+    assert kv.can_admit("probe", kv.token_capacity, None, others_running=False)
     kv.clear_cache()
     assert kv.pool.num_free_pages == kv.pool.num_pages  # every page back once nothing holds a block
 

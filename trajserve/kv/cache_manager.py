@@ -306,7 +306,7 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
         avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         short = need + reserve - avail
         if short > 0:  # paused state makes room, and a window pool's cold blocks (kv/window_parts.py)
-            self._make_room(short, hit)
+            self._make_room(need + reserve, hit)
             avail = self.pool.num_free + max(0, self.num_reclaimable - have)
         return need + reserve <= avail
 

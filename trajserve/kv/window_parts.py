@@ -58,20 +58,20 @@ class WindowParts:
         while self.pool.num_free < target and self.radix.evict(target - self.pool.num_free):
             pass
 
-    def _make_room(self, short: int, keep: MatchResult | None) -> None:
-        """Admission is `short` blocks short. A window pool's count of what
-        eviction frees leaves out the window parts that only the tree keeps, so
-        it evicts for real (the match about to be used locked meanwhile);
-        then paused state makes room (the reclaimer)."""
+    def _make_room(self, blocks: int, keep: MatchResult | None) -> None:
+        """Admission wants `blocks` blocks, free or cold (cached, unheld) and
+        finds fewer. A window pool's count of what eviction frees leaves out
+        the window parts only the tree keeps, so it evicts for real until
+        `blocks` are free (the match about to be used locked meanwhile); then
+        paused state makes up what is still short (the reclaimer)."""
+        have = len(keep.block_ids) if keep is not None else 0
         if self.windowed and self.radix is not None:
-            locked = keep is not None and bool(keep.block_ids)
-            if locked:
+            if have:
                 self.radix.lock(keep.last_node)
-            before = self.pool.num_free
-            self._evict_for(short)
-            short -= self.pool.num_free - before
-            if locked:
+            self._evict_for(blocks - self.pool.num_free)
+            if have:
                 self.radix.unlock(keep.last_node)
+        short = blocks - self.pool.num_free - max(0, self.num_reclaimable - have)
         if short > 0 and self.reclaimer is not None:
             self.reclaim(short, keep=keep)
 

@@ -177,6 +177,7 @@ def measured_b(engine, w: SLOWorkload):
     from trajserve.plan.choose import Measured
 
     steps = engine.deadlines.steps
+    # The step's token budget (under --max-num-batched-tokens auto its ceiling: the ITL target may take less).
     budget = max(1, int(engine.config.scheduler.max_num_batched_tokens))
     n, private = w.requests, w.input - w.shared
     chunks = math.ceil(n * private / budget)

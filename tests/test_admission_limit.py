@@ -14,7 +14,7 @@ from trajserve.config import SchedulerConfig
 from trajserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from trajserve.sampling import SamplingParams
 from trajserve.server.admission_limit import (MAX_CAP, WINDOW, AdmissionFull, AdmissionLimit, Shape, knee,
-                                              parse_admission, predicted)
+                                              num_ahead_of, parse_admission, predicted)
 from trajserve.server.config import ServerConfig
 
 A, B = 0.004, 0.003  # a step of r sequences: A + B r seconds
@@ -204,7 +204,7 @@ def test_the_cap_counts_what_a_newcomer_of_its_priority_runs_behind(scheduling, 
     for rid, p in (("urgent", -3), ("plain", 0), ("batch", 5)):
         sched.add(Request(rid, [1, 2, 3], SamplingParams(max_tokens=1), 10**6, priority=p))
     sched.running.append(sched.waiting.pop())  # one of them running: counted the same
-    assert tuple(sched.num_ahead_of(p) for p in (-3, 0, 5)) == counts
+    assert tuple(num_ahead_of(sched, p) for p in (-3, 0, 5)) == counts
 
 
 def test_a_more_urgent_request_is_admitted_past_less_urgent_ones(engine_f32):

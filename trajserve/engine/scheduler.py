@@ -477,16 +477,6 @@ class Scheduler(Forks):
         self.kv.release(req.request_id, req.all_token_ids, req.num_computed_tokens, req.cache_scope,
                         priority=self.eviction_class(req.priority))
 
-    def num_ahead_of(self, priority: int) -> int:
-        """Sequences in the engine, running and waiting, that a newcomer of
-        this priority would run behind or beside: every one under FCFS; under
-        priority / program those of its priority or a more urgent one (the
-        less urgent give way to it). What the admission cap counts
-        (server/admission_limit.py)."""
-        if not self.ordered:
-            return len(self.waiting) + len(self.running)
-        return sum(r.priority <= priority for q in (self.waiting, self.running) for r in q)
-
     def eviction_class(self, priority: int) -> int | None:
         """The class a request's cached blocks and paused state keep in the eviction and pressure orders
         (kv/radix_cache.py, sessions/pause_machine.py): its priority, none under FCFS."""

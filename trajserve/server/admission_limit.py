@@ -3,7 +3,7 @@
 choices is n sequences); one more is refused with 429 and Retry-After
 before it queues. Under `--scheduling priority` / `program` a newcomer
 counts only the requests of its priority or a more urgent one
-(Scheduler.num_ahead_of): the less urgent give way to it, so a burst of
+(`num_ahead_of`): the less urgent give way to it, so a burst of
 batch work does not lock an interactive request out; under FCFS every
 request counts.
 
@@ -61,6 +61,16 @@ WINDOW = 32
 MIN_BATCH_SIZES = 3  # steps of this many batch sizes before a cap: a row's cost apart from a step's
 REFRESH_S = 0.5
 MAX_CAP = 65_536
+
+
+def num_ahead_of(scheduler, priority: int) -> int:
+    """Sequences in the engine, running and waiting, that a newcomer of
+    this priority would run behind or beside: every one under FCFS; under
+    priority / program scheduling those of its priority or a more urgent
+    one (the less urgent give way to it). What the cap counts."""
+    if not scheduler.ordered:
+        return len(scheduler.waiting) + len(scheduler.running)
+    return sum(r.priority <= priority for q in (scheduler.waiting, scheduler.running) for r in q)
 
 
 class AdmissionFull(RuntimeError):

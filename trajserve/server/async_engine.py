@@ -20,7 +20,7 @@ from typing import Any
 from trajserve.engine.engine import LLMEngine
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
-from trajserve.server.admission_limit import AdmissionLimit
+from trajserve.server.admission_limit import AdmissionLimit, num_ahead_of
 from trajserve.server.config import DEFAULT
 
 log = logging.getLogger("trajserve.server")
@@ -123,7 +123,7 @@ class AsyncEngine:
             if waiting >= self.max_waiting:
                 raise QueueFull(waiting, self.max_waiting, retry_after_s=1.0)
             if self.admission is not None:
-                self.admission.check(engine.scheduler.num_ahead_of(priority))
+                self.admission.check(num_ahead_of(engine.scheduler, priority))
             rid = engine.add_request(prompt, params, request_id=request_id, cache_salt=cache_salt, lora=lora,
                                      priority=priority, program=program, deadline_s=deadline_s)
             self._streams[rid] = _Stream(loop, q, deadline_s)

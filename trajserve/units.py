@@ -33,6 +33,18 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
     return int(round(value))
 
 
+def parse_seconds(text: str, what: str, high: float = math.inf) -> float:
+    """'7s', '7' or '0.5s' -> seconds, > 0 and <= high (NaN refused)."""
+    try:
+        value = float(text.strip().lower().removesuffix("s"))
+    except ValueError:
+        raise ValueError(f"{what} must be a time in seconds, as 7 or 7s; got {text!r}") from None
+    if not (0 < value <= high):
+        raise ValueError(f"{what} must be > 0 s" + (f" and <= {high:g}" if math.isfinite(high) else "")
+                         + f", got {text!r}")
+    return value
+
+
 def gb(n: float) -> str:
     return f"{n / 1e9:,.2f} GB"
 

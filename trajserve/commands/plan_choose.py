@@ -9,14 +9,12 @@ import math
 
 
 def _seconds(text: str) -> float:
-    s = text.strip().lower().removesuffix("s")
+    from trajserve.units import parse_seconds
+
     try:
-        value = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a time in seconds, as 7 or 7s; got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"a time must be > 0 s, got {text!r}")
-    return value
+        return parse_seconds(text, "--deadline")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_choose_parser(p: argparse.ArgumentParser) -> None:

@@ -142,6 +142,27 @@ def _host_and_disk(engine, disk, ids, n, block_bytes, host_job, ref, rates: Cost
         rates.disk_bytes_per_s = d
 
 
+def random_tokens(engine, n: int, generator: torch.Generator) -> list[int]:
+    """n token ids away from the vocabulary's special ends, for timing runs."""
+    return torch.randint(100, engine.model_config.vocab_size - 100, (n,), generator=generator).tolist()
+
+
+def run_private(engine, requests: list[tuple[list[int], SamplingParams]], salt: str, drop: bool = True) -> list:
+    """Run these requests to the end on an idle engine, in a cache namespace
+    of their own that is dropped whole afterwards (drop False: the caller
+    drops it, after later runs that reuse it): no one else's state is
+    touched. Their final outputs, in order."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("a calibration run needs an idle engine")
+    ids = [engine.add_request(toks, params, cache_salt=salt) for toks, params in requests]
+    done = {}
+    while len(done) < len(ids):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    if drop:
+        engine.invalidate(cache_salt=salt)
+    return [done[i] for i in ids]
+
+
 def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -> dict:
     """Measure B_host (device -> host block copy), B_disk (write + read back)
     and R_prefill on this engine, now, into `rates`. disk: a DiskKVStore whose
@@ -172,15 +193,8 @@ def calibrate_rates(engine, rates: CostRates, disk, prefill_tokens: int = 256) -
     # Half the pool at most, so a small pool still runs it.
     prefill_tokens = min(prefill_tokens, kv.token_capacity // 2, engine.max_model_len - 1)
     if prefill_tokens and not engine.has_unfinished_requests():  # stepping must not advance anyone else
-        g = torch.Generator().manual_seed(0)
-        toks = torch.randint(100, engine.model_config.vocab_size - 100, (prefill_tokens,), generator=g).tolist()
-        # Its own cache namespace, dropped whole afterwards: no one else's state is touched.
-        salt = "trajserve-calibrate"
-        rid = engine.add_request(toks, SamplingParams(max_tokens=1, temperature=0), cache_salt=salt)
-        out = None
-        while out is None:
-            out = next((o for o in engine.step() if o.request_id == rid and o.finished), None)
-        engine.invalidate(cache_salt=salt)
+        toks = random_tokens(engine, prefill_tokens, torch.Generator().manual_seed(0))
+        out, = run_private(engine, [(toks, SamplingParams(max_tokens=1, temperature=0))], "trajserve-calibrate")
         if out.metrics.ttft:
             rates.prefill_tokens_per_s = prefill_tokens / out.metrics.ttft
     result = {"host_bytes_per_s": rates.host_bytes_per_s, "disk_bytes_per_s": rates.disk_bytes_per_s,

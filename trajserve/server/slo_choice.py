@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from trajserve.plan.flops import causal_pairs, forward_flops
-from trajserve.units import parse_bytes
+from trajserve.units import parse_bytes, parse_seconds
 
 CALIBRATION_SALT = "trajserve-slo-calibration"
 CALIBRATION_PROMPT = 256     # the calibration batch's prompt tokens at most
@@ -83,7 +83,7 @@ def _count(key: str, text: str, low: int, high: int = 1 << 30) -> int:
 
 def _positive(key: str, text: str, high: float) -> float:
     try:
-        value = float(text.strip().lower().removesuffix("s") if key == "deadline" else text)
+        value = float(text)
     except ValueError:
         raise ValueError(f"--slo {key} must be a number, got {text!r}") from None
     if not (0 < value <= high):  # NaN fails here too
@@ -109,7 +109,7 @@ def parse_slo(text: str) -> SLOWorkload:
                     input=_count("input", fields["input"], 1),
                     shared=_count("shared", fields["shared"], 0),
                     output=_count("output", fields["output"], 1),
-                    deadline_s=_positive("deadline", fields["deadline"], 86_400.0),
+                    deadline_s=parse_seconds(fields["deadline"], "--slo deadline", 86_400.0),
                     memory_bytes=parse_bytes(fields["memory"], "--slo memory") if "memory" in fields else None,
                     lookup=_positive("lookup", fields.get("lookup", "2"), 64.0),
                     drafts=_count("drafts", fields.get("drafts", "4"), 1, 64))
@@ -137,10 +137,9 @@ def calibrate(engine, w: SLOWorkload) -> dict:
     step-time model is ready; what ran."""
     import torch
 
+    from trajserve.engine.calibration import random_tokens, run_private
     from trajserve.sampling import SamplingParams
 
-    if engine.has_unfinished_requests():
-        raise RuntimeError("the SLO calibration needs an idle engine")
     n = max(1, min(max(w.requests, 4), CALIBRATION_REQUESTS, engine.config.scheduler.max_num_seqs))
     longest = 2 * n + 2
     room = engine.kv.token_capacity // (2 * n)  # half the pool at most, so a small pool still runs it
@@ -148,21 +147,14 @@ def calibrate(engine, w: SLOWorkload) -> dict:
     if prompt < 2:
         raise ValueError(f"the KV pool ({engine.kv.token_capacity:,} tokens) is too small to calibrate --slo")
     shared = min(prompt - 1, prompt * w.shared // w.input)
-    vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
-
-    def tokens(k: int) -> list[int]:
-        return torch.randint(100, vocab - 100, (k,), generator=g).tolist()
-
     steps, start, rounds = engine.deadlines.steps, engine.deadlines.steps.num_steps, 0
-    head = tokens(shared)
+    head = random_tokens(engine, shared, g)
     # Twice at least: the second batch finds the shared prefix cached, as B's prefill does.
     while rounds < 2 or (rounds < CALIBRATION_ROUNDS and not steps.ready):
-        ids = {engine.add_request(head + tokens(prompt - shared),
-                                  SamplingParams(max_tokens=2 + 2 * i, temperature=0, ignore_eos=True),
-                                  cache_salt=CALIBRATION_SALT) for i in range(n)}
-        while ids:
-            ids -= {o.request_id for o in engine.step() if o.finished}
+        run_private(engine, [(head + random_tokens(engine, prompt - shared, g),
+                              SamplingParams(max_tokens=2 + 2 * i, temperature=0, ignore_eos=True))
+                             for i in range(n)], CALIBRATION_SALT, drop=False)
         rounds += 1
     engine.invalidate(cache_salt=CALIBRATION_SALT)
     if not steps.ready:

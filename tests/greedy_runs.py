@@ -91,3 +91,17 @@ def paused_turns(d, decision: str, disk_dir) -> tuple[list[int], list[int], str,
     finally:
         mgr.shutdown()
         eng.close()
+
+
+def assert_served_as_transformers_generates(model_path, hf) -> None:
+    """The engine's greedy tokens of prompts() (a batch of three, two over a
+    shared head, prefix caching on; then again with the heads cached) equal
+    transformers' greedy generation of each prompt alone."""
+    want = hf_greedy(hf, prompts())
+    eng = engine(model_path)
+    try:
+        cached: list[int] = []
+        assert run(eng, prompts()) == want
+        assert run(eng, prompts(), cached) == want and min(cached) > 0
+    finally:
+        eng.close()

@@ -16,7 +16,7 @@ import torch
 from kquant import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from tiny_models import tiny_hf_model
 from trajserve.config import ModelConfig
-from trajserve.model import gguf_reader, loader
+from trajserve.model import gguf_families, gguf_reader, loader
 from trajserve.model.loader import (
     default_model_path,
     expected_weight_names,
@@ -80,6 +80,31 @@ def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_header(w: gguf.GGUFWriter, c, head_count_kv: int | None = None) -> None:
+    """The keys every architecture's file starts with, from a transformers config."""
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads if head_count_kv is None else head_count_kv)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+
+
+def add_test_vocabulary(w: gguf.GGUFWriter, size: int) -> None:
+    """A vocabulary an engine can load: "t0" .. "t{size-1}", the last EOS."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(size)])
+    w.add_eos_token_id(size - 1)
+
+
+def finish_gguf(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype=gguf.GGMLQuantizationType.F32,
                extra_tensors: dict[str, np.ndarray] | None = None,
                replace: dict[str, np.ndarray] | None = None,
@@ -95,14 +120,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype=gguf.GGMLQua
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    gguf_header(w, c)
     w.add_rope_freq_base(500000.0)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_vocab_size(c.vocab_size)
@@ -135,13 +154,8 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, qtype=gguf.GGMLQua
     for name, a in (extra_tensors or {}).items():
         w.add_tensor(name, a)
     if tokenizer:
-        w.add_tokenizer_model("gpt2")
-        w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-        w.add_eos_token_id(c.vocab_size - 1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_test_vocabulary(w, c.vocab_size)
+    finish_gguf(w)
     return expected
 
 
@@ -241,7 +255,7 @@ def test_unpermute_inverts_converter() -> None:
         w = rng.standard_normal((n_head * head_dim, cols) if cols else (n_head * head_dim,))
         permuted = converter_permute(w, n_head)
         assert not np.array_equal(permuted, w)
-        assert np.array_equal(gguf_reader._unpermute_rope_rows(permuted, n_head), w)
+        assert np.array_equal(gguf_families.unpermute_llama_rows(permuted, n_head), w)
 
 
 @pytest.mark.parametrize(

@@ -379,7 +379,10 @@ def test_pre_tokenizer_families() -> None:
     assert split("llama-bpe", "abc 12345") == ["abc", "Ġ", "123", "45"]
     assert split("qwen2", "abc 12345") == ["abc", "Ġ", "1", "2", "3", "4", "5"]
     assert split("qwen2", "Hello\n\n  world") == ["Hello", "ĊĊ", "Ġ", "Ġworld"]
-    assert {"smollm", "gpt2", "llama-bpe", "qwen2"} <= set(GGUF_PRE_TOKENIZERS)
+    # o200k (gpt-oss): a case turn splits a word, contractions stay on it, digits go in threes, "/" ends a symbol run.
+    assert split("gpt-4o", "HelloWorld's JSONParser 12345") == ["Hello", "World's", "ĠJSONParser", "Ġ", "123", "45"]
+    assert split("gpt-4o", "a+=b;\n/path//x") == ["a", "+=", "b", ";Ċ/", "path", "//", "x"]
+    assert {"smollm", "gpt2", "llama-bpe", "qwen2", "gpt-4o"} <= set(GGUF_PRE_TOKENIZERS)
     with pytest.raises(ValueError, match=r"'chameleon'.*supported:.*llama-bpe.*qwen2.*smollm"):
         _pre_tokenizer("chameleon")
 

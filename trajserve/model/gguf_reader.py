@@ -3,9 +3,10 @@ under Hugging Face Llama names (model/loader.py is the entry point).
 
 Matrices run quantized keep their GGUF bytes (model/quant.py target_format
 says which; other types are requantized), the rest are dequantized with the
-gguf package; Q/K rows, stored by
-llama.cpp in interleaved RoPE order, are permuted back to HF order
-(rotate_half); Llama 3's rope_freqs tensor becomes rope_scaling.
+gguf package; Q/K rows, stored by llama.cpp in interleaved RoPE order, are
+put back in HF order (rotate_half); Llama 3's rope_freqs tensor becomes
+rope_scaling. What differs per architecture (experts, latent attention,
+YaRN, names): model/gguf_families.py.
 """
 from __future__ import annotations
 
@@ -19,15 +20,14 @@ import gguf
 import numpy as np
 import torch
 
-from trajserve.config import ModelConfig, MoESpec, WindowSpec
+from trajserve.config import ModelConfig, WindowSpec
+from trajserve.model.gguf_families import (EXPERT_NAMES, KV_B_PARTS, LAYER_NAMES, merge_kv_b, mla_spec, moe_spec,
+                                           rope_rows, yarn_scaling)
 from trajserve.model.quant import QuantizedWeight, target_format
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3", "deepseek2", "gpt-oss")
 # llama.cpp's architecture name -> ours (config.ModelConfig.architecture)
-_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
-# Whether the chosen experts' weights are renormalised where a file does not
-# say (expert_weights_norm): llama.cpp's graphs hard-code it per architecture.
-_NORM_TOPK = {"qwen3moe": True, "olmoe": False}
+_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 PathLike = str | os.PathLike[str]
 
 
@@ -98,32 +98,32 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     else:
         tokens = reader.get_field("tokenizer.ggml.tokens")
         vocab = get("vocab_size", len(tokens.data) if tokens is not None else None, required=True)
-    head_dim = int(get("attention.key_length", hidden // heads))
+    num_layers = int(get("block_count", required=True))
+    mla = mla_spec(get) if arch == "deepseek2" else None
+    # A latent attention's RoPE rows are qk_rope_head_dim wide (its cache: ModelConfig.kv_pool_shape).
+    head_dim = mla.qk_rope_head_dim if mla else int(get("attention.key_length", hidden // heads))
     rope_dims = get("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ValueError(
             f"unsupported partial RoPE ({rope_dims} of {head_dim} head dims); supported: RoPE on the whole head"
         )
     theta = float(get("rope.freq_base", 10000.0))
-    num_layers = int(get("block_count", required=True))
     q_norm = tensor_shapes.get("blk.0.attn_q_norm.weight")
     scaling_type = get("rope.scaling.type")
-    if scaling_type not in (None, "none", "linear"):
-        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: none, linear, "
+    if scaling_type not in (None, "none", "linear", "yarn"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling_type!r}; supported: none, linear, yarn, "
                          "llama3 (rope_freqs)")
     rope_scaling = None
     if scaling_type == "linear" and float(get("rope.scaling.factor", 1.0)) != 1.0:
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    if scaling_type == "yarn":
+        rope_scaling = yarn_scaling(arch, get)
     if "rope_freqs.weight" in tensor_names:
         factors = gguf.quants.dequantize(*_raw(reader, "rope_freqs.weight")).reshape(-1)
         rope_scaling = _llama3_scaling_from_factors(factors, head_dim, theta)
-    moe = None
-    if get("expert_count"):  # routed experts in every layer (llama.cpp's qwen3moe and olmoe graphs)
-        moe = MoESpec(int(get("expert_count")), int(get("expert_used_count", required=True)),
-                      int(get("expert_feed_forward_length") or get("feed_forward_length", required=True)),
-                      bool(get("expert_weights_norm", _NORM_TOPK.get(arch, False))), tuple(range(num_layers)))
+    moe = moe_spec(arch, get, num_layers, tensor_names)
     clip = get("attention.clamp_kqv")
-    gemma = arch == "gemma3"
+    gemma, oss = arch == "gemma3", arch == "gpt-oss"
     softcap = get("final_logit_softcapping")
     return ModelConfig(
         architecture=_ARCHITECTURES.get(arch, arch),
@@ -132,7 +132,7 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         intermediate_size=int(get("feed_forward_length", required=True)),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        num_kv_heads=heads if mla else int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=theta,
@@ -145,33 +145,39 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         qk_norm_whole=q_norm is not None and q_norm[0] == heads * head_dim != head_dim,
         clip_qkv=float(clip) if clip else None,
         moe=moe,
-        window=_gguf_window(get, num_layers) if gemma else None,
+        mla=mla,
+        window=_gguf_window(get, num_layers, 6 if gemma else 2, 10000.0 if gemma else None) if gemma or oss else None,
         # Gemma 3 (llama.cpp's graph): the converter stored its norms' (1 + w)
         # already; the query scale is llama.cpp's rule, which the file does not say.
         sandwich_norms=gemma,
         embed_scale=hidden ** 0.5 if gemma else None,
         attn_scale=((hidden // heads) if num_layers == 62 else head_dim) ** -0.5 if gemma else None,
-        hidden_act="gelu_tanh" if gemma else "silu",
+        hidden_act="gelu_tanh" if gemma else "swiglu_clamp" if oss else "silu",
+        attn_sinks=oss,
+        mlp_bias=oss,
         final_logit_softcap=float(softcap) if gemma and softcap else None,
         name=str(gguf_value(reader, "general.name", "") or ""),
     )
 
 
-def _gguf_window(get, num_layers: int) -> WindowSpec | None:
-    """Gemma 3's window layers as llama.cpp reads them: attention.sliding_window
-    tokens in every layer but each pattern-th (sliding_window_pattern, 6
-    where the file does not say; an array names each layer's kind), their
-    RoPE base rope.freq_base_swa (10,000 where the file does not say)."""
+def _gguf_window(get, num_layers: int, period: int, local_theta: float | None) -> WindowSpec | None:
+    """The window layers as llama.cpp reads them: attention.sliding_window
+    tokens in every layer but each pattern-th (sliding_window_pattern;
+    where the file does not say, the architecture's period: Gemma 3's 6,
+    gpt-oss's 2; an array names each layer's kind), their RoPE base
+    rope.freq_base_swa (where the file does not say: Gemma 3's 10,000,
+    gpt-oss's the global one, scaling included)."""
     size = get("attention.sliding_window")
     if not size:
         return None
-    pattern = get("attention.sliding_window_pattern", 6)
+    pattern = get("attention.sliding_window_pattern", period)
     if isinstance(pattern, list):
         layers = tuple(i for i, swa in enumerate(pattern[:num_layers]) if swa)
     else:
         n = int(pattern)
         layers = tuple(i for i in range(num_layers) if n == 0 or i % n < n - 1)
-    return WindowSpec(int(size), layers, float(get("rope.freq_base_swa", 10000.0))) if layers else None
+    theta = get("rope.freq_base_swa", local_theta)
+    return WindowSpec(int(size), layers, float(theta) if theta is not None else None) if layers else None
 
 
 def _llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict:
@@ -227,14 +233,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
 }
-# Gemma 3's: ffn_norm is the norm before its MLP, two more norm the attention's and the MLP's outputs.
-_GEMMA3_LAYER_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                       "post_attention_norm.weight": "post_attention_layernorm.weight",
-                       "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
-# A MoE layer's experts, stacked [experts, out, in] in one tensor each: split
-# into one matrix per expert under HF names (model.layers.i.mlp.experts.e.*).
-_GGUF_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-                      "ffn_down_exps.weight": "down_proj"}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -249,7 +247,7 @@ def gguf_to_hf_name(name: str, architecture: str = "llama") -> str | None:
         return _GGUF_GLOBAL_NAMES[name]
     if name.startswith("blk."):
         _, layer, rest = name.split(".", 2)
-        names = _GGUF_LAYER_NAMES | _GEMMA3_LAYER_NAMES if architecture == "gemma3" else _GGUF_LAYER_NAMES
+        names = _GGUF_LAYER_NAMES | LAYER_NAMES.get(architecture, {})
         if rest in names and layer.isdigit():
             return f"model.layers.{layer}.{names[rest]}"
     return None
@@ -280,17 +278,6 @@ def _dequantize(tensor: Any) -> np.ndarray:
     return flat.reshape(shape)
 
 
-def _unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's Q/K row permutation for its interleaved RoPE.
-
-    The converter regroups each head's rows from [x0..x_{d/2-1}, y0..] (HF
-    rotate_half pairs i with i+d/2) into [x0, y0, x1, y1, ...] (adjacent pairs):
-    reshape(n_head, 2, d/2).swapaxes(1, 2). Swapping back is its inverse.
-    """
-    rest = w.shape[1:]
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
 def _gguf_tensors(
     reader: gguf.GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device,
     quantization: str = "none", requantized: dict[str, int] | None = None,
@@ -299,15 +286,18 @@ def _gguf_tensors(
     format ("Q3_K -> q8_0": n), for the start-up line."""
     wanted = []
     unknown = []
+    kv_b_parts: dict[str, dict[str, Any]] = {}  # deepseek2's split kv_b_proj, by layer
     for t in reader.tensors:
         hf = gguf_to_hf_name(t.name, cfg.architecture)
         rest = t.name.split(".", 2)[-1] if t.name.startswith("blk.") else ""
         if hf is not None:
             wanted.append((hf, t, None))
-        elif rest in _GGUF_EXPERT_NAMES and cfg.moe is not None:
+        elif rest in EXPERT_NAMES and cfg.moe is not None:
             layer = t.name.split(".")[1]
-            wanted += [(f"model.layers.{layer}.mlp.experts.{e}.{_GGUF_EXPERT_NAMES[rest]}.weight", t, e)
+            wanted += [(f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_NAMES[rest]}", t, e)
                        for e in range(cfg.moe.num_experts)]
+        elif rest in KV_B_PARTS and cfg.mla is not None:
+            kv_b_parts.setdefault(t.name.split(".")[1], {})[rest] = t
         elif t.name not in _GGUF_CONFIG_TENSORS:
             unknown.append(t.name)
     if unknown:
@@ -317,15 +307,17 @@ def _gguf_tensors(
         )
 
     def unpermute(hf: str, a: np.ndarray) -> np.ndarray:
-        # Only llama.cpp's "llama" graph uses interleaved RoPE; qwen2/qwen3
-        # use NEOX (rotate_half) there too, so their converter leaves rows
-        # alone. Rows move whole, so a quantized tensor's rows of blocks move
-        # the same way.
-        if cfg.architecture == "llama" and ".self_attn.q_proj." in hf:
-            return _unpermute_rope_rows(a, cfg.num_heads)
-        if cfg.architecture == "llama" and ".self_attn.k_proj." in hf:
-            return _unpermute_rope_rows(a, cfg.num_kv_heads)
-        return a
+        # Rows move whole, so a quantized tensor's rows of blocks move the same way.
+        return rope_rows(cfg.architecture, hf, a, cfg.num_heads, cfg.num_kv_heads, cfg.mla)
+
+    def to_format(hf: str, a: np.ndarray, source: str) -> torch.Tensor | QuantizedWeight:
+        fmt = target_format(hf, source, quantization, a.shape[-1]) if a.ndim == 2 else None
+        if fmt is None:
+            return _to_torch(a, dtype, device)
+        if requantized is not None:
+            key = f"{source} -> {fmt}"
+            requantized[key] = requantized.get(key, 0) + 1  # dict ops are atomic under the GIL
+        return QuantizedWeight.quantize(a, fmt)
 
     def convert(item: tuple[str, Any, int | None]) -> torch.Tensor | QuantizedWeight:
         hf, t, expert = item
@@ -337,18 +329,24 @@ def _gguf_tensors(
         if fmt is not None and t.tensor_type.name.lower() == fmt:
             return QuantizedWeight.from_gguf(unpermute(hf, data), fmt, shape)
         a = unpermute(hf, _dequantize(t) if expert is None else _dequantize_rows(t, data, shape))
-        if fmt is not None:
-            if requantized is not None:
-                key = f"{t.tensor_type.name} -> {fmt}"
-                requantized[key] = requantized.get(key, 0) + 1  # dict ops are atomic under the GIL
-            return QuantizedWeight.quantize(a, fmt)
-        return _to_torch(a, dtype, device)
+        return to_format(hf, a, t.tensor_type.name)
+
+    def kv_b(layer: str) -> torch.Tensor | QuantizedWeight:
+        parts = kv_b_parts[layer]
+        if set(parts) != set(KV_B_PARTS):
+            raise ValueError(f"GGUF layer {layer} has {', '.join(sorted(parts))} without "
+                             f"{', '.join(sorted(set(KV_B_PARTS) - set(parts)))}")
+        # Merged from its dequantized parts, then formatted as a float checkpoint's kv_b_proj.
+        return to_format(f"model.layers.{layer}.self_attn.kv_b_proj.weight",
+                         merge_kv_b(*(_dequantize(parts[n]) for n in KV_B_PARTS)), "F32")
 
     # numpy and torch release the GIL for the bulk work (dequantization, the
     # first touch of fresh output memory): a thread per core pays.
     workers = max(1, min(4, os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        return dict(zip((hf for hf, _, _ in wanted), pool.map(convert, wanted)))
+        out = dict(zip((hf for hf, _, _ in wanted), pool.map(convert, wanted)))
+    out.update({f"model.layers.{layer}.self_attn.kv_b_proj.weight": kv_b(layer) for layer in kv_b_parts})
+    return out
 
 
 def _dequantize_rows(tensor: Any, data: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

@@ -54,6 +54,13 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (gpt-oss, GPT-4o): words split where case turns (an upper run, then
+# lower letters), English contractions kept on the word, digits in threes.
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _PRE_FAMILIES = {
     # GPT-2's own regex (built into the ByteLevel pre-tokenizer).
     "gpt2": ("default", "gpt2", "mpt", "olmo"),
@@ -61,6 +68,7 @@ _PRE_FAMILIES = {
     "digits+gpt2": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"),
     "llama3": ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"),
     "qwen2": ("qwen2", "deepseek-r1-qwen", "megrez"),
+    "o200k": ("gpt-4o", "llama4"),
 }
 GGUF_PRE_TOKENIZERS = {name: family for family, names in _PRE_FAMILIES.items() for name in names}
 
@@ -72,8 +80,8 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return byte_level
     if family == "digits+gpt2":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if family in ("llama3", "qwen2"):
-        split = _LLAMA3_SPLIT if family == "llama3" else _QWEN2_SPLIT
+    if family in ("llama3", "qwen2", "o200k"):
+        split = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "o200k": _O200K_SPLIT}[family]
         return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
     raise ValueError(
         f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))}"

@@ -382,7 +382,10 @@ def test_pre_tokenizer_families() -> None:
     # o200k (gpt-oss): a case turn splits a word, contractions stay on it, digits go in threes, "/" ends a symbol run.
     assert split("gpt-4o", "HelloWorld's JSONParser 12345") == ["Hello", "World's", "ĠJSONParser", "Ġ", "123", "45"]
     assert split("gpt-4o", "a+=b;\n/path//x") == ["a", "+=", "b", ";Ċ/", "path", "//", "x"]
-    assert {"smollm", "gpt2", "llama-bpe", "qwen2", "gpt-4o"} <= set(GGUF_PRE_TOKENIZERS)
+    # DeepSeek V3: digits in threes and CJK runs split off first; a symbol leads a Latin word.
+    assert split("deepseek-v3", "a.b_c 12345 中文abc") == ["a", ".b", "_c", "Ġ", "123", "45", "Ġ",
+                                                           "ä¸Ńæĸĩ", "abc"]
+    assert {"smollm", "gpt2", "llama-bpe", "qwen2", "gpt-4o", "deepseek-v3"} <= set(GGUF_PRE_TOKENIZERS)
     with pytest.raises(ValueError, match=r"'chameleon'.*supported:.*llama-bpe.*qwen2.*smollm"):
         _pre_tokenizer("chameleon")
 

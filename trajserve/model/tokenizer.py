@@ -61,6 +61,14 @@ _O200K_SPLIT = (
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# DeepSeek V3 / R1: digits in threes and runs of CJK split off first, then
+# words (a symbol may lead a Latin word), symbol runs, newlines, spaces.
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 _PRE_FAMILIES = {
     # GPT-2's own regex (built into the ByteLevel pre-tokenizer).
     "gpt2": ("default", "gpt2", "mpt", "olmo"),
@@ -69,6 +77,7 @@ _PRE_FAMILIES = {
     "llama3": ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"),
     "qwen2": ("qwen2", "deepseek-r1-qwen", "megrez"),
     "o200k": ("gpt-4o", "llama4"),
+    "deepseek3": ("deepseek-v3",),
 }
 GGUF_PRE_TOKENIZERS = {name: family for family, names in _PRE_FAMILIES.items() for name in names}
 
@@ -80,6 +89,9 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         return byte_level
     if family == "digits+gpt2":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if family == "deepseek3":
+        return pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _DEEPSEEK3_SPLITS),
+                                        byte_level])
     if family in ("llama3", "qwen2", "o200k"):
         split = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "o200k": _O200K_SPLIT}[family]
         return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])

@@ -104,3 +104,13 @@ def random_q6_k(n: int, k: int, seed: int) -> QuantizedWeight:
     raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
     raw[..., 208:210] = (rng.random((n, k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
     return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1))), "q6_k", (n, k))
+
+
+def random_mxfp4(n: int, k: int, g: torch.Generator) -> QuantizedWeight:
+    """Gaussian rows scaled from 2^-30 to 2^30 (their e8m0 scales reach
+    past fp16's range), as gguf's MXFP4 quantizer writes them."""
+    import gguf
+
+    a = torch.randn(n, k, generator=g) * torch.logspace(-30, 30, n, base=2.0)[:, None]
+    raw = gguf.quants.quantize(a.numpy(), gguf.GGMLQuantizationType.MXFP4)
+    return QuantizedWeight.from_gguf(raw, "mxfp4", (n, k))

@@ -19,7 +19,7 @@ from test_loader import add_test_vocabulary, finish_gguf, gguf_header, hf_params
 from test_reference_hf_tiny import chunked_logits
 from tiny_models import tiny_hf_model
 from trajserve.model.llama import LlamaModel
-from trajserve.model.loader import load_model_config, load_weights
+from trajserve.model.loader import load_weights
 from trajserve.model.quant import QuantizedWeight
 
 F32, Q8_0 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0

@@ -9,7 +9,7 @@ from trajserve.model.kv_quant import FORMATS
 
 HEADER = Path(model_pkg.__file__).parent / "formats.h"
 NAMES = {"TS_F32": "float32", "TS_BF16": "bfloat16", "TS_Q8_0": "q8_0", "TS_Q4_0": "q4_0", "TS_Q4_1": "q4_1", "TS_Q4_K": "q4_k", "TS_Q6_K": "q6_k",
-         "TS_Q5_K": "q5_k"}
+         "TS_Q5_K": "q5_k", "TS_MXFP4": "mxfp4"}
 
 
 def test_header_and_table_agree():

@@ -16,7 +16,7 @@ from test_loader import add_test_vocabulary, finish_gguf, gguf_header, hf_params
 from test_reference_hf_tiny import chunked_logits
 from tiny_models import tiny_hf_model
 from trajserve.model.llama import LlamaModel
-from trajserve.model.loader import load_weights
+from trajserve.model.loader import load_model_config, load_weights
 
 F32, MXFP4 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.MXFP4
 # HF name (after model.layers.i.) -> llama.cpp's, written here independently of the loader's tables.
@@ -42,7 +42,8 @@ def tiny_gpt_oss(**overrides) -> torch.nn.Module:
     return hf
 
 
-def write_gpt_oss_gguf(path, model, experts_type=F32, pattern: list[bool] | None = None) -> None:
+def write_gpt_oss_gguf(path, model, experts_type=F32, pattern: list[bool] | None = None,
+                       swa_theta: float | None = None) -> None:
     c = model.config
     a = "gpt-oss"
     w = gguf.GGUFWriter(str(path), a)
@@ -57,6 +58,8 @@ def write_gpt_oss_gguf(path, model, experts_type=F32, pattern: list[bool] | None
     w.add_expert_feed_forward_length(c.intermediate_size)
     rope = c.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
+    if swa_theta is not None:
+        w.add_rope_freq_base_swa(swa_theta)
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -119,10 +122,10 @@ def test_a_gpt_oss_gguf_scores_as_transformers(tmp_path, pattern):
         assert not torch.allclose(hf(torch.tensor([ids])).logits[0].float(), ref, atol=1e-2)
 
 
-def test_mxfp4_experts_read_as_their_values_and_requantized_where_run_quantized(tmp_path):
+def test_mxfp4_experts_read_as_their_values_and_run_as_stored(tmp_path):
     """The release's MXFP4 experts: dequantized, exactly the file's values
-    (transformers over the weights rounded to MXFP4 first); under auto, no
-    kernel runs MXFP4, so they become q8_0, as the start-up line counts."""
+    (transformers over the weights rounded to MXFP4 first); under auto the
+    C kernels multiply them as stored, nothing requantized."""
     hf = tiny_gpt_oss(num_hidden_layers=2)
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -138,9 +141,11 @@ def test_mxfp4_experts_read_as_their_values_and_requantized_where_run_quantized(
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
     counts: dict[str, int] = {}
     _, _, quantized = _logits(path, "auto", counts)
-    assert counts == {"MXFP4 -> q8_0": 2 * 8 * 3}
-    # The C kernels' q8_0 products round weights and activations alike: near
-    # in all (7 % here; with gate and up swapped, 80 %).
+    assert counts == {}
+    _, weights = load_weights(path, torch.float32, "cpu", quantization="auto")
+    assert weights["model.layers.1.mlp.experts.7.up_proj.weight"].fmt == "mxfp4"
+    # The C kernels round the activations to 8 bits: near in all (6 % here;
+    # with gate and up swapped, 80 %).
     assert (quantized - ref).norm() < 0.15 * ref.norm()
 
 
@@ -150,3 +155,16 @@ def test_the_engine_serves_a_gpt_oss_gguf_as_transformers_generates(tmp_path):
     path = tmp_path / "oss.gguf"
     write_gpt_oss_gguf(path, hf)
     assert_served_as_transformers_generates(path, hf)
+
+
+def test_a_window_base_other_than_the_global_one_is_refused_by_name(tmp_path):
+    """gpt-oss's window layers share the global RoPE's YaRN scaling: a file
+    that names the global base for them reads as usual, another base is
+    refused (the engine has no scaled RoPE of a second base)."""
+    hf = tiny_gpt_oss(num_hidden_layers=2)
+    same, other = tmp_path / "same.gguf", tmp_path / "other.gguf"
+    write_gpt_oss_gguf(same, hf, swa_theta=YARN["rope_theta"])
+    write_gpt_oss_gguf(other, hf, swa_theta=10000.0)
+    assert load_model_config(str(same)).window.rope_theta is None
+    with pytest.raises(ValueError, match="unsupported rope.freq_base_swa 10000.0 beside rope.freq_base 150000.0"):
+        load_model_config(str(other))

@@ -1,4 +1,4 @@
-"""The quantized products of quant_kernels.c (Q8_0, Q4_0, Q4_1 panels) against
+"""The quantized products of quant_kernels.c (Q8_0, Q4_0, Q4_1, the K-quants' and MXFP4's panels) against
 float64 products, in every build this CPU runs, and the build selection.
 
 The kernels quantize each input row to 8-bit blocks, so two bounds apply:
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from kquant import random_q4_k, random_q5_k, random_q6_k
+from kquant import random_mxfp4, random_q4_k, random_q5_k, random_q6_k
 from trajserve.model import cpu_isa, cpu_kernels
 from trajserve.model.quant import (QUANT_FORMATS, STORED_FORMATS, QuantizedWeight, input_quantization_bound,
                                    quantize_input_rows, target_format)
@@ -38,6 +38,8 @@ def _weight(fmt: str, n: int, k: int, seed: int, g: torch.Generator) -> Quantize
         return random_q5_k(n, k, seed)
     if fmt == "q6_k":
         return random_q6_k(n, k, seed)
+    if fmt == "mxfp4":
+        return random_mxfp4(n, k, g)
     return QuantizedWeight.quantize(torch.randn(n, k, generator=g), fmt)
 
 

@@ -80,3 +80,33 @@ def test_a_gemma3_shape_and_its_all_global_twin(tmp_path):
         out = llm.generate(["Hello " * 40], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_gpt_oss_shape_with_mxfp4_experts(tmp_path):
+    """A gpt-oss shape is written as llama.cpp's gpt-oss (biases, sinks,
+    every other layer a window, MXFP4 experts as the release ships them):
+    the engine reads it as gpt-oss, runs its experts as stored, and serves it."""
+    import dataclasses
+
+    from trajserve.config import WindowSpec
+
+    base = get_model("gpt-oss-20b").config
+    assert (base.num_layers, base.moe.num_experts, base.moe.top_k) == (24, 32, 4)
+    small = dataclasses.replace(base, vocab_size=49152, hidden_size=64, intermediate_size=64, num_layers=4,
+                                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096,
+                                window=WindowSpec(16, (0, 2)), moe=dataclasses.replace(base.moe, layers=(0, 1, 2, 3),
+                                                                                       expert_size=64))
+    path = tmp_path / "oss.gguf"
+    write_random_gguf(small, path, "q8_0", experts="mxfp4")
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["blk.0.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0 and "blk.3.attn_sinks.weight" in types
+    back = read_gguf_config(path)
+    assert back.architecture == "gpt_oss" and back.attn_sinks and back.mlp_bias
+    assert (back.window.size, back.window.layers) == (16, (0, 2)) and back.moe.scoring == "topk_softmax"
+    llm = LLM(model=str(path), num_blocks=64)
+    assert llm.engine.model.layers[0].moe is not None
+    assert set(llm.engine.model.weight_formats()) == {"q8_0", "mxfp4", "float32"}
+    out = llm.generate(["Hello " * 20], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

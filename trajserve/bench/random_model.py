@@ -18,6 +18,11 @@ A Gemma 3 shape is written as llama.cpp's `gemma3` architecture: its
 window and per-layer pattern, the sandwich and query-key norms;
 --all-global writes its twin, every layer global (the same bytes a token,
 no window to free blocks behind), for comparisons at equal pool bytes.
+A gpt-oss shape is written as llama.cpp's `gpt-oss`: biased attention
+and experts, a sink per head, windows in every other layer; --experts
+mxfp4 stores the experts as the release ships them (the rest as --type).
+
+    trajserve bench random-model --shape gpt-oss-20b --layers 2 --type q8_0 --experts mxfp4 --out /tmp/oss.gguf
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ def add_parser(sub) -> None:
     r.add_argument("--context", type=int, default=8192, help="the context length the file declares")
     r.add_argument("--all-global", action="store_true",
                    help="a shape with sliding-window layers (gemma-3-*): every layer global instead")
+    r.add_argument("--experts", choices=("as-type", "mxfp4"), default="as-type",
+                   help="a MoE shape's experts: as --type, or MXFP4 (gpt-oss's release format)")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(func=run)
 
@@ -70,15 +77,17 @@ def _tokenizer_fields(vocab_size: int) -> list[tuple]:
     return out
 
 
-def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int = 0) -> int:
+def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int = 0,
+                      experts: str = "as-type") -> int:
     """Write the file; returns its size in bytes."""
     import gguf
     import numpy as np
 
     if cfg.moe is not None and cfg.moe.layers != tuple(range(cfg.num_layers)):
         raise ValueError("a random MoE file routes every layer (llama.cpp's qwen3moe graph)")
-    gemma = cfg.architecture == "gemma3"
-    arch = "gemma3" if gemma else "qwen3moe" if cfg.moe is not None else "qwen3" if cfg.qk_norm else "llama"
+    gemma, oss = cfg.architecture == "gemma3", cfg.architecture == "gpt_oss"
+    arch = ("gemma3" if gemma else "gpt-oss" if oss else "qwen3moe" if cfg.moe is not None
+            else "qwen3" if cfg.qk_norm else "llama")
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(f"random {cfg.name or arch}")
     w.add_block_count(cfg.num_layers)
@@ -92,6 +101,8 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
+    if oss:  # windows in every other layer from the first: llama.cpp's rule for gpt-oss
+        w.add_sliding_window(cfg.window.size)
     if gemma:  # the window and which layers have it (none: the all-global twin)
         window = cfg.window.layers if cfg.window is not None else ()
         w.add_sliding_window(cfg.window.size if cfg.window is not None else 0)
@@ -110,7 +121,10 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
     def matrix(name: str, rows: int, cols: int, stack: int = 0) -> None:
         shape = (stack, rows, cols) if stack else (rows, cols)  # stack: experts' matrices in one tensor
         a = (rng.standard_normal(shape, dtype=np.float32) * 0.02)
-        if kind == "f16":
+        if stack and experts == "mxfp4":
+            w.add_tensor(name, gguf.quants.quantize(a, gguf.GGMLQuantizationType.MXFP4),
+                         raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif kind == "f16":
             w.add_tensor(name, a.astype(np.float16))
         elif kind == "f32":
             w.add_tensor(name, a)
@@ -121,6 +135,9 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
     def norm(name: str, n: int) -> None:
         w.add_tensor(name, np.ones(n, dtype=np.float32))
 
+    def bias(name: str, *shape: int) -> None:
+        w.add_tensor(name, rng.standard_normal(shape, dtype=np.float32) * 0.02)
+
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     matrix("token_embd.weight", cfg.vocab_size, h)
     for i in range(cfg.num_layers):
@@ -130,19 +147,27 @@ def write_random_gguf(cfg: ModelConfig, out: Path, kind: str = "f16", seed: int 
         matrix(p + "attn_k.weight", kv, h)
         matrix(p + "attn_v.weight", kv, h)
         matrix(p + "attn_output.weight", h, q)
+        if oss:  # q/k/v/o biases, a sink per head; the norm before the experts is post_attention_norm
+            for name, n in (("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", h)):
+                bias(p + name + ".bias", n)
+            bias(p + "attn_sinks.weight", cfg.num_heads)
         if cfg.qk_norm or gemma:
             norm(p + "attn_q_norm.weight", cfg.head_dim)
             norm(p + "attn_k_norm.weight", cfg.head_dim)
         if gemma:  # Gemma's sandwich: norms on the attention's and the MLP's outputs too
             norm(p + "post_attention_norm.weight", h)
             norm(p + "post_ffw_norm.weight", h)
-        norm(p + "ffn_norm.weight", h)
+        norm(p + ("post_attention_norm.weight" if oss else "ffn_norm.weight"), h)
         if cfg.moe is not None:  # the router (float, as llama.cpp's converter keeps it), then the experts
             e, inter = cfg.moe.num_experts, cfg.moe.expert_size
             w.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((e, h), dtype=np.float32) * 0.02)
             matrix(p + "ffn_gate_exps.weight", inter, h, e)
             matrix(p + "ffn_up_exps.weight", inter, h, e)
             matrix(p + "ffn_down_exps.weight", h, inter, e)
+            if oss:  # the router's and each expert's biases
+                bias(p + "ffn_gate_inp.bias", e)
+                for name, n in (("ffn_gate_exps", inter), ("ffn_up_exps", inter), ("ffn_down_exps", h)):
+                    bias(p + name + ".bias", e, n)
             continue
         matrix(p + "ffn_gate.weight", cfg.intermediate_size, h)
         matrix(p + "ffn_up.weight", cfg.intermediate_size, h)
@@ -167,13 +192,15 @@ def run(args: argparse.Namespace) -> int:
     layers = cfg.num_layers if args.layers is None else args.layers
     moe = dataclasses.replace(cfg.moe, layers=tuple(range(layers))) if cfg.moe is not None else None
     window = cfg.window
-    if args.all_global and window is None:
-        raise ValueError(f"--all-global: {spec.name} has no sliding-window layers")
+    if args.all_global and cfg.architecture != "gemma3":
+        raise ValueError(f"--all-global: for a Gemma 3 shape (gemma-3-*), not {spec.name}")
     if window is not None:
         window = None if args.all_global else dataclasses.replace(
             window, layers=tuple(i for i in window.layers if i < layers))
     cfg = dataclasses.replace(cfg, max_position_embeddings=args.context, num_layers=layers, moe=moe, window=window)
-    size = write_random_gguf(cfg, Path(args.out), args.type, args.seed)
+    if args.experts != "as-type" and cfg.moe is None:
+        raise ValueError(f"--experts {args.experts}: {spec.name} has no experts")
+    size = write_random_gguf(cfg, Path(args.out), args.type, args.seed, args.experts)
     kinds = (f", {len(cfg.window.layers)} window layers of {cfg.window.size}" if cfg.window is not None else
              ", every layer global" if args.all_global else "")
     print(f"wrote {args.out}: {spec.name}'s shape ({cfg.num_layers} layers{kinds}, hidden {cfg.hidden_size}, "

@@ -146,7 +146,8 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
         clip_qkv=float(clip) if clip else None,
         moe=moe,
         mla=mla,
-        window=_gguf_window(get, num_layers, 6 if gemma else 2, 10000.0 if gemma else None) if gemma or oss else None,
+        window=_gguf_window(get, num_layers, 6 if gemma else 2, 10000.0 if gemma else None, oss) if gemma or oss
+        else None,
         # Gemma 3 (llama.cpp's graph): the converter stored its norms' (1 + w)
         # already; the query scale is llama.cpp's rule, which the file does not say.
         sandwich_norms=gemma,
@@ -160,13 +161,15 @@ def _gguf_config(reader: gguf.GGUFReader) -> ModelConfig:
     )
 
 
-def _gguf_window(get, num_layers: int, period: int, local_theta: float | None) -> WindowSpec | None:
+def _gguf_window(get, num_layers: int, period: int, local_theta: float | None,
+                 scaled: bool = False) -> WindowSpec | None:
     """The window layers as llama.cpp reads them: attention.sliding_window
     tokens in every layer but each pattern-th (sliding_window_pattern;
     where the file does not say, the architecture's period: Gemma 3's 6,
     gpt-oss's 2; an array names each layer's kind), their RoPE base
     rope.freq_base_swa (where the file does not say: Gemma 3's 10,000,
-    gpt-oss's the global one, scaling included)."""
+    gpt-oss's the global one). `scaled` (gpt-oss): the window layers share
+    the global RoPE's scaling, so their base must be the global one too."""
     size = get("attention.sliding_window")
     if not size:
         return None
@@ -177,6 +180,11 @@ def _gguf_window(get, num_layers: int, period: int, local_theta: float | None) -
         n = int(pattern)
         layers = tuple(i for i in range(num_layers) if n == 0 or i % n < n - 1)
     theta = get("rope.freq_base_swa", local_theta)
+    if scaled and theta is not None:
+        if float(theta) != float(get("rope.freq_base", 10000.0)):
+            raise ValueError(f"unsupported rope.freq_base_swa {theta} beside rope.freq_base "
+                             f"{get('rope.freq_base', 10000.0)}; supported: the global base in the window layers")
+        theta = None
     return WindowSpec(int(size), layers, float(theta) if theta is not None else None) if layers else None
 
 

@@ -1,4 +1,4 @@
-"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+"""Quantized weight matrices, kept in GGUF's own block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4).
 
 A QuantizedWeight is the bytes of a GGUF tensor of one of those types, row by
 row ([n, k / group * group bytes]): the C kernels (quant_kernels.c) multiply
@@ -28,7 +28,8 @@ PANEL = 16  # weight rows per packed panel, float (cpu_kernels.pack) and quantiz
 QK_K = 256  # values per K-quant super-block
 GGML_TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
               "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K,
-              "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
+              "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K,
+              "mxfp4": gguf.GGMLQuantizationType.MXFP4}
 STORED_FORMATS = tuple(GGML_TYPES)  # what the kernels run as stored
 QUANT_FORMATS = ("q8_0", "q4_0", "q4_1")  # what a float matrix can be quantized to here (--quantization)
 
@@ -129,9 +130,10 @@ def panel_block_bytes(fmt: str) -> int:
     super-block's d and -dmin (64 bytes) before every 8 blocks; q5_k: q4_k's
     block and the codes' fifth bits (64 bytes); q6_k: two int8 scales
     (values 0-15, 16-31), the codes' low 4 bits, their high 2 bits, with the
-    super-block's d (32 bytes) before every 8 blocks."""
+    super-block's d (32 bytes) before every 8 blocks; mxfp4: float32 scales
+    2^(e - 128) (no fp16 holds every one), then the raw 4-bit codes."""
     return {"q8_0": 32 + 512, "q4_0": 32 + 256, "q4_1": 64 + 256, "q4_k": 32 + 256 + 64 // 8,
-            "q5_k": 32 + 256 + 64 + 64 // 8, "q6_k": 32 + 256 + 128 + 32 // 8}[fmt]
+            "q5_k": 32 + 256 + 64 + 64 // 8, "q6_k": 32 + 256 + 128 + 32 // 8, "mxfp4": 64 + 256}[fmt]
 
 
 def _nibble_codes(u: np.ndarray, panels: int, nb: int) -> np.ndarray:
@@ -247,6 +249,8 @@ def pack_panels(w: QuantizedWeight) -> torch.Tensor:
     raw = np.zeros((panels * PANEL, nb, block_bytes(w.fmt)), np.uint8)
     raw[:n] = w.data.numpy().reshape(n, nb, -1)
     d = raw[..., 0:2]
+    if w.fmt == "mxfp4":  # the e8m0 byte as the float32 2^(e - 128): its value tables' codes count halves
+        d = np.ldexp(np.float32(1), raw[..., 0].astype(np.int32) - 128).astype(np.float32)[..., None].view(np.uint8)
     if w.fmt == "q8_0":
         scales = [d]
         u = raw[..., 2:34] ^ np.uint8(0x80)  # int8 q -> q + 128
@@ -255,7 +259,7 @@ def pack_panels(w: QuantizedWeight) -> torch.Tensor:
         qs = raw[..., -16:]
         u = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)  # element order
     # [panel, row, block, ...] -> [panel, block, ...(row inside)]
-    parts = [s.reshape(panels, PANEL, nb, 2).transpose(0, 2, 1, 3).reshape(panels, nb, 2 * PANEL) for s in scales]
+    parts = [_by_panel(s, panels, nb) for s in scales]
     if w.fmt == "q8_0":
         codes = u.reshape(panels, PANEL, nb, 8, 4).transpose(0, 2, 3, 1, 4).reshape(panels, nb, -1)
     else:
@@ -294,7 +298,8 @@ def input_quantization_bound(x: torch.Tensor, w: QuantizedWeight) -> torch.Tenso
 QUANTIZATION_CHOICES = QUANTIZATIONS  # auto, none and the block formats
 assert QUANTIZATIONS[2:] == QUANT_FORMATS, "config.QUANTIZATIONS must list the formats quantize() writes"
 # GGUF types the kernels run as stored, by their gguf enum name.
-KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+KEPT_GGUF_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k",
+                   "MXFP4": "mxfp4"}
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16", "F64")
 _EDGE_MATRICES = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -309,7 +314,7 @@ def target_format(name: str, source: str, quantization: str, width: int) -> str 
     checkpoint) runs in under --quantization, None for float.
 
     none: every matrix float (dequantized at load).
-    auto: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K as stored; any other quantized
+    auto: Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K / MXFP4 as stored; any other quantized
           type (Q2_K, Q3_K, Q5_0, Q5_1, IQ*) requantized to q8_0, which loses
           no more than the file already did (an 8-bit grid over a 2-5 bit
           one); float stays float.

@@ -1,4 +1,4 @@
-/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K).
+/* Weight products on GGUF quantized blocks, executed as stored (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4).
  *
  * Why: a batch-1 decode step reads every weight once (inference-optimization
  * 8.2.1, I_weight ~ 2b/s_w), so its time is the weight bytes over the memory
@@ -31,6 +31,11 @@
  * Q6_K u = q + 32 (o = 32), 6-bit, with one int8 scale per 16 values: two
  * sums a block (values 0-15 and 16-31, the input's sum_lo and sum - sum_lo),
  * d_w = d * sc of each.
+ * MXFP4 (gpt-oss's experts) stores 4-bit e2m1 codes with a power-of-two
+ * scale: a code's value, doubled, is one of 0, 1, 2, 3, 4, 6, 8, 12 and
+ * their negatives (MXFP4_LUT, a byte shuffle), u = that + 12 (o = 12), d_w
+ * = 2^(e - 128) (the doubling taken out), kept as a float32 since no fp16
+ * holds every power of two an e8m0 byte names.
  * Both builds compute the same integer (the AVX2 one undoes the +128 of Q8_0
  * codes and uses the sign trick, so no int16 pair saturates) and then the
  * same float operations in the same order, lane by lane: they give
@@ -44,6 +49,7 @@
  *   Q5_K: Q4_K's, and after the codes 64 bytes of fifth bits: byte 4r + t,
  *   bit g = that of value 4g + t (group g's low nibble), bit 4 + g = that of
  *   value 16 + 4g + t (its high nibble)
+ *   MXFP4: d[16] float32 | codes (the raw 4-bit codes, as Q4's)
  *   Q6_K: sc_lo[16] i8 | sc_hi[16] i8 | codes (their low 4 bits, as Q4) |
  *   high bits: 2 x 64 bytes, byte 4r + t of vector p = the high 2 bits of
  *   the low and the high nibble's codes of group 2p (low 4 bits) and 2p + 1;
@@ -96,7 +102,11 @@ static inline const uint8_t *panel_block(const uint8_t *panel, int64_t b, const 
     return panel + b * panel_block_bytes(fmt);
 }
 
-static inline int codes_offset(const int fmt) { return fmt == TS_Q4_1 ? 64 : 32; }
+static inline int codes_offset(const int fmt) { return fmt == TS_Q4_1 || fmt == TS_MXFP4 ? 64 : 32; }
+
+/* An MXFP4 code -> its doubled e2m1 value + 12 (0..24), for a byte shuffle in each 16-byte lane. */
+#define MXFP4_LUT 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+#define MXFP4_OFFSET 12
 
 /* A K-quant block's header: the d (Q4_K, Q5_K: and -dmin) of its super-block. */
 static inline const uint8_t *q4k_head(const uint8_t *panel, int64_t b, const int fmt) {
@@ -176,8 +186,9 @@ static inline int32_t dword(const int8_t *q, int g) {
 #define QTILE_ROWS 8
 static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
                                                         const int nr, const int fmt, float *o) {
-    const int offset = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : 0;
+    const int offset = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : fmt == TS_MXFP4 ? MXFP4_OFFSET : 0;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(MXFP4_LUT));
     __m512 acc[QTILE_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -220,6 +231,8 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))));
             mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))),
                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)))));
+        } else if (fmt == TS_MXFP4) {
+            dw = _mm512_loadu_ps((const float *)blk);
         } else {
             dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
             if (fmt == TS_Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
@@ -240,6 +253,7 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
             for (int g = 0; g < 4; g++) {
                 const __m512i c = _mm512_loadu_si512(codes + 64 * g);
                 __m512i lo = _mm512_and_si512(c, low), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+                if (fmt == TS_MXFP4) lo = _mm512_shuffle_epi8(lut, lo), hi = _mm512_shuffle_epi8(lut, hi);
                 if (fmt == TS_Q5_K) {  // bit g -> 4 (low nibble's value), bit 4 + g -> 4 (high's)
                     lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h5, 4 - g), fifth));
                     hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(h5, g), fifth));
@@ -271,8 +285,9 @@ static inline __m256i madd_us(__m256i u, __m256i s) {
  * at 4 rows, and 2 rows left the product no faster than the float32 one). */
 static inline __attribute__((always_inline)) void qtile_half(const uint8_t *panel, int64_t nb, const block_q8x *x,
                                                              const int nr, const int fmt, const int h, float *o) {
-    const int offset = fmt == TS_Q4_0 ? 8 : 0;  // Q8_0's +128 is undone on the codes
+    const int offset = fmt == TS_Q4_0 ? 8 : fmt == TS_MXFP4 ? MXFP4_OFFSET : 0;  // Q8_0's +128 is undone on the codes
     const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_setr_epi8(MXFP4_LUT));
     __m256 acc[QTILE_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -333,8 +348,9 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
         } else {
             // 4-bit codes: a vpmaddubsw pair sum is at most 2 * 15 * 127 = 3810, so all 8
             // of a block add up in int16 (<= 30480) before one vpmaddwd widens them; Q5_K's
-            // 5-bit ones (2 * 31 * 127 = 7874) two groups' four at a time (<= 31496).
-            const int span = fmt == TS_Q5_K ? 2 : 4;
+            // 5-bit ones (2 * 31 * 127 = 7874) and MXFP4's (2 * 24 * 127 = 6096) two groups' four
+            // at a time (<= 31496).
+            const int span = fmt == TS_Q5_K || fmt == TS_MXFP4 ? 2 : 4;
             const __m256i fifth = _mm256_set1_epi8(0x10);
             __m256i h5 = _mm256_setzero_si256();
             if (fmt == TS_Q5_K) h5 = _mm256_loadu_si256((const __m256i *)(codes + 256));  // this half's 32 bytes
@@ -344,6 +360,7 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
                 for (int g = g0; g < g0 + span; g++) {
                     const __m256i c = _mm256_loadu_si256((const __m256i *)(codes + 64 * g));
                     __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                    if (fmt == TS_MXFP4) lo = _mm256_shuffle_epi8(lut, lo), hi = _mm256_shuffle_epi8(lut, hi);
                     if (fmt == TS_Q5_K) {  // as the avx512 build
                         lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(h5, 4 - g), fifth));
                         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi16(h5, g), fifth));
@@ -368,6 +385,8 @@ static inline __attribute__((always_inline)) void qtile_half(const uint8_t *pane
                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 8 * h)))));
             mw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(head + 32 + 16 * h))),
                                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 16 + 8 * h)))));
+        } else if (fmt == TS_MXFP4) {
+            dw = _mm256_loadu_ps((const float *)blk + 8 * h);
         } else {
             dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16 * h)));
             if (fmt == TS_Q4_1) mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + 16 * h)));
@@ -414,6 +433,7 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
         case TS_Q4_K: QTILE_NR(TS_Q4_K) break;
         case TS_Q5_K: QTILE_NR(TS_Q5_K) break;
         case TS_Q6_K: QTILE_NR(TS_Q6_K) break;
+        case TS_MXFP4: QTILE_NR(TS_MXFP4) break;
         default: QTILE_NR(TS_Q4_1) break;
     }
 #undef QTILE_NR
@@ -769,6 +789,17 @@ void ts_dequant_rows(const void *w, int fmt, int64_t k, const int64_t *ids, int6
             const int kq = fmt == TS_Q4_K || fmt == TS_Q5_K;
             float d = kq ? f16(q4k_head(panel, b, fmt) + 2 * r) * (float)blk[r] : f16(blk + 2 * r);
             float *ob = o + b * QK;
+            if (fmt == TS_MXFP4) {
+                static const int8_t value[16] = {MXFP4_LUT};
+                const uint8_t *codes = blk + 64;
+                memcpy(&d, blk + 4 * r, 4);
+                for (int j = 0; j < QK / 2; j++) {
+                    const uint8_t byte = codes[64 * (j / 4) + 4 * r + j % 4];
+                    ob[j] = d * (float)(value[byte & 0x0F] - MXFP4_OFFSET);
+                    ob[j + QK / 2] = d * (float)(value[byte >> 4] - MXFP4_OFFSET);
+                }
+                continue;
+            }
             if (fmt == TS_Q6_K) {
                 const float d16 = f16(q6k_head(panel, b) + 2 * r);
                 const float da = d16 * (float)(int8_t)blk[r], db = d16 * (float)(int8_t)blk[16 + r];

@@ -43,6 +43,8 @@ FORMATS: dict[str, StorageFormat] = {
     "q5_k": StorageFormat("q5_k", 256, Fraction(160), 16),
     # 6-bit codes (4 low bits, 2 high) of 256 values, 16 int8 scales, an fp16 d
     "q6_k": StorageFormat("q6_k", 256, Fraction(192), 18),
+    # 4-bit e2m1 codes of 32 values and one e8m0 (power-of-two) scale byte: gpt-oss's experts
+    "mxfp4": StorageFormat("mxfp4", 32, Fraction(16), 1),
 }
 _ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
             "float8": "fp8", "fp8_e4m3": "fp8", "e4m3": "fp8", "q8": "q8_0", "q4": "q4_0"}

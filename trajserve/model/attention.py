@@ -138,20 +138,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     then carries `dec_tables`, not the pair tensors). window > 0: a
     sliding-window layer's attention. sinks: each head's sink logit, float32
     [H] (gpt-oss): counted in the softmax's denominator, weighing no value
-    (torch only)."""
-    if sinks is not None and kernels is not None:
-        raise ValueError("attention sinks run in torch's attention, not the C kernels")
+    (torch's, or the C vector kernels')."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if meta.num_decodes:
         if kernels is not None:
             kernels.decode_attention(q, k_cache, v_cache, meta.dec_tables, meta.dec_table_start,
-                                     meta.dec_ctx, meta.decode_rows, scale, out, window)
+                                     meta.dec_ctx, meta.decode_rows, scale, out, window, sinks)
         else:
             out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale, window, sinks)
     for s in meta.prefills:
         rows = slice(s.q_start, s.q_start + s.q_len)
         if kernels is not None:
-            kernels.prefill_attention(q[rows], k_cache, v_cache, s.block_ids, s.ctx_len, scale, out[rows], window)
+            kernels.prefill_attention(q[rows], k_cache, v_cache, s.block_ids, s.ctx_len, scale, out[rows], window,
+                                      sinks)
         else:
             out[rows] = _prefill(q[rows], k_cache, v_cache, s, scale, window, sinks)
     return out

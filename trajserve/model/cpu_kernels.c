@@ -721,7 +721,7 @@ static inline void prefetch_keys(const void *k_cache, const void *v_cache, const
 static inline __attribute__((always_inline)) void decode_heads(
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache, const void *v_cache, const int fmt,
     int64_t bs, const int64_t *table, int64_t lo, int64_t ctx, int64_t h, int64_t j0, int64_t nh, float scale,
-    float *out) {
+    const float *sinks, float *out) {
     const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
     const int quant = fmt == TS_Q8_0 || fmt == TS_Q4_0;
     float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
@@ -807,7 +807,8 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
     for (int64_t j = 0; j < nh; j++) {
         float *orow = out + (h * group + j0 + j) * d;
-        const float inv = 1.0f / l[j];
+        // A sink (gpt-oss): one more logit in the denominator, weighing no value.
+        const float inv = 1.0f / (sinks ? l[j] + expf(sinks[h * group + j0 + j] - m[j]) : l[j]);
         for (int64_t e = 0; e < d; e++) orow[e] = o[j * d + e] * inv;
         if (quant) unrotate32(orow, d);
     }
@@ -815,11 +816,11 @@ static inline __attribute__((always_inline)) void decode_heads(
 
 static void decode_heads_any(const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
                              const void *v_cache, int fmt, int64_t bs, const int64_t *table, int64_t lo, int64_t ctx,
-                             int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
+                             int64_t h, int64_t j0, int64_t nh, float scale, const float *sinks, float *out) {
     switch (fmt) {  // a constant format in each copy: the quantized branches fold away
-        case TS_Q8_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q8_0, bs, table, lo, ctx, h, j0, nh, scale, out); break;
-        case TS_Q4_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q4_0, bs, table, lo, ctx, h, j0, nh, scale, out); break;
-        default: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_F32, bs, table, lo, ctx, h, j0, nh, scale, out);
+        case TS_Q8_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q8_0, bs, table, lo, ctx, h, j0, nh, scale, sinks, out); break;
+        case TS_Q4_0: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_Q4_0, bs, table, lo, ctx, h, j0, nh, scale, sinks, out); break;
+        default: decode_heads(q, hq, hkv, d, k_cache, v_cache, TS_F32, bs, table, lo, ctx, h, j0, nh, scale, sinks, out);
     }
 }
 
@@ -831,7 +832,7 @@ void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
                            int64_t d, const void *k_cache, const void *v_cache, int64_t bs,
                            const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
                            const int64_t *rows, float scale, float *out, int64_t ldo, int kv_fmt, int64_t window,
-                           int nthreads) {
+                           const float *sinks, int nthreads) {
     const int64_t group = hq / hkv;
     // A task per (sequence, kv head) while there are as many as threads (at a
     // batch of 1 with 3 kv heads on 2 threads that beat 9 per-head tasks,
@@ -849,7 +850,7 @@ void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
             }
             const int64_t si = ti / (hkv * runs), t = ti % (hkv * runs), h = t / runs, j0 = (t % runs) * per;
             decode_heads_any(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, tables + table_start[si],
-                             window_start(ctx[si] - 1, window), ctx[si], h, j0, per, scale, out + rows[si] * ldo);
+                             window_start(ctx[si] - 1, window), ctx[si], h, j0, per, scale, sinks, out + rows[si] * ldo);
         }
     }
 }
@@ -859,7 +860,7 @@ void ts_decode_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                          const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
                          const int64_t *rows, float scale, float *out, int64_t ldo, int nthreads) {
     ts_decode_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, tables, table_start, ctx, rows, scale, out,
-                          ldo, TS_F32, 0, nthreads);
+                          ldo, TS_F32, 0, NULL, nthreads);
 }
 
 /* Paged prefill attention for one sequence's chunk of n query tokens over
@@ -982,7 +983,7 @@ static inline int64_t hidden_rows(int64_t key, int64_t first) {
 int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                            const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
                            int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int64_t window,
-                           int nthreads) {
+                           const float *sinks, int nthreads) {
     const int64_t group = hq / hkv, nqb = (n + QB - 1) / QB, rb = kv_row_bytes(kv_fmt, d);
     const int quant = kv_fmt == TS_Q8_0 || kv_fmt == TS_Q4_0;
     int failed = 0;
@@ -1097,7 +1098,8 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
             }
             for (int64_t j = 0; j < group; j++)
                 for (int64_t r = 0; r < rows; r++) {
-                    float *orow = out + (q0 + r) * ldo + (h * group + j) * d, inv = 1.0f / l[j * QB + r];
+                    const float lr = l[j * QB + r], sink = sinks ? expf(sinks[h * group + j] - m[j * QB + r]) : 0.0f;
+                    float *orow = out + (q0 + r) * ldo + (h * group + j) * d, inv = 1.0f / (sinks ? lr + sink : lr);
                     for (int64_t e = 0; e < d; e++) orow[e] = o[(j * QB + r) * d + e] * inv;
                     if (quant) unrotate32(orow, d);
                 }
@@ -1111,7 +1113,7 @@ int ts_prefill_attention(const float *q, int64_t ldq, int64_t n, int64_t hq, int
                          const float *k_cache, const float *v_cache, int64_t bs, const int64_t *table,
                          int64_t ctx, float scale, float *out, int64_t ldo, int nthreads) {
     return ts_prefill_attention_q(q, ldq, n, hq, hkv, d, k_cache, v_cache, bs, table, ctx, scale, out, ldo, TS_F32,
-                                  0, nthreads);
+                                  0, NULL, nthreads);
 }
 
 /* exp8 and (in the avx512 build; else exp8 again) exp16 of x[0 .. n), n a

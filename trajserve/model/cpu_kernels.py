@@ -73,8 +73,9 @@ _SIGNATURES = {
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
-    "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _I, _C],
-    "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _I, _C],
+    "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _I, _P,
+                              _C],
+    "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _I, _P, _C],
     "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _I, _C],
     "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _I, _C],
     "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
@@ -222,6 +223,18 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return packed[ids // PANEL, :, ids % PANEL]
 
 
+def _check_sinks(sinks: torch.Tensor | None, num_heads: int, vector: bool) -> None:
+    """Sinks reach only the vector kernels (float32, q8_0, q4_0 pools), as
+    contiguous float32, one a query head."""
+    if sinks is None:
+        return
+    if not vector:
+        raise ValueError("attention sinks run on the vector kernels (a float32, q8_0 or q4_0 pool without AMX "
+                         "tiles); this pool's attention takes none")
+    if sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous():
+        raise ValueError(f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -364,10 +377,13 @@ class CpuKernels:
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          tables: torch.Tensor, table_start: torch.Tensor, ctx: torch.Tensor,
-                         rows: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0) -> None:
+                         rows: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0,
+                         sinks: torch.Tensor | None = None) -> None:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows].
         window > 0: a sliding-window layer's, each query over its latest
-        `window` keys (the AMX kernels take no window: the vector ones run it)."""
+        `window` keys (the AMX kernels take no window: the vector ones run
+        it). sinks: each head's sink logit, float32 [H] (gpt-oss), which the
+        vector kernel over a float32, q8_0 or q4_0 pool counts."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
         fmt = _pool_format(k_cache, v_cache, d)
@@ -375,12 +391,13 @@ class CpuKernels:
                 v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
                 rows.data_ptr(), scale, out.data_ptr(), out.stride(0))
         path = self.decode_path(fmt, d, k_cache.shape[2], num_heads // k_cache.shape[1], window)
+        _check_sinks(sinks, num_heads, path == DECODE_VECTOR)
         if path == DECODE_AMX:
             self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
         elif path == DECODE_BF16:
             self.lib.ts_decode_attention_bf16(*args, window, self.threads())
         else:
-            self.lib.ts_decode_attention_q(*args, fmt, window, self.threads())
+            self.lib.ts_decode_attention_q(*args, fmt, window, _ptr(sinks), self.threads())
 
     def decode_path(self, fmt: int, head_dim: int, block_size: int, group: int, window: int) -> int:
         """Which kernel runs a decode's attention over a pool of format code
@@ -397,7 +414,7 @@ class CpuKernels:
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor,
-                          window: int = 0) -> None:
+                          window: int = 0, sinks: torch.Tensor | None = None) -> None:
         """One sequence's chunk: q, out [n, H, d] (row strides allowed), the
         chunk's last query at position ctx_len - 1; K/V of all ctx_len tokens
         are in the blocks `block_ids` (in order; window > 0: a sliding-window
@@ -413,6 +430,8 @@ class CpuKernels:
         args = (q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
                 bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0))
         failed = 0
+        _check_sinks(sinks, num_heads, fmt != 1 and not (fmt != 0 and not window and
+                                                         self.amx_quantized(d, num_heads // k_cache.shape[1])))
         if fmt == 1 and not window and self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES:
             failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
         elif fmt == 1:
@@ -423,7 +442,7 @@ class CpuKernels:
             else:
                 self.lib.ts_prefill_attention_amx_decodes(*args, fmt, self.threads())
         else:  # float32, or q8_0 / q4_0 key blocks dequantized as read
-            failed = self.lib.ts_prefill_attention_q(*args, fmt, window, self.threads())
+            failed = self.lib.ts_prefill_attention_q(*args, fmt, window, _ptr(sinks), self.threads())
         if failed:
             raise MemoryError(f"prefill attention: no memory for {failed} (query block, head) tasks")
 

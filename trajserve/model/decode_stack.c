@@ -40,7 +40,7 @@ void ts_rope_store(float *qkv, int64_t t, int64_t ldq, int64_t hq, int64_t hkv, 
 void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                            const void *k_cache, const void *v_cache, int64_t bs, const int64_t *tables,
                            const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
-                           float *out, int64_t ldo, int kv_fmt, int64_t window, int nthreads);
+                           float *out, int64_t ldo, int kv_fmt, int64_t window, const float *sinks, int nthreads);
 void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                               const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *tables,
                               const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
@@ -113,7 +113,7 @@ int ts_decode_stack(const TsStack *s, const TsLayer *layers, int64_t nl, float *
                                      table_start, ctx, rows, s->scale, a, qw, L->window, nt);
         else
             ts_decode_attention_q(qkv, width, t, s->hq, s->hkv, s->d, L->k_cache, L->v_cache, s->bs, tables,
-                                  table_start, ctx, rows, s->scale, a, qw, (int)s->kv_fmt, L->window, nt);
+                                  table_start, ctx, rows, s->scale, a, qw, (int)s->kv_fmt, L->window, NULL, nt);
         failed |= product(&L->o, a, t, qw, x, D, 1, amx, nt);
         ts_rms_norm(x, t, D, D, L->post_norm, s->eps, h, D, nt);
         const TsProduct *gu = &L->gate_up;

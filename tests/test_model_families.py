@@ -89,7 +89,7 @@ def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp
     assert got == want
 
 
-def test_gpt_oss_mxfp4_experts_and_lora_are_refused_by_name(tmp_path):
+def test_gpt_oss_mxfp4_checkpoints_lora_and_a_bf16_pool_are_refused_by_name(tmp_path):
     import json
 
     from trajserve.model.hf_reader import _hf_config
@@ -101,3 +101,6 @@ def test_gpt_oss_mxfp4_experts_and_lora_are_refused_by_name(tmp_path):
         _hf_config(raw)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         engine(tmp_path, enable_lora=True)
+    # The bf16 pool's kernels count no sinks.
+    with pytest.raises(ValueError, match="bfloat16 under float32 compute is not supported with attention sinks"):
+        engine(tmp_path, {"kv_cache_dtype": "bfloat16"})

@@ -89,15 +89,16 @@ def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp
     assert got == want
 
 
-def test_gpt_oss_mxfp4_checkpoints_lora_and_a_bf16_pool_are_refused_by_name(tmp_path):
+def test_gpt_oss_other_quantizations_lora_and_a_bf16_pool_are_refused_by_name(tmp_path):
     import json
 
     from trajserve.model.hf_reader import _hf_config
 
     hf = tiny_hf_model("gpt_oss")
     save_with_tokenizer(hf, tmp_path)
-    raw = json.loads((tmp_path / "config.json").read_text()) | {"quantization_config": {"quant_method": "mxfp4"}}
-    with pytest.raises(ValueError, match="unsupported quantization_config 'mxfp4'"):
+    raw = json.loads((tmp_path / "config.json").read_text()) | {"quantization_config": {"quant_method": "bitsandbytes"}}
+    with pytest.raises(ValueError, match="unsupported quantization_config 'bitsandbytes' for gpt_oss; supported: none, "
+                                         "gpt_oss's mxfp4"):
         _hf_config(raw)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         engine(tmp_path, enable_lora=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from trajserve.config import MLASpec, ModelConfig, MoESpec, WindowSpec
+from trajserve.model.hf_mxfp4 import is_packed, split_packed_experts
 
 # HF model_type -> our architecture. Mistral is Llama with other defaults.
 HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
@@ -76,9 +77,10 @@ def _hf_config(raw: dict, name: str = "") -> ModelConfig:
         raise ValueError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(HF_MODEL_TYPES)}"
         )
-    if arch == "gpt_oss" and raw.get("quantization_config"):
-        raise ValueError(f"unsupported quantization_config {raw['quantization_config'].get('quant_method')!r} "
-                         "(gpt-oss's MXFP4 experts); supported: a gpt_oss checkpoint in bfloat16 or float32")
+    method = (raw.get("quantization_config") or {}).get("quant_method")
+    if raw.get("quantization_config") and not (arch == "gpt_oss" and method == "mxfp4"):
+        raise ValueError(f"unsupported quantization_config {method!r} for {model_type}; supported: none, "
+                         "gpt_oss's mxfp4 experts")
     act = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if act not in HF_ACTIVATIONS or (act != "silu" and arch != "gemma3"):
         raise ValueError(f"unsupported hidden_act {act!r}; supported: silu (gelu_pytorch_tanh in gemma3_text)")
@@ -224,10 +226,12 @@ def _hf_tensors(d: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | tor
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                out[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                t = f.get_tensor(name)
+                out[name] = t if is_packed(name) else t.to(device=device, dtype=dtype)  # MXFP4 bytes stay bytes
     if cfg.mla is not None and _rope_interleaved(_read_hf_config(d)):
         _latent_rope_rows(out, cfg)
     if cfg.architecture == "gpt_oss":
+        split_packed_experts(out, cfg.num_layers)
         _split_stacked_experts(out, cfg)
     return out
 

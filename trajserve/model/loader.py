@@ -110,6 +110,15 @@ def load_weights(
         cfg = _hf_config(_read_hf_config(Path(p)), Path(p).name)
         weights = _hf_tensors(Path(p), cfg, dtype, device)
         for name, t in weights.items():
+            if isinstance(t, QuantizedWeight):  # a checkpoint's own blocks (gpt-oss's MXFP4 experts)
+                fmt = target_format(name, t.fmt.upper(), quantization, t.shape[1])
+                if fmt != t.fmt:
+                    a = t.dequantize()
+                    weights[name] = a.to(device=device, dtype=dtype) if fmt is None else QuantizedWeight.quantize(a, fmt)
+                    if fmt is not None and requantized is not None:
+                        key = f"{t.fmt.upper()} -> {fmt}"
+                        requantized[key] = requantized.get(key, 0) + 1
+                continue
             fmt = target_format(name, "F32", quantization, t.shape[-1]) if t.dim() == 2 else None
             if fmt is not None:
                 weights[name] = QuantizedWeight.quantize(t, fmt)

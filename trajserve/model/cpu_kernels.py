@@ -73,8 +73,7 @@ _SIGNATURES = {
     "ts_rope_store": [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _I, _C, _C],
     "ts_decode_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
     "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
-    "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _I, _P,
-                              _C],
+    "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _I, _P, _C],
     "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _I, _P, _C],
     "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _I, _C],
     "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _I, _C],
@@ -224,14 +223,11 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _check_sinks(sinks: torch.Tensor | None, num_heads: int, vector: bool) -> None:
-    """Sinks reach only the vector kernels (float32, q8_0, q4_0 pools), as
-    contiguous float32, one a query head."""
-    if sinks is None:
-        return
-    if not vector:
+    """Sinks reach the vector kernels only (float32, q8_0, q4_0 pools), contiguous float32, one a query head."""
+    if sinks is not None and not vector:
         raise ValueError("attention sinks run on the vector kernels (a float32, q8_0 or q4_0 pool without AMX "
                          "tiles); this pool's attention takes none")
-    if sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous():
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous()):
         raise ValueError(f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
 
 
@@ -382,8 +378,7 @@ class CpuKernels:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows].
         window > 0: a sliding-window layer's, each query over its latest
         `window` keys (the AMX kernels take no window: the vector ones run
-        it). sinks: each head's sink logit, float32 [H] (gpt-oss), which the
-        vector kernel over a float32, q8_0 or q4_0 pool counts."""
+        it). sinks: each head's sink logit [H] (gpt-oss; vector kernels only)."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
         fmt = _pool_format(k_cache, v_cache, d)
@@ -412,9 +407,8 @@ class CpuKernels:
             return DECODE_AMX
         return DECODE_VECTOR
 
-    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_ids: torch.Tensor, ctx_len: int, scale: float, out: torch.Tensor,
-                          window: int = 0, sinks: torch.Tensor | None = None) -> None:
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                          ctx_len: int, scale: float, out: torch.Tensor, window: int = 0, sinks=None) -> None:
         """One sequence's chunk: q, out [n, H, d] (row strides allowed), the
         chunk's last query at position ctx_len - 1; K/V of all ctx_len tokens
         are in the blocks `block_ids` (in order; window > 0: a sliding-window
@@ -430,13 +424,13 @@ class CpuKernels:
         args = (q.data_ptr(), q.stride(0), n, num_heads, k_cache.shape[1], d, k_cache.data_ptr(), v_cache.data_ptr(),
                 bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0))
         failed = 0
-        _check_sinks(sinks, num_heads, fmt != 1 and not (fmt != 0 and not window and
-                                                         self.amx_quantized(d, num_heads // k_cache.shape[1])))
+        amx_rows = fmt and not window and self.amx_quantized(d, num_heads // k_cache.shape[1])  # q8_0 / q4_0 as bf16
+        _check_sinks(sinks, num_heads, fmt != 1 and not amx_rows)
         if fmt == 1 and not window and self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES:
             failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
         elif fmt == 1:
             self.lib.ts_prefill_attention_bf16(*args, window, self.threads())
-        elif fmt != 0 and not window and self.amx_quantized(d, num_heads // k_cache.shape[1]):  # rows read as bf16
+        elif amx_rows:
             if n >= AMX_MIN_QUERIES:
                 failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
             else:

@@ -87,7 +87,8 @@ def resolve_quantization(name: str, dtype: torch.dtype, device: torch.device,
             log.warning("--quantization %s cannot run here (%s): weights dequantized to %s", name, why_not,
                         str(dtype).removeprefix("torch."))
         return "none", f"{name} -> none: {why_not}"
-    return name, "requested" if name != "auto" else "GGUF block types as stored, other matrices float"
+    return name, ("requested" if name != "auto"
+                  else "block types as stored (a GGUF's, a checkpoint's MXFP4), other matrices float")
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype, kernels, head_dim: int = 64,

@@ -214,7 +214,9 @@ def _safetensors_files(d: Path) -> list[Path]:
     return files
 
 
-def _hf_tensors(d: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> dict[str, torch.Tensor]:
+def _hf_tensors(d: Path, cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> dict:
+    """Every tensor under its HF name in `dtype`, but for a checkpoint's MXFP4
+    experts (model/hf_mxfp4.py): QuantizedWeights of their own blocks."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}

@@ -26,8 +26,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from trajserve.config import MLASpec, MoESpec
+from trajserve.model.hf_reader import deinterleave_rope_rows
 
 # llama.cpp's expert_gating_func values (gguf.ExpertGatingFuncType); 0 or
 # absent: the architecture's own (softmax for every family read here).
@@ -139,28 +141,17 @@ def merge_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(heads * (k_b.shape[2] + v_b.shape[1]), -1)
 
 
-def deinterleave_rope_rows(w: np.ndarray, heads: int, rope: int) -> np.ndarray:
-    """w's rows (a matrix's, or a quantized one's rows of blocks: rows move
-    whole) with each head's last `rope` rows, in interleaved pairs, put
-    evens first, then odds: the rotate-half order of the same rotation."""
-    w = w.reshape(heads, w.shape[0] // heads, *w.shape[1:])
-    head_rows = w.shape[1]
-    order = np.concatenate([np.arange(head_rows - rope), head_rows - rope + np.arange(0, rope, 2),
-                            head_rows - rope + np.arange(1, rope, 2)])
-    return w[:, order].reshape(heads * head_rows, *w.shape[2:])
-
-
 def rope_rows(arch: str, hf: str, a: np.ndarray, heads: int, kv_heads: int, mla: MLASpec | None) -> np.ndarray:
     """A Q or K matrix's rows in the rotate-half order the model applies RoPE in."""
     if arch == "llama" and ".self_attn.q_proj." in hf:
         return unpermute_llama_rows(a, heads)
     if arch == "llama" and ".self_attn.k_proj." in hf:
         return unpermute_llama_rows(a, kv_heads)
-    if arch == "deepseek2" and mla is not None:
-        if hf.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")):
-            return deinterleave_rope_rows(a, heads, mla.qk_rope_head_dim)
-        if hf.endswith("self_attn.kv_a_proj_with_mqa.weight"):
-            return deinterleave_rope_rows(a, 1, mla.qk_rope_head_dim)
+    if arch == "deepseek2" and mla is not None:  # as from a Hugging Face directory; rows (of blocks) move whole
+        n = heads if hf.endswith(("self_attn.q_proj.weight", "self_attn.q_b_proj.weight")) else 1
+        if n > 1 or hf.endswith("self_attn.kv_a_proj_with_mqa.weight"):
+            return deinterleave_rope_rows(torch.from_numpy(np.array(a)), n, a.shape[0] // n,
+                                          mla.qk_rope_head_dim).numpy()
     return a  # qwen2/qwen3/gemma3/gpt-oss: llama.cpp's NEOX RoPE is rotate-half already
 
 

@@ -23,7 +23,7 @@ import torch
 from trajserve.config import ModelConfig, WindowSpec
 from trajserve.model.gguf_families import (EXPERT_NAMES, KV_B_PARTS, LAYER_NAMES, merge_kv_b, mla_spec, moe_spec,
                                            rope_rows, yarn_scaling)
-from trajserve.model.quant import QuantizedWeight, target_format
+from trajserve.model.quant import QuantizedWeight, requantize, target_format
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe", "gemma3", "deepseek2", "gpt-oss")
 # llama.cpp's architecture name -> ours (config.ModelConfig.architecture)
@@ -320,12 +320,7 @@ def _gguf_tensors(
 
     def to_format(hf: str, a: np.ndarray, source: str) -> torch.Tensor | QuantizedWeight:
         fmt = target_format(hf, source, quantization, a.shape[-1]) if a.ndim == 2 else None
-        if fmt is None:
-            return _to_torch(a, dtype, device)
-        if requantized is not None:
-            key = f"{source} -> {fmt}"
-            requantized[key] = requantized.get(key, 0) + 1  # dict ops are atomic under the GIL
-        return QuantizedWeight.quantize(a, fmt)
+        return _to_torch(a, dtype, device) if fmt is None else requantize(a, fmt, source, requantized)
 
     def convert(item: tuple[str, Any, int | None]) -> torch.Tensor | QuantizedWeight:
         hf, t, expert = item

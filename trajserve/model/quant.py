@@ -270,6 +270,13 @@ def pack_panels(w: QuantizedWeight) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def requantize(a: torch.Tensor | np.ndarray, fmt: str, source: str, counts: dict[str, int] | None) -> QuantizedWeight:
+    """a in block format fmt, counted as "source -> fmt" in `counts` (the start-up line's tally) where given."""
+    if counts is not None:
+        counts[f"{source} -> {fmt}"] = counts.get(f"{source} -> {fmt}", 0) + 1  # dict ops are atomic under the GIL
+    return QuantizedWeight.quantize(a, fmt)
+
+
 def quantize_input_rows(x: np.ndarray) -> np.ndarray:
     """The float values of the 8-bit input blocks of quant_kernels.c's
     quantize_row: d = amax / 127, q = round-half-even(x * (127 / amax)),

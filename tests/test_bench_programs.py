@@ -35,6 +35,21 @@ def test_bench_programs_runs_every_policy_on_the_same_workload():
     assert set(report["targets"]) == {"short_p99_over_fcfs", "long_throughput_over_fcfs"}
 
 
+def test_rounds_alternate_the_policies_and_report_each_figures_median():
+    rc, out = _programs("--reply-tokens", "4", "--preamble-tokens", "100", "--policies", "fcfs,program",
+                        "--rounds", "3")
+    assert rc == 0
+    report = json.loads(out)
+    assert report["rounds"] == 3 and len(report["each_round"]) == 3 and report["same_replies"] is True
+    for policy, p in report["policies"].items():
+        p99s = sorted(r[policy]["short_p99_s"] for r in report["each_round"])
+        tputs = sorted(r[policy]["long_tokens_per_s"] for r in report["each_round"])
+        assert p["short"]["p99_s"] == p99s[1] and p["long"]["tokens_per_s"] == tputs[1]
+    fcfs, program = report["policies"]["fcfs"], report["policies"]["program"]
+    assert program["short_p99_over_fcfs"] == program["short"]["p99_s"] / fcfs["short"]["p99_s"]
+    assert _programs("--rounds", "0")[0] == 2
+
+
 def test_bench_programs_counts_calls_refused_late_and_on_time_against_a_deadline():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -236,3 +236,111 @@ def test_a_high_priority_conversations_blocks_are_the_last_evicted(policy, kept,
     held = {r.request_id: kv.cached_prefix(r.prompt_token_ids, r.cache_scope) for r in (urgent, bulk)}
     assert held[kept] is not None and held[kept].num_tokens == 64
     assert held[dropped] is None or held[dropped].num_tokens == 0
+
+
+def _decoding_short_and_long(policy: str, proposer=None, long_served: int = 10_000):
+    """A long program (long_served tokens so far) and a new one; the new
+    one's call decodes (its prompt computed), the long one's call is queued."""
+    kv = KVCacheManager(1000, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, scheduling=policy), kv,
+                      proposer=proposer)
+    short, long_call = make_requests([(20, 30), (90, 30)])
+    short.program, long_call.program = "new", "long"
+    if sched.service is not None:
+        sched.service.add("long", long_served, 0.0)
+    sched.add(short)
+    _step_at(sched, 0.0)
+    sched.add(long_call)
+    return sched, kv, short, long_call
+
+
+def _step_at(sched: Scheduler, now: float):
+    """One step of the stand-in model, its clock at `now` seconds."""
+    out = sched.schedule()
+    sched.update(out, {c.request.request_id: next_token(c.request.all_token_ids) for c in out.chunks if c.sample}, now)
+    return out
+
+
+@pytest.mark.parametrize("policy, held", [("fcfs", False), ("priority", False), ("program", True)])
+def test_an_outranked_prefill_waits_while_a_less_served_program_decodes(policy, held):
+    """Program scheduling: the long program's prefill stays out of the new
+    program's decode steps for HOLD_S, then runs; the other policies run it
+    at once. Every call still gets the tokens it gets alone."""
+    from trajserve.engine.program_precedence import HOLD_S
+    sched, kv, short, long_call = _decoding_short_and_long(policy)
+    ran = []
+    for k in range(1, 11):  # a step schedules at the clock of the update before it: 0, HOLD_S / 8, ...
+        out = _step_at(sched, k * HOLD_S / 8)
+        ran.append(any(c.request is long_call for c in out.chunks))
+        assert any(c.request is short for c in out.chunks)  # the short call decodes every step
+    assert ran.index(True) == (8 if held else 0)
+    drive(sched, kv)
+    for r in (short, long_call):
+        assert r.all_token_ids[len(r.prompt_token_ids):] == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+def test_a_running_outranked_prefill_is_held_and_held_prefills_go_one_a_step():
+    """Two long calls mid-prefill (chunks of 32) when a new program's call
+    starts decoding: both wait; when their time is up, one goes a step
+    (the less served first), not both at once."""
+    from trajserve.engine.program_precedence import HOLD_S
+    kv = KVCacheManager(1000, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128, max_prefill_chunk=32,
+                                      scheduling="program"), kv)
+    a, b, short = make_requests([(200, 5), (200, 5), (10, 40)])
+    a.program, b.program, short.program = "a", "b", "new"
+    sched.service.add("a", 5_000, 0.0)
+    sched.service.add("b", 9_000, 0.0)
+    sched.add(a)
+    sched.add(b)
+    _step_at(sched, 0.0)  # both started their prompts
+    sched.add(short)
+    _step_at(sched, 0.0)  # the short prompt is computed whole (rank first)
+    assert short.num_computed_tokens == 10 and 0 < a.num_computed_tokens < 200
+    for t in (0.1, HOLD_S):  # scheduled at the clocks 0.0 and 0.1: held
+        assert [c.request for c in _step_at(sched, t).chunks] == [short]
+    went, t = [], HOLD_S
+    while b.num_computed_tokens < 200:
+        t += 0.01
+        out = _step_at(sched, t)
+        went.append([c.request.program for c in out.chunks if c.num_tokens > 1])
+        assert short.status.name == "RUNNING"  # the holds are what the short call's decoding starts
+    assert all(len(w) == 1 for w in went)  # one a step
+    assert went == [["a"]] * went.count(["a"]) + [["b"]] * went.count(["b"]) and went.count(["a"]) >= 5
+    drive(sched, kv)
+    for r in (a, b, short):
+        assert r.all_token_ids[len(r.prompt_token_ids):] == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+class _AlwaysDrafts:
+    """A stand-in proposer: two draft tokens for every decode it is asked about."""
+
+    def __init__(self):
+        self.asked = []
+
+    def begin_step(self, num_decodes, num_prefill_tokens):
+        pass
+
+    def propose(self, req, limit):
+        self.asked.append(req.request_id)
+        return [1, 2][:limit]
+
+    def observe(self, req, drafted, accepted):
+        pass
+
+    def release(self, req):
+        pass
+
+
+def test_an_outranked_decode_drafts_nothing_while_a_less_served_program_decodes():
+    """Both calls decode; the long program has had 20,000 tokens: only the
+    new program's call is offered drafts."""
+    proposer = _AlwaysDrafts()
+    sched, kv, short, long_call = _decoding_short_and_long("program", proposer, long_served=0)
+    _step_at(sched, 0.0)  # the long call's prompt, beside the short call's decode
+    sched.service.add("long", 20_000, 0.0)
+    assert long_call.num_computed_tokens == 90 and short.num_computed_tokens > 20
+    proposer.asked.clear()
+    out = sched.schedule()
+    drafts = {c.request.request_id: tuple(c.draft) for c in out.chunks}
+    assert drafts == {short.request_id: (1, 2), long_call.request_id: ()} and proposer.asked == [short.request_id]

@@ -176,6 +176,21 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
     return out
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One policy's runs (rounds) as one: each figure's median; replies,
+    pool and fitted profile from the first; deadline counts summed."""
+    first = runs[0]
+    out = dict(first)
+    for kind in ("short", "long"):
+        out[kind] = {k: (statistics.median(r[kind][k] for r in runs) if k != "programs" else v)
+                     for k, v in first[kind].items()}
+    if "deadline" in first:
+        d = {k: sum(r["deadline"][k] for r in runs) for k in first["deadline"] if k != "late_share"}
+        d["late_share"] = d["admitted_late"] / d["calls_admitted"] if d["calls_admitted"] else 0.0
+        out["deadline"] = d
+    return out
+
+
 def step_of(engine):
     """The step the engine just ran, as calibration records one (bench/calibrate.py)."""
     from trajserve.bench.calibrate import Step
@@ -191,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
     from trajserve.engine.engine import LLMEngine
     from trajserve.engine.options import config_from_args
 
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.simulate == "fit" and "fcfs" not in args.policies.split(","):
         raise ValueError("--simulate fit fits the simulator to the FCFS run's steps: run --policies with fcfs")
     cfg = config_from_args(args)
@@ -200,19 +217,25 @@ def run(args: argparse.Namespace) -> int:
     tok = probe.tokenizer
     probe.close()
     workload = build_workload(tok, args, random.Random(args.workload_seed))
-    results = {}
-    for policy in args.policies.split(","):
+    policies = args.policies.split(",")
+    for policy in policies:
         if policy not in POLICIES:
             raise ValueError(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
-        results[policy] = run_policy(cfg, workload, policy, args)
+    # Policies alternate within a round, so a slow spell of the machine falls on all of them.
+    runs = [{policy: run_policy(cfg, workload, policy, args) for policy in policies} for _ in range(args.rounds)]
+    results = {policy: _median_run([r[policy] for r in runs]) for policy in policies}
     base = results.get("fcfs")
-    ran = set.intersection(*(set(r["replies"]) for r in results.values()))  # programs no refusal ended
-    same = all({k: r["replies"][k] for k in ran} == {k: next(iter(results.values()))["replies"][k] for k in ran}
-               for r in results.values())
+    every = [r for rnd in runs for r in rnd.values()]
+    ran = set.intersection(*(set(r["replies"]) for r in every))  # programs no refusal ended
+    same = all({k: r["replies"][k] for k in ran} == {k: every[0]["replies"][k] for k in ran} for r in every)
     report = {"command": command_line(), "machine": machine_info(), "same_replies": same,
               "workload": {"long": [args.long, args.long_calls], "short": [args.short, args.short_calls],
                            "reply_tokens": args.reply_tokens, "max_num_seqs": cfg.scheduler.max_num_seqs},
+              "rounds": args.rounds,
               "policies": {k: {c: v[c] for c in ("short", "long", "deadline") if c in v} for k, v in results.items()}}
+    if args.rounds > 1:
+        report["each_round"] = [{k: {"short_p99_s": v["short"]["p99_s"], "long_tokens_per_s": v["long"]["tokens_per_s"]}
+                                 for k, v in rnd.items()} for rnd in runs]
     if args.call_deadline_s is not None:
         report["workload"]["call_deadline_s"] = args.call_deadline_s
         report["workload"]["deadline_admission"] = cfg.scheduler.deadline_admission
@@ -233,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(f"{args.long} long programs x {args.long_calls} calls, {args.short} short x {args.short_calls}, "
-          f"replies of {args.reply_tokens} tokens, at most {cfg.scheduler.max_num_seqs} calls at once")
+          f"replies of {args.reply_tokens} tokens, at most {cfg.scheduler.max_num_seqs} calls at once"
+          + (f"; medians of {args.rounds} rounds" if args.rounds > 1 else ""))
     print(f"{'policy':<9} {'short p50':>10} {'short p99':>10} {'long p50':>9} {'long p99':>9} {'long tok/s':>10} "
           f"{'short p99 / fcfs':>17} {'long tok/s / fcfs':>18}")
     for k, v in report["policies"].items():
@@ -282,6 +306,8 @@ def add_parser(bsub) -> None:
     s.add_argument("--call-deadline-s", type=float, default=None,
                    help="each short program's call must finish within this many seconds of being sent "
                    "(priced under --deadline-admission)")
+    s.add_argument("--rounds", type=int, default=1,
+                   help="run every policy this many times, alternating, and report each figure's median")
     s.add_argument("--workload-seed", type=int, default=0)
     s.add_argument("--simulate", default=None, metavar="PROFILE|fit",
                    help="also run each policy's programs through the simulator on this hardware profile "

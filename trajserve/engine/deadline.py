@@ -50,7 +50,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from trajserve.config import DEADLINE_ADMISSION, PRIORITY_RANGE
-from trajserve.engine.scheduler import PREEMPT_SERVICE_MIN, PREEMPT_SERVICE_RATIO
+from trajserve.engine.program_precedence import outranks
 from trajserve.engine.step_time import StepTimeModel
 from trajserve.plan.flops import causal_pairs
 
@@ -218,11 +218,7 @@ class DeadlineAdmission:
         slot rule, Scheduler._preempt_for), or wait for a running one to end?"""
         if self.scheduler.config.scheduling == "fcfs":
             return False
-        victim = max(running, key=rank)
-        if req.priority < victim.priority:
-            return True
-        return (self.scheduler.service is not None and req.priority == victim.priority
-                and rank(victim)[1] > PREEMPT_SERVICE_RATIO * rank(req)[1] + PREEMPT_SERVICE_MIN)
+        return outranks(rank(req), rank(max(running, key=rank)))
 
     def _prefill_s(self, tokens: int, prefill_pairs: int, rows: int, rows_ctx: int) -> float:
         """`tokens` of prefill (`prefill_pairs` pairs among them) beside

@@ -10,7 +10,9 @@ kv-cache-management "分块预填充调度". Each step:
      order --scheduling says: fcfs (arrival), priority (a request's
      priority, then arrival) or program (priority, then the least service
      its program has attained: engine/attained_service.py); the queue's
-     head waits for room, so a big prompt is not starved;
+     head waits for room, so a big prompt is not starved; under program
+     scheduling, while a call decodes, the calls it outranks add no prefill
+     or draft rows to its steps for a while (engine/program_precedence.py);
   3. when the pool is short mid-step, first release paused agent state (the
      KV manager's reclaimer), then preempt a running request and re-queue it
      at the front: with a pricer (kv/preemption.py) the one cheapest to bring
@@ -45,17 +47,10 @@ from typing import TYPE_CHECKING
 from trajserve.config import SchedulerConfig
 from trajserve.engine.attained_service import AttainedService
 from trajserve.engine.forks import Forks
+from trajserve.engine.program_precedence import PrefillHolds, outranks
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.request import Request, RequestStatus
-
-# Under --scheduling program the queue's head takes a running call's slot
-# when that call's program has attained more than PREEMPT_SERVICE_RATIO
-# times the head's service plus PREEMPT_SERVICE_MIN tokens: a new program
-# (no service) displaces one that has had a few calls, while two programs
-# within a factor of two of each other do not trade a slot back and forth.
-PREEMPT_SERVICE_RATIO = 2.0
-PREEMPT_SERVICE_MIN = 512
 
 if TYPE_CHECKING:
     from trajserve.speculative.proposer import DraftProposer
@@ -125,6 +120,7 @@ class Scheduler(Forks):
         self.pending_samples: dict[str, list[Request]] = {}
         self.ordered = config.scheduling != "fcfs"
         self.service = AttainedService(config.program_half_life_s) if config.scheduling == "program" else None
+        self.holds = PrefillHolds() if self.service is not None else None
         self.now = 0.0  # the clock of the last update (the engine's, or the simulator's)
 
     def reconfigure(self, **changes) -> None:
@@ -200,6 +196,7 @@ class Scheduler(Forks):
         # running request per step (the simulator's hot path).
         decodes = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
+        holds = None  # program scheduling: what the first decoding call's outranked ones hold back this step
         if self.ordered:  # the budget goes to the first in the policy's order (stable: oldest first on a tie)
             rank = self.ranking()
             decodes.sort(key=rank)
@@ -215,6 +212,8 @@ class Scheduler(Forks):
             if out.preempted:
                 decodes = [r for r in decodes if r.status is RequestStatus.RUNNING]
                 prefills = [r for r in prefills if r.status is RequestStatus.RUNNING]
+            if self.holds is not None and (holds := self.holds.step(decodes, rank, self.now)) is not None:
+                prefills = [r for r in prefills if not holds.held(r)]
         running = RequestStatus.RUNNING
         block_ids = self.kv.block_ids
         allocate = self.kv.allocate_slots
@@ -233,7 +232,8 @@ class Scheduler(Forks):
                 loras.add(req.lora.digest)
             c = req.num_computed_tokens
             n = min(len(req.all_token_ids) - c, budget, cap)
-            if proposer is not None and len(req.all_token_ids) - c == 1:  # a decode: draft after it
+            if proposer is not None and len(req.all_token_ids) - c == 1 and not (holds and holds.outranked(req)):
+                # A decode: draft after it.
                 draft = self._draft(req, min(budget, cap) - 1)
                 # Room for the draft's rows, else a plain decode: a draft
                 # never preempts anyone.
@@ -254,6 +254,8 @@ class Scheduler(Forks):
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
+            if holds is not None and holds.held(req):
+                break  # the rest rank after it
             if req.lora is not None and req.lora.digest not in loras:
                 if len(loras) >= max_loras:
                     break  # FCFS: the head waits for a slot
@@ -314,11 +316,10 @@ class Scheduler(Forks):
         policy's order that runs: that one goes back to the queue (its
         computed blocks to the prefix cache, so its recompute mostly hits),
         and the head takes its slot next step. Under program scheduling, of
-        equal priorities, only by the PREEMPT_SERVICE_* rule above."""
+        equal priorities, only past engine/program_precedence.py's service
+        ratio."""
         victim = max(reversed(self.running), key=rank)  # the newest among equals
-        if head.priority < victim.priority or (
-                self.service is not None and head.priority == victim.priority
-                and rank(victim)[1] > PREEMPT_SERVICE_RATIO * rank(head)[1] + PREEMPT_SERVICE_MIN):
+        if outranks(rank(head), rank(victim)):
             self._preempt(victim, out)
 
     def _cached_head(self, req: Request) -> tuple:
@@ -468,6 +469,8 @@ class Scheduler(Forks):
         return False
 
     def finish(self, req: Request, status: RequestStatus) -> None:
+        if self.holds is not None:
+            self.holds.forget(req.request_id)
         self.pending_samples.pop(req.request_id, None)  # its other samples never start
         if self.proposer is not None:
             self.proposer.release(req)

@@ -38,6 +38,11 @@ END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<EOT>",
 )
+# OpenAI's harmony format (gpt-oss): a reply is several messages (its
+# reasoning, its answer, its tool calls), each closed by <|end|>; the reply
+# ends at <|return|> (the answer written) or <|call|> (a tool to run).
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+HARMONY_END_TOKENS = ("<|return|>", "<|call|>", "<|endoftext|>")
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special,
 # USER_DEFINED ones are matched whole in text but decoded like any other.
@@ -156,9 +161,12 @@ class Tokenizer:
         if self.eos_token_id is not None:
             ids.add(self.eos_token_id)
         specials = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
-        for name in END_OF_TURN_TOKENS:
+        self.harmony = all(t in specials for t in HARMONY_TOKENS)
+        for name in HARMONY_END_TOKENS if self.harmony else END_OF_TURN_TOKENS:
             if name in specials:
                 ids.add(specials[name])
+        if self.harmony:  # <|end|> closes one message of the reply, not the reply (a file may name it eot)
+            ids.discard(specials["<|end|>"])
         return ids
 
     # ------------------------------------------------------------ encode / decode
@@ -340,11 +348,14 @@ class IncrementalDetokenizer:
         self,
         tokenizer: Tokenizer,
         prompt_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
+        skip_special_tokens: bool | None = None,
         context_tokens: int = 5,
     ) -> None:
+        """skip_special_tokens None: a harmony vocabulary's reply keeps them
+        (they separate its messages: server/harmony.py reads them back),
+        any other's drops them."""
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens = not tokenizer.harmony if skip_special_tokens is None else skip_special_tokens
         # A few prompt tokens give the first generated token its left context.
         self._ids: list[int] = list(prompt_ids)[-context_tokens:] if context_tokens else []
         self._prefix = 0  # window start: context already emitted

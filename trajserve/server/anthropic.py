@@ -11,7 +11,8 @@ of events:
     text blocks                  -> the message's content (joined by "\\n")
     assistant tool_use blocks    -> the assistant message's tool_calls
     user tool_result blocks      -> tool messages, in order
-    thinking blocks              -> dropped (the model did not write them)
+    thinking blocks              -> dropped (earlier turns' thoughts are not read
+                                    back, as gpt-oss's own template drops them)
     a last assistant message     -> a prefill: the reply continues it
     tools (name, input_schema)   -> function tools
     tool_choice auto/any/tool/none, disable_parallel_tool_use
@@ -27,8 +28,10 @@ of events:
     metadata.user_id             -> Claude Code's session in it names the
                                     conversation (server/conversations.py)
     thinking, cache_control (ephemeral, ttl 5m / 1h),
-    anthropic-beta headers       -> accepted and checked; the models served
-                                    here write no thinking
+    anthropic-beta headers       -> accepted and checked; a reasoning model's
+                                    thoughts (gpt-oss: server/harmony.py) come
+                                    back as unsigned thinking blocks, the
+                                    other models served here write none
     context_management edits     -> clear_tool_uses applied before the prompt
                                     renders (server/context_edits.py), said in
                                     the reply's context_management
@@ -353,13 +356,20 @@ def _tool_use(call: dict) -> dict:
             "name": call["function"]["name"], "input": json.loads(call["function"]["arguments"])}
 
 
+def _thinking(text: str) -> dict:
+    """A reasoning model's thoughts (server/harmony.py) as a thinking block;
+    unsigned: a client sends it back, and the translation above drops it."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def message(final: RequestOutput, chat_message: dict, model: str, max_tokens: int, notes: dict | None = None,
             marks: Callable[[list[int]], list] | None = None) -> dict:
     """The reply as a message; chat_message: what the chat endpoint would
     return for the choice (content and tool_calls); notes: fields that say
     what the request asked and did not get (ignored_tools, tools_not_shown)."""
     c, msg = final.outputs[0], chat_message["message"]
-    content = [{"type": "text", "text": msg["content"]}] if msg["content"] else []
+    content = [_thinking(msg["reasoning_content"])] if msg.get("reasoning_content") else []
+    content += [{"type": "text", "text": msg["content"]}] if msg["content"] else []
     calls = msg.get("tool_calls") or []
     content += [_tool_use(call) for call in calls]
     reason, seq = stop_reason(c, bool(calls), max_tokens)
@@ -375,7 +385,24 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
     _delta / _stop (text as it comes; a tool call whole, its input as one
     input_json_delta), message_delta with the stop reason and usage,
     message_stop."""
-    blocks, text_open, called, started = 0, False, False, False
+    blocks, called, started = 0, False, False
+    open_kind = None  # the block deltas go into: "thinking", "text", or None
+
+    def open_block(kind: str) -> list[str]:
+        """Events that end the open block unless it is of this kind, and start one that is."""
+        nonlocal blocks, open_kind
+        out = []
+        if open_kind == kind:
+            return out
+        if open_kind is not None:
+            out.append(sse_event("content_block_stop", {"index": blocks}))
+            blocks += 1
+        open_kind = kind
+        if kind is not None:
+            block = _thinking("") if kind == "thinking" else {"type": "text", "text": ""}
+            out.append(sse_event("content_block_start", {"index": blocks, "content_block": block}))
+        return out
+
     async for chunk in chunks:
         if not chunk["choices"]:
             continue
@@ -387,17 +414,19 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
                 **(notes or {})}})
             yield sse_event("ping", {})
         delta = chunk["choices"][0]["delta"]
+        if delta.get("reasoning_content"):
+            for e in open_block("thinking"):
+                yield e
+            yield sse_event("content_block_delta", {"index": blocks, "delta": {"type": "thinking_delta",
+                                                                           "thinking": delta["reasoning_content"]}})
         if delta.get("content"):
-            if not text_open:
-                text_open = True
-                yield sse_event("content_block_start", {"index": blocks, "content_block": {"type": "text", "text": ""}})
+            for e in open_block("text"):
+                yield e
             yield sse_event("content_block_delta", {"index": blocks, "delta": {"type": "text_delta",
                                                                            "text": delta["content"]}})
         for call in delta.get("tool_calls") or []:
-            if text_open:
-                text_open = False
-                yield sse_event("content_block_stop", {"index": blocks})
-                blocks += 1
+            for e in open_block(None):
+                yield e
             block = _tool_use(call)
             args = json.dumps(block["input"])
             yield sse_event("content_block_start", {"index": blocks, "content_block": {**block, "input": {}}})
@@ -408,8 +437,8 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
             called = True
     if not started or tap.last is None or not tap.last.finished:
         return  # the client went away, or the request ended without output
-    if text_open:
-        yield sse_event("content_block_stop", {"index": blocks})
+    for e in open_block(None):
+        yield e
     c = tap.last.outputs[0]
     reason, seq = stop_reason(c, called, max_tokens)
     yield sse_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server.errors import APIError
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from trajserve.server import harmony
 from trajserve.server.tool_calls import ForcedStream, call_stream, parse_calls, parse_forced
 
 
@@ -104,13 +105,19 @@ def chat_message(c: CompletionOutput, req: ChatCompletionRequest, fmt: str) -> d
     calls (fmt: the model's tool-call format, server/tool_calls.py)."""
     if req.forced_tool is not None:
         parsed = parse_forced(c.text, req.forced_tool)
+    elif fmt == "harmony":  # every reply: its reasoning and its answer are separate messages
+        parsed = harmony.parse(c.text, calls=req.parses_tool_calls)
     else:
         parsed = parse_calls(c.text, fmt) if req.parses_tool_calls else None
     parsed = one_call_if_asked(parsed, req)
-    if parsed is None or not parsed.tool_calls:
+    if parsed is None:
         return {"message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-    return {"message": {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls},
-            "finish_reason": calls_finish(req)}
+    message = {"role": "assistant", "content": parsed.content if parsed.tool_calls or fmt == "harmony" else c.text}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if not parsed.tool_calls:
+        return {"message": message, "finish_reason": c.finish_reason}
+    return {"message": {**message, "tool_calls": parsed.tool_calls}, "finish_reason": calls_finish(req)}
 
 
 def one_call_if_asked(parsed, req: ChatCompletionRequest):
@@ -130,6 +137,8 @@ def choice_call_stream(req: ChatCompletionRequest, fmt: str):
     """A choice's streaming parser when the reply may hold tool calls, else None."""
     if req.forced_tool is not None:
         return ForcedStream(req.forced_tool)
+    if fmt == "harmony":
+        return harmony.HarmonyStream(calls=req.parses_tool_calls)
     return call_stream(fmt) if req.parses_tool_calls else None
 
 
@@ -225,12 +234,18 @@ async def chat_chunks(outs, rid, created, model, req: ChatCompletionRequest, tok
             new = new_logprobs(c, sent)
             lp = chat_logprobs(*new, tok) if new and req.logprobs else None
             text = parsers[c.index].feed(c.delta_text) if c.index in parsers else c.delta_text
+            thought = parsers[c.index].take_reasoning() if isinstance(parsers.get(c.index), harmony.HarmonyStream) \
+                else ""
+            if thought:
+                yield chunk(c.index, {"reasoning_content": thought}, None)
             if text or lp:
                 yield chunk(c.index, {"content": text}, None, lp)
             if c.finished:
                 finish = c.finish_reason
                 if c.index in parsers:
                     rest = one_call_if_asked(parsers[c.index].finish(), req)
+                    if rest.reasoning:
+                        yield chunk(c.index, {"reasoning_content": rest.reasoning}, None)
                     if rest.content:
                         yield chunk(c.index, {"content": rest.content}, None)
                     if rest.tool_calls:

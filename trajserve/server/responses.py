@@ -38,8 +38,10 @@ of events:
                                     pauses and resumes as a session
                                     (server/conversations.py)
     store: false, include, reasoning, prompt_cache_retention,
-    safety_identifier, user      -> accepted (no reasoning items are made:
-                                    the models served here write none)
+    safety_identifier, user      -> accepted; a reasoning model's thoughts
+                                    (gpt-oss: server/harmony.py) come back as
+                                    a reasoning item with its raw text, the
+                                    other models served here write none
 
 A conversation continued by previous_response_id renders to the same tokens
 it had, so the prefix cache serves it: only the new input is computed.
@@ -54,7 +56,6 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
@@ -65,7 +66,6 @@ from trajserve.outputs import RequestOutput
 from trajserve.server.conversations import KEY_MAX
 from trajserve.server.hints import KvHints, NvExt
 from trajserve.server.protocol import ChatCompletionRequest, PauseTier
-from trajserve.server.tap import Tap, sse_event
 
 log = logging.getLogger("trajserve.server")
 
@@ -327,15 +327,23 @@ class ResponseStore:
 
 # ------------------------------------------------------------------ replies
 def _items(chat_message: dict, shell: Shell) -> list[dict]:
-    """Output items of a finished reply: its text as a message, each call
-    as a function_call (custom_tool_call for a custom tool)."""
+    """Output items of a finished reply: its reasoning (a reasoning model's)
+    as a reasoning item, its text as a message, each call as a
+    function_call (custom_tool_call for a custom tool)."""
     msg = chat_message["message"]
-    out = []
+    out = [_reasoning_item(msg["reasoning_content"], "completed")] if msg.get("reasoning_content") else []
     if msg["content"]:
         out.append(_message_item(msg["content"], "completed"))
     for call in msg.get("tool_calls") or []:
         out.append(_call_item(call, "completed", shell))
     return out
+
+
+def _reasoning_item(text: str, status: str) -> dict:
+    """A reasoning model's thoughts (gpt-oss: server/harmony.py), as its raw
+    reasoning text: no summary is made."""
+    return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _message_item(text: str, status: str) -> dict:
@@ -417,80 +425,3 @@ def usage(final: RequestOutput) -> dict:
 
 def response(shell: Shell, final: RequestOutput, chat_message: dict) -> dict:
     return shell.response(status_of(final), _items(chat_message, shell), final)
-
-
-async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None) -> AsyncIterator[str]:
-    """The chat stream's chunks (one choice) as the Responses API's events:
-    response.created / in_progress, then per output item its added / delta /
-    done events (text as it comes; a call whole: its arguments as one
-    delta), then response.completed or response.incomplete. done(response)
-    is called with the final response (to store it)."""
-    seq = 0
-
-    def event(kind: str, data: dict) -> str:
-        nonlocal seq
-        seq += 1
-        return sse_event(kind, {"sequence_number": seq - 1, **data})
-
-    yield event("response.created", {"response": shell.response("in_progress", [])})
-    yield event("response.in_progress", {"response": shell.response("in_progress", [])})
-    output: list[dict] = []
-    text_item: dict | None = None  # the message item text is streaming into
-
-    def close_text():
-        item, idx = text_item, len(output) - 1
-        text = item["content"][0]["text"]
-        part = {"type": "output_text", "text": text, "annotations": []}
-        item["status"] = "completed"
-        return [event("response.output_text.done", {"item_id": item["id"], "output_index": idx, "content_index": 0,
-                                                    "text": text, "logprobs": []}),
-                event("response.content_part.done", {"item_id": item["id"], "output_index": idx,
-                                                     "content_index": 0, "part": part}),
-                event("response.output_item.done", {"output_index": idx, "item": item})]
-
-    async for chunk in chunks:
-        if not chunk["choices"]:
-            continue
-        delta = chunk["choices"][0]["delta"]
-        if delta.get("content"):
-            if text_item is None:
-                text_item = _message_item("", "in_progress")
-                output.append(text_item)
-                idx = len(output) - 1
-                yield event("response.output_item.added", {"output_index": idx,
-                                                           "item": {**text_item, "content": []}})
-                yield event("response.content_part.added", {
-                    "item_id": text_item["id"], "output_index": idx, "content_index": 0,
-                    "part": {"type": "output_text", "text": "", "annotations": []}})
-            text_item["content"][0]["text"] += delta["content"]
-            yield event("response.output_text.delta", {"item_id": text_item["id"], "output_index": len(output) - 1,
-                                                       "content_index": 0, "delta": delta["content"],
-                                                       "logprobs": []})
-        for call in delta.get("tool_calls") or []:
-            if text_item is not None and text_item["status"] == "in_progress":
-                for e in close_text():
-                    yield e
-            item = _call_item(call, "in_progress", shell)
-            output.append(item)
-            idx = len(output) - 1
-            # The call streams whole: its arguments (a custom tool's input) as one delta.
-            kind, field = (("function_call_arguments", "arguments") if item["type"] == "function_call"
-                           else ("custom_tool_call_input", "input"))
-            yield event("response.output_item.added", {"output_index": idx, "item": {**item, field: ""}})
-            yield event(f"response.{kind}.delta", {"item_id": item["id"], "output_index": idx,
-                                                   "delta": item[field]})
-            yield event(f"response.{kind}.done", {"item_id": item["id"], "output_index": idx, field: item[field]})
-            if "status" in item:
-                item["status"] = "completed"
-            yield event("response.output_item.done", {"output_index": idx, "item": item})
-    final = tap.last
-    if final is None or not final.finished:
-        return  # the client went away
-    if text_item is not None and text_item["status"] == "in_progress":
-        for e in close_text():
-            yield e
-    status = status_of(final)
-    resp = shell.response(status, output, final)
-    if done is not None:
-        done(resp)
-    yield event("response.completed" if status == "completed" else "response.incomplete", {"response": resp})

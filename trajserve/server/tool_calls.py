@@ -1,8 +1,9 @@
 """Tool calls: what the model writes, what OpenAI sends.
 
-Two formats, chosen per server (`trajserve serve --tool-call-parser`; by
+Three formats, chosen per server (`trajserve serve --tool-call-parser`; by
 default from the chat template: one that writes `<tool_call>` is Hermes,
-one that writes `<|python_tag|>` is Llama 3's JSON form).
+one that writes `<|python_tag|>` is Llama 3's JSON form, one that writes
+harmony messages is gpt-oss's, read by server/harmony.py).
 
 Hermes. Qwen2/2.5/3 were trained to call a tool by writing
 
@@ -39,13 +40,15 @@ from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-FORMATS = ("hermes", "llama3_json")
+FORMATS = ("hermes", "llama3_json", "harmony")  # harmony: read by server/harmony.py
 
 
 def format_for_template(template: str | None) -> str:
     """The tool-call format a chat template's model writes (Hermes unless the
-    template is Llama 3's)."""
+    template is Llama 3's or writes harmony messages, as gpt-oss's does)."""
     t = template or ""
+    if "<|channel|>" in t and "<|message|>" in t:
+        return "harmony"
     return "llama3_json" if PYTHON_TAG in t and OPEN not in t else "hermes"
 
 
@@ -53,6 +56,7 @@ def format_for_template(template: str | None) -> str:
 class Parsed:
     content: str | None
     tool_calls: list[dict] = field(default_factory=list)
+    reasoning: str | None = None  # what a reasoning model thought before answering (server/harmony.py)
 
 
 def _call(obj) -> dict | None:

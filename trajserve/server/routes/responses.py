@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from trajserve.server import openai_format as oai
-from trajserve.server import responses, streams
+from trajserve.server import responses, responses_events, streams
 from trajserve.server.errors import APIError, translated
 from trajserve.server.state import ServerState, server_state
 from trajserve.server.tap import Tap, sse_event
@@ -32,7 +32,7 @@ async def create_response(body: responses.ResponsesRequest, request: Request, st
             st.store.put(resp, responses.conversation_after(req, resp["output"], bool(body.instructions)))
     if req.stream:
         chunks = oai.chat_chunks(outs, "", 0, shell.fields["model"], req, st.tok, st.calls_format)
-        return streams.event_stream(responses.events(chunks, outs, shell, keep),
+        return streams.event_stream(responses_events.events(chunks, outs, shell, keep),
                              lambda e: sse_event("error", {"message": e}))
     final = await streams.last(outs)
     if final is None:

@@ -1,0 +1,250 @@
+"""gpt-oss's harmony replies (server/harmony.py): the reasoning, the answer
+and the tool calls read back from the messages the model writes, the same
+when the reply streams in any pieces; a harmony vocabulary ends a reply at
+<|return|> or <|call|>, not at the <|end|> of its reasoning, and keeps the
+markers in the reply's text; the three APIs as their official clients read
+them (the model's reply scripted, as in tests/test_tool_calls.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
+from trajserve.server.harmony import HarmonyStream, parse
+from trajserve.server.tool_calls import format_for_template
+
+THINK = "<|channel|>analysis<|message|>The user wants the tests run.<|end|>"
+ANSWER = "<|start|>assistant<|channel|>final<|message|>All 3 passed.<|return|>"
+CALL = ('<|start|>assistant<|channel|>commentary to=functions.run_tests <|constrain|>json<|message|>'
+        '{"path": "tests/", "k": 3}<|call|>')
+# The recipient before the channel, as the model may also write it.
+CALL_FIRST = '<|start|>assistant to=functions.run_tests<|channel|>commentary json<|message|>{"path": "x"}<|call|>'
+
+
+def calls_of(parsed):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed.tool_calls]
+
+
+def test_reasoning_and_answer_are_separate():
+    p = parse(THINK + ANSWER)
+    assert (p.content, p.reasoning, p.tool_calls) == ("All 3 passed.", "The user wants the tests run.", [])
+
+
+@pytest.mark.parametrize("call, args", [(CALL, {"path": "tests/", "k": 3}), (CALL_FIRST, {"path": "x"})])
+def test_a_call_to_a_function_is_a_tool_call(call, args):
+    p = parse(THINK + call)
+    assert p.content is None and p.reasoning == "The user wants the tests run."
+    assert calls_of(p) == [("run_tests", args)]
+    # The request asked for no tool calls: what the model wrote is content.
+    p = parse(THINK + call, calls=False)
+    assert p.tool_calls == [] and json.loads(p.content) == args
+
+
+@pytest.mark.parametrize("text, content", [
+    # Cut by max_tokens: no <|call|>, so not a call; its body is content.
+    (THINK + CALL[:-len("<|call|>")], '{"path": "tests/", "k": 3}'),
+    # Not a JSON object.
+    (THINK + CALL.replace('{"path": "tests/", "k": 3}', "ls -la"), "ls -la"),
+    # A preamble to the user on the commentary channel, then the answer.
+    ("<|channel|>commentary<|message|>Running them.<|end|>" + ANSWER, "Running them.All 3 passed."),
+    # A built-in tool's message (not a function the client gave) is not passed on.
+    (THINK + "<|start|>assistant<|channel|>analysis to=browser.search<|message|>{}<|call|>", None),
+    # No harmony at all: the text as it came.
+    ("Just text.", "Just text."),
+    ("", None),
+])
+def test_what_is_not_a_finished_call_is_not_handed_over_as_one(text, content):
+    p = parse(text)
+    assert p.tool_calls == [] and p.content == content
+
+
+def _streamed(text: str, cuts: list[int], calls: bool = True):
+    s = HarmonyStream(calls=calls)
+    content = reasoning = ""
+    at = 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        content += s.feed(text[at:cut])
+        reasoning += s.take_reasoning()
+        at = cut
+    rest = s.finish()
+    return content + (rest.content or ""), reasoning + (rest.reasoning or ""), rest
+
+
+REPLIES = [THINK + ANSWER, THINK + CALL, THINK + CALL_FIRST, THINK + CALL[:-8], "Just text.",
+           "<|channel|>commentary<|message|>Running them.<|end|>" + CALL + ANSWER]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(REPLIES), st.lists(st.integers(0, 200), max_size=12), st.booleans())
+def test_streaming_in_any_pieces_gives_the_one_shot_result(text, cuts, calls):
+    content, reasoning, rest = _streamed(text, [c for c in cuts if c < len(text)], calls)
+    whole = parse(text, calls)
+    assert (content or None) == whole.content or (content.strip() == "" and whole.content is None)
+    assert (reasoning or None) == whole.reasoning
+    assert calls_of(rest) == calls_of(whole)
+
+
+def test_streaming_sends_reasoning_and_answer_as_they_come():
+    s = HarmonyStream()
+    assert s.feed("<|channel|>analysis<|message|>Think") == "" and s.take_reasoning() == "Think"
+    assert s.feed("ing.<|end|><|start|>assistant<|channel|>final<|message|>Hi") == "Hi"
+    assert s.take_reasoning() == "ing."
+    assert s.feed(" there<|") == " there"  # "<|" may start a marker: held back
+    assert s.feed("return|>") == ""
+
+
+def test_a_harmony_template_is_read_as_harmony():
+    assert format_for_template("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == "harmony"
+    assert format_for_template("{{ '<tool_call>' }}") == "hermes"
+
+
+def _harmony_vocabulary(path: Path) -> list[str]:
+    """A gpt-oss-like GGUF vocabulary: letters, harmony's control tokens, <|end|> named eot."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    specials = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>",
+                "<|constrain|>"]
+    tokens = list(bytes_to_unicode().values()) + specials
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(specials)) + [3] * len(specials))
+    w.add_token_merges([])
+    w.add_eos_token_id(tokens.index("<|return|>"))
+    w.add_eot_token_id(tokens.index("<|end|>"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def test_a_harmony_vocabulary_ends_replies_at_return_or_call_and_keeps_its_markers(tmp_path: Path):
+    tokens = _harmony_vocabulary(tmp_path / "v.gguf")
+    tok = load_tokenizer(tmp_path / "v.gguf")
+    assert tok.harmony
+    assert tok.eos_token_ids == {tokens.index(t) for t in ("<|return|>", "<|call|>", "<|endoftext|>")}
+    ids = tok.encode(THINK + ANSWER, add_special_tokens=False)
+    assert tokens.index("<|end|>") in ids  # the markers are single tokens
+    detok = IncrementalDetokenizer(tok)
+    detok.extend(ids)
+    detok.flush()
+    assert detok.text == THINK + ANSWER and parse(detok.text).content == "All 3 passed."
+    plain = IncrementalDetokenizer(tok, skip_special_tokens=True)
+    plain.extend(ids)
+    assert "<|channel|>" not in plain.text
+
+
+# ------------------------------------------------------------ the endpoints
+TOOLS = [{"type": "function", "function": {"name": "run_tests", "description": "Run the test suite",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"path": {"type": "string"}}}}}]
+MSGS = [{"role": "user", "content": "Run the tests."}]
+
+
+@pytest.fixture
+def harmony_client(scripted):
+    import openai
+    from fastapi.testclient import TestClient
+
+    from trajserve.server.config import ServerConfig
+
+    app = scripted["app_over"](ServerConfig(served_model_names=("m",), tool_call_parser="harmony"))
+    scripted["harmony"] = openai.OpenAI(base_url="http://testserver/v1", api_key="x", max_retries=0,
+                                        http_client=TestClient(app))
+    scripted["harmony_http"] = TestClient(app)
+    return scripted
+
+
+def test_chat_completions_give_the_answer_as_content_and_the_reasoning_beside_it(harmony_client):
+    s = harmony_client
+    s["reply"] = THINK + ANSWER
+    r = s["harmony"].chat.completions.create(model="m", messages=MSGS)
+    msg = r.choices[0].message
+    assert msg.content == "All 3 passed." and msg.model_extra["reasoning_content"] == "The user wants the tests run."
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(s["harmony"].chat.completions.create(model="m", messages=MSGS, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "All 3 passed."
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == \
+        "The user wants the tests run."
+
+
+def test_chat_completions_give_a_harmony_call_as_a_tool_call(harmony_client):
+    s = harmony_client
+    s["reply"] = THINK + CALL
+    for stream in (False, True):
+        r = s["harmony"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, stream=stream)
+        if stream:
+            chunks = list(r)
+            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            calls, text, finish = r.choices[0].message.tool_calls, r.choices[0].message.content, \
+                r.choices[0].finish_reason
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+            ("run_tests", {"path": "tests/", "k": 3})]
+        assert not text and finish == "tool_calls"
+
+
+def test_the_responses_and_messages_apis_send_only_the_answer_as_text(harmony_client):
+    s = harmony_client
+    s["reply"] = THINK + ANSWER
+    r = s["harmony_http"].post("/v1/responses", json={"model": "m", "input": "Run the tests."})
+    assert r.status_code == 200
+    texts = [c["text"] for it in r.json()["output"] if it["type"] == "message" for c in it["content"]]
+    assert texts == ["All 3 passed."]
+    s["reply"] = THINK + CALL
+    r = s["harmony_http"].post("/v1/responses", json={"model": "m", "input": "Run the tests.", "tools": [
+        {"type": "function", "name": "run_tests", "parameters": TOOLS[0]["function"]["parameters"]}]})
+    calls = [it for it in r.json()["output"] if it["type"] == "function_call"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("run_tests", {"path": "tests/", "k": 3})]
+    s["reply"] = THINK + ANSWER
+    r = s["harmony_http"].post("/v1/messages", json={"model": "m", "max_tokens": 64, "messages": MSGS})
+    assert r.status_code == 200
+    assert [b["text"] for b in r.json()["content"] if b["type"] == "text"] == ["All 3 passed."]
+
+
+def test_reasoning_reaches_the_other_apis_as_their_reasoning_and_thinking(harmony_client):
+    """Responses: a reasoning item (its raw text) before the message;
+    Messages: a thinking block before the text; streamed the same."""
+    s = harmony_client
+    s["reply"] = THINK + ANSWER
+    out = s["harmony_http"].post("/v1/responses", json={"model": "m", "input": "Run the tests."}).json()["output"]
+    assert [it["type"] for it in out] == ["reasoning", "message"]
+    assert out[0]["content"] == [{"type": "reasoning_text", "text": "The user wants the tests run."}]
+    stream = s["harmony"].responses.create(model="m", input="Run the tests.", stream=True)
+    events = list(stream)
+    deltas = {}
+    for e in events:
+        if e.type.endswith(".delta"):
+            deltas[e.type] = deltas.get(e.type, "") + e.delta
+    assert deltas == {"response.reasoning_text.delta": "The user wants the tests run.",
+                      "response.output_text.delta": "All 3 passed."}
+    final = events[-1].response
+    assert [it.type for it in final.output] == ["reasoning", "message"]
+    assert final.output[1].content[0].text == "All 3 passed."
+    import anthropic
+
+    client = anthropic.Anthropic(base_url="http://testserver", api_key="x", max_retries=0,
+                                 http_client=s["harmony_http"])
+    msg = client.messages.create(model="m", max_tokens=64, messages=MSGS)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in msg.content] == [
+        ("thinking", "The user wants the tests run."), ("text", "All 3 passed.")]
+    with client.messages.stream(model="m", max_tokens=64, messages=MSGS) as st_:
+        streamed = st_.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in streamed.content] == [
+        ("thinking", "The user wants the tests run."), ("text", "All 3 passed.")]
+    s["reply"] = THINK + CALL
+    with client.messages.stream(model="m", max_tokens=64, messages=MSGS, tools=[
+            {"name": "run_tests", "input_schema": {"type": "object"}}]) as st_:
+        streamed = st_.get_final_message()
+    assert [b.type for b in streamed.content] == ["thinking", "tool_use"]
+    assert streamed.content[1].input == {"path": "tests/", "k": 3} and streamed.stop_reason == "tool_use"

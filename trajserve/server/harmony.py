@@ -1,0 +1,183 @@
+"""gpt-oss replies: OpenAI's harmony format, read back into what the APIs send.
+
+gpt-oss writes its reply as messages, each a header and a body:
+
+    <|channel|>analysis<|message|>The user wants ...<|end|>
+    <|start|>assistant<|channel|>final<|message|>It is 4.<|return|>
+
+or, to call a tool,
+
+    <|channel|>commentary to=functions.run_tests <|constrain|>json<|message|>{"path": "tests/"}<|call|>
+
+(the recipient may also stand before the channel: `assistant to=functions.x<|channel|>...`).
+The prompt ends with `<|start|>assistant`, so the reply opens on its first
+message's header. Read back:
+
+    channel analysis                  -> the reasoning (`reasoning_content`)
+    channel final, or commentary
+    with no recipient (a preamble)    -> the content
+    recipient functions.NAME          -> a tool call; its body, a JSON object, the arguments
+
+A call the reply did not finish (no `<|call|>`: max_tokens cut it) or whose
+body is not a JSON object is not handed to the client as a call: its body
+joins the content. A reply with no harmony markers at all is content.
+
+The reply is read as text with the markers in it (the engine detokenizes a
+harmony vocabulary's replies with its special tokens kept), so a marker the
+model spells out of ordinary tokens reads as a marker too.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from trajserve.server.tool_calls import Parsed, _call
+
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
+MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL)
+_ENDS = (END, RETURN, CALL, START)
+_RECIPIENT = re.compile(r"\bto=(\S+?)(?=\s|<\||$)")
+_WORD = re.compile(r"\s*([^\s<]+)")
+
+
+class _Message:
+    __slots__ = ("channel", "recipient", "body", "closed_by")
+
+    def __init__(self, header: str, body: str, closed_by: str | None) -> None:
+        at = header.find(CHANNEL)
+        word = _WORD.match(header, at + len(CHANNEL)) if at >= 0 else None
+        self.channel = word.group(1) if word else None
+        to = _RECIPIENT.search(header)
+        self.recipient = to.group(1) if to else None
+        self.body = body
+        self.closed_by = closed_by  # the marker that ended it, None: the reply ended inside it
+
+
+def _messages(text: str) -> list[_Message]:
+    """The reply's messages in order (the last one maybe open)."""
+    out = []
+    pos = 0
+    while pos < len(text):
+        m = text.find(MESSAGE, pos)
+        if m < 0:
+            break  # a header the reply ended in: nothing of its body yet
+        header = text[pos:m]
+        body_at = m + len(MESSAGE)
+        ends = [(i, mk) for mk in _ENDS if (i := text.find(mk, body_at)) >= 0]
+        if not ends:
+            out.append(_Message(header, text[body_at:], None))
+            break
+        i, mk = min(ends)
+        out.append(_Message(header, text[body_at:i], mk))
+        pos = i + len(mk)
+        if mk == START:
+            continue
+        if text.startswith(START, pos):
+            pos += len(START)
+    return out
+
+
+def _kind(msg: _Message, calls: bool) -> str | None:
+    """What a message is to the client: "call", "reasoning", "content", or
+    None (a built-in tool's message, e.g. to=browser.search: not passed on).
+    calls=False (the request parses no tool calls): a call is content."""
+    if msg.recipient is not None:
+        if not msg.recipient.startswith("functions."):
+            return None
+        return "call" if calls else "content"
+    return "reasoning" if msg.channel == "analysis" else "content"
+
+
+def _plain(text: str) -> bool:
+    """A reply that does not open on a harmony header: plain content."""
+    head = text.lstrip()
+    return bool(head) and not any(mk.startswith(head[:len(mk)]) for mk in (CHANNEL, START))
+
+
+def parse(text: str, calls: bool = True) -> Parsed:
+    """A finished reply as content, reasoning and tool calls (none when
+    calls=False: the request asked for none)."""
+    if _plain(text):
+        return Parsed(text if text.strip() else None)
+    reasoning, content, made = [], [], []
+    for msg in _messages(text):
+        kind = _kind(msg, calls)
+        if kind == "call":
+            call = _call({"name": msg.recipient[len("functions."):], "arguments": msg.body.strip()}) \
+                if msg.closed_by == CALL and _is_object(msg.body) else None
+            if call is None:
+                content.append(msg.body)
+            else:
+                made.append(call)
+        elif kind == "reasoning":
+            reasoning.append(msg.body)
+        elif kind == "content":
+            content.append(msg.body)
+    joined = "".join(content)
+    return Parsed(joined if joined.strip() else None, made, "".join(reasoning) or None)
+
+
+def _is_object(body: str) -> bool:
+    try:
+        return isinstance(json.loads(body), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _open_tail(text: str) -> int:
+    """Length of the longest tail of text that is a proper prefix of a marker."""
+    for k in range(min(len(text), max(map(len, MARKERS)) - 1), 0, -1):
+        tail = text[-k:]
+        if any(mk.startswith(tail) and mk != tail for mk in MARKERS):
+            return k
+    return 0
+
+
+class HarmonyStream:
+    """A streamed harmony reply: `feed` returns the content that can go out
+    now and leaves the reasoning that can go out in `take_reasoning()`;
+    tool calls come whole from `finish`, as for the other formats."""
+
+    def __init__(self, calls: bool = True) -> None:
+        self.calls = calls
+        self.text = ""
+        self.sent_content = 0
+        self.sent_reasoning = 0
+
+    def _so_far(self) -> Parsed:
+        """The reply so far, read as if it ended here: the tail that may be
+        the start of a marker held back, and everything from the first tool
+        call on (a call, or the content it turns out to be, is decided at
+        the end)."""
+        text = self.text[:len(self.text) - _open_tail(self.text)]
+        if _plain(text):
+            return Parsed(text)
+        reasoning, content, called = [], [], False
+        for msg in _messages(text):
+            kind = _kind(msg, self.calls)
+            called = called or kind == "call"
+            if kind == "reasoning":
+                reasoning.append(msg.body)
+            elif kind == "content" and not called:
+                content.append(msg.body)
+        return Parsed("".join(content), [], "".join(reasoning))
+
+    def feed(self, delta: str) -> str:
+        self.text += delta
+        now = self._so_far()
+        out = (now.content or "")[self.sent_content:]
+        self.sent_content += len(out)
+        return out
+
+    def take_reasoning(self) -> str:
+        now = self._so_far()
+        out = (now.reasoning or "")[self.sent_reasoning:]
+        self.sent_reasoning += len(out)
+        return out
+
+    def finish(self) -> Parsed:
+        whole = parse(self.text, self.calls)
+        content = (whole.content or "")[self.sent_content:] if whole.content else ""
+        reasoning = (whole.reasoning or "")[self.sent_reasoning:] if whole.reasoning else ""
+        return Parsed(content or None, whole.tool_calls, reasoning or None)

@@ -40,12 +40,13 @@ class PrefillHolds:
     A step lasts as long as its rows take, and every call in it waits that
     long for its next token: a long program's 200-token prefill beside a
     short program's decode makes that one token cost 15-25 decode steps on
-    the embedded model (measured: 120-200 ms against 7-13 ms). Ordering the queue and giving up slots alone leaves
-    those rows in the short call's every step. Outranked calls still decode
-    (one row each, cheap), their drafts wait, and each of their prefills
-    waits at most HOLD_S seconds: a long program is delayed, never starved;
-    after that, one such prefill goes a step, so the held ones do not all
-    land in one step. The rows are the same, only later: no token changes.
+    the embedded model (120-200 ms against 7-13 ms). Ordering the queue and
+    giving up slots alone leaves those rows in the short call's every step.
+    Outranked calls still decode (one row each, cheap), their drafts wait,
+    and each of their prefills waits at most HOLD_S seconds: a long program
+    is delayed, never starved; after that, one such prefill goes a step, so
+    the held ones do not all land in one step. The rows are the same, only
+    later: no token changes.
     """
 
     def __init__(self, hold_s: float = HOLD_S) -> None:

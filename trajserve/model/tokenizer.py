@@ -139,6 +139,8 @@ class Tokenizer:
         self.vocab_size = vocab_size or backend.get_vocab_size(with_added_tokens=True)
         # Special token strings a template may reference beyond bos/eos (pad_token, unk_token).
         self._template_vars = dict(template_vars or {})
+        # OpenAI's harmony format (gpt-oss): its control tokens end and separate a reply's messages.
+        self.harmony = all(t in self._special_ids() for t in HARMONY_TOKENS)
         self.eos_token_ids: set[int] = self._end_of_generation_ids(extra_eos_token_ids)
 
     @property
@@ -156,12 +158,14 @@ class Tokenizer:
         self._chat_template = template
         self._compiled_template: Any = None  # compiled on first use
 
+    def _special_ids(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
     def _end_of_generation_ids(self, extra: Iterable[int]) -> set[int]:
         ids = set(extra)
         if self.eos_token_id is not None:
             ids.add(self.eos_token_id)
-        specials = {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
-        self.harmony = all(t in specials for t in HARMONY_TOKENS)
+        specials = self._special_ids()
         for name in HARMONY_END_TOKENS if self.harmony else END_OF_TURN_TOKENS:
             if name in specials:
                 ids.add(specials[name])

@@ -11,8 +11,8 @@ of events:
     text blocks                  -> the message's content (joined by "\\n")
     assistant tool_use blocks    -> the assistant message's tool_calls
     user tool_result blocks      -> tool messages, in order
-    thinking blocks              -> dropped (earlier turns' thoughts are not read
-                                    back, as gpt-oss's own template drops them)
+    thinking blocks              -> dropped (a reply's thoughts are not read
+                                    back into the prompt)
     a last assistant message     -> a prefill: the reply continues it
     tools (name, input_schema)   -> function tools
     tool_choice auto/any/tool/none, disable_parallel_tool_use
@@ -388,7 +388,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, model: str, max_tokens: 
     blocks, called, started = 0, False, False
     open_kind = None  # the block deltas go into: "thinking", "text", or None
 
-    def open_block(kind: str) -> list[str]:
+    def open_block(kind: str | None) -> list[str]:
         """Events that end the open block unless it is of this kind, and start one that is."""
         nonlocal blocks, open_kind
         out = []

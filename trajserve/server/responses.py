@@ -331,27 +331,27 @@ def _items(chat_message: dict, shell: Shell) -> list[dict]:
     as a reasoning item, its text as a message, each call as a
     function_call (custom_tool_call for a custom tool)."""
     msg = chat_message["message"]
-    out = [_reasoning_item(msg["reasoning_content"], "completed")] if msg.get("reasoning_content") else []
+    out = [reasoning_item(msg["reasoning_content"], "completed")] if msg.get("reasoning_content") else []
     if msg["content"]:
-        out.append(_message_item(msg["content"], "completed"))
+        out.append(message_item(msg["content"], "completed"))
     for call in msg.get("tool_calls") or []:
-        out.append(_call_item(call, "completed", shell))
+        out.append(call_item(call, "completed", shell))
     return out
 
 
-def _reasoning_item(text: str, status: str) -> dict:
+def reasoning_item(text: str, status: str) -> dict:
     """A reasoning model's thoughts (gpt-oss: server/harmony.py), as its raw
     reasoning text: no summary is made."""
     return {"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "status": status, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def _message_item(text: str, status: str) -> dict:
+def message_item(text: str, status: str) -> dict:
     return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def _call_item(call: dict, status: str, shell: Shell) -> dict:
+def call_item(call: dict, status: str, shell: Shell) -> dict:
     name, args, key = call["function"]["name"], call["function"]["arguments"], call["id"].removeprefix("call_")
     ns, inner = shell.namespaced.get(name, (None, name))  # a namespace's function: called back by its own name
     where = {"namespace": ns} if ns is not None else {}

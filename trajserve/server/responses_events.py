@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from trajserve.server.responses import Shell, _call_item, _message_item, _reasoning_item, status_of
+from trajserve.server.responses import Shell, call_item, message_item, reasoning_item, status_of
 from trajserve.server.tap import Tap, sse_event
 
 
@@ -12,8 +12,9 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None)
     """The chat stream's chunks (one choice) as the Responses API's events:
     response.created / in_progress, then per output item its added / delta /
     done events (reasoning text and text as they come; a call whole: its
-    arguments as one delta), then response.completed or response.incomplete. done(response)
-    is called with the final response (to store it)."""
+    arguments as one delta), then response.completed or
+    response.incomplete. done(response) is called with the final response
+    (to store it)."""
     seq = 0
 
     def event(kind: str, data: dict) -> str:
@@ -53,7 +54,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None)
             if text_item is not None and text_item["status"] == "in_progress":
                 for e in close_text():
                     yield e
-            thought = _reasoning_item("", "in_progress")
+            thought = reasoning_item("", "in_progress")
             output.append(thought)
             yield event("response.output_item.added", {"output_index": len(output) - 1,
                                                        "item": {**thought, "content": []}})
@@ -67,7 +68,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None)
                 yield e
         if delta.get("content"):
             if text_item is None:
-                text_item = _message_item("", "in_progress")
+                text_item = message_item("", "in_progress")
                 output.append(text_item)
                 idx = len(output) - 1
                 yield event("response.output_item.added", {"output_index": idx,
@@ -83,7 +84,7 @@ async def events(chunks: AsyncIterator[dict], tap: Tap, shell: Shell, done=None)
             if text_item is not None and text_item["status"] == "in_progress":
                 for e in close_text():
                     yield e
-            item = _call_item(call, "in_progress", shell)
+            item = call_item(call, "in_progress", shell)
             output.append(item)
             idx = len(output) - 1
             # The call streams whole: its arguments (a custom tool's input) as one delta.

@@ -248,3 +248,62 @@ def test_reasoning_reaches_the_other_apis_as_their_reasoning_and_thinking(harmon
         streamed = st_.get_final_message()
     assert [b.type for b in streamed.content] == ["thinking", "tool_use"]
     assert streamed.content[1].input == {"path": "tests/", "k": 3} and streamed.stop_reason == "tool_use"
+
+
+# A template that shows what it is given: a message's thinking, role, content, first call.
+SHOWS = ("{% for m in messages %}{% if m.thinking is defined %}[thinking:{{ m.thinking }}]{% endif %}"
+         "{{ m.role }}:{{ m.content }}{% if m.tool_calls %}[call:{{ m.tool_calls[0].function.name }}]{% endif %}\n"
+         "{% endfor %}")
+
+
+@pytest.fixture
+def shows_thinking(harmony_client):
+    tok = harmony_client["tok"]
+    kept, tok.chat_template = tok.chat_template, SHOWS
+    yield harmony_client
+    tok.chat_template = kept
+
+
+def _last_prompt(s) -> str:
+    return s["tok"].decode(s["prompts"][-1], skip_special_tokens=False)
+
+
+def test_the_thoughts_before_a_call_go_back_into_the_prompt_from_each_api(shows_thinking):
+    """What a reply thought before its tool call, sent back by the client as
+    each API returned it, reaches the template as the call's `thinking`
+    (gpt-oss's template writes it before the call); beside text, or with no
+    call, it does not."""
+    s = shows_thinking
+    s["reply"] = THINK + ANSWER
+    call = {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}
+    s["harmony"].chat.completions.create(model="m", messages=MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "Run them first."},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 passed"}])
+    assert "[thinking:Run them first.]assistant:[call:run_tests]" in _last_prompt(s)
+    s["harmony"].chat.completions.create(model="m", messages=MSGS + [
+        {"role": "assistant", "content": "Running.", "tool_calls": [call], "reasoning_content": "Run them first."},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 passed"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "All passed."},
+        {"role": "user", "content": "Thanks."}])
+    assert "[thinking:" not in _last_prompt(s)
+    r = s["harmony_http"].post("/v1/messages", json={"model": "m", "max_tokens": 16, "messages": MSGS + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Run them first.", "signature": ""},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "run_tests", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "3 passed"}]}]})
+    assert r.status_code == 200 and "[thinking:Run them first.]assistant:[call:run_tests]" in _last_prompt(s)
+    r = s["harmony_http"].post("/v1/responses", json={"model": "m", "input": [
+        {"role": "user", "content": "Run the tests."},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Run them first."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "run_tests", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "3 passed"}]})
+    assert r.status_code == 200 and "[thinking:Run them first.]assistant:[call:run_tests]" in _last_prompt(s)
+    # A stored response's own reasoning goes with its calls into the next turn (previous_response_id).
+    s["reply"] = THINK + CALL
+    first = s["harmony_http"].post("/v1/responses", json={"model": "m", "input": "Run the tests.", "tools": [
+        {"type": "function", "name": "run_tests", "parameters": {"type": "object"}}]}).json()
+    s["reply"] = THINK + ANSWER
+    r = s["harmony_http"].post("/v1/responses", json={"model": "m", "previous_response_id": first["id"], "input": [
+        {"type": "function_call_output", "call_id": first["output"][1]["call_id"], "output": "3 passed"}]})
+    assert r.status_code == 200
+    assert "[thinking:The user wants the tests run.]assistant:[call:run_tests]" in _last_prompt(s)

@@ -11,8 +11,9 @@ of events:
     text blocks                  -> the message's content (joined by "\\n")
     assistant tool_use blocks    -> the assistant message's tool_calls
     user tool_result blocks      -> tool messages, in order
-    thinking blocks              -> dropped (a reply's thoughts are not read
-                                    back into the prompt)
+    thinking blocks              -> the assistant message's reasoning_content
+                                    (a template that keeps thoughts before a
+                                    tool call, gpt-oss's, writes them back)
     a last assistant message     -> a prefill: the reply continues it
     tools (name, input_schema)   -> function tools
     tool_choice auto/any/tool/none, disable_parallel_tool_use
@@ -94,6 +95,7 @@ class Block(BaseModel):
     tool_use_id: str | None = None                # tool_result
     content: str | list[Block] | None = None
     is_error: StrictBool | None = None
+    thinking: str | None = None                   # thinking
 
 
 class Message(BaseModel):
@@ -291,18 +293,21 @@ def _chat_messages(m: Message, where: str) -> list[dict]:
         return [{"role": "system", "content": _text(m.content, where)}]
     out, text = [], []
     if m.role == "assistant":
-        calls = []
+        calls, thoughts = [], []
         for j, b in enumerate(m.content):
             if b.type == "text":
                 text.append(b.text or "")
+            elif b.type == "thinking":
+                thoughts.append(b.thinking or "")
             elif b.type == "tool_use":
                 if not b.name:
                     raise ValueError(f"{where}.{j}: a tool_use block needs a name")
                 calls.append({"id": b.id, "type": "function",
                               "function": {"name": b.name, "arguments": json.dumps(b.input or {})}})
-            elif b.type not in ("thinking", "redacted_thinking"):
+            elif b.type != "redacted_thinking":
                 raise ValueError(_unsupported(b.type, f"{where}.{j}"))
-        return [{"role": "assistant", "content": "\n".join(text) or None, "tool_calls": calls or None}]
+        return [{"role": "assistant", "content": "\n".join(text) or None, "tool_calls": calls or None,
+                 "reasoning_content": "".join(thoughts) or None}]
     for j, b in enumerate(m.content):
         if b.type == "text":
             text.append(b.text or "")
@@ -358,7 +363,7 @@ def _tool_use(call: dict) -> dict:
 
 def _thinking(text: str) -> dict:
     """A reasoning model's thoughts (server/harmony.py) as a thinking block;
-    unsigned: a client sends it back, and the translation above drops it."""
+    unsigned: nothing checks it when a client sends it back."""
     return {"type": "thinking", "thinking": text, "signature": ""}
 
 

@@ -283,6 +283,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # What a reasoning model thought before this (assistant) turn's tool calls,
+    # as the server returned it (server/harmony.py).
+    reasoning_content: str | None = None
 
     def check_parts(self, where: str) -> None:
         """ValueError naming a content part that is not text."""
@@ -320,6 +323,10 @@ class ChatMessage(BaseModel):
                                           for c in calls)
             else:
                 d["tool_calls"] = calls
+                if self.reasoning_content and not d["content"]:
+                    # Harmony keeps the analysis that led to a call until the turn's answer:
+                    # gpt-oss's template writes `thinking` back before the call (others ignore it).
+                    d["thinking"] = self.reasoning_content
         return d
 
 

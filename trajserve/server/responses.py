@@ -12,7 +12,9 @@ of events:
                                     output_text parts), function_call items
                                     -> the assistant's tool_calls,
                                     function_call_output -> tool messages;
-                                    reasoning items are dropped
+                                    a reasoning item's text -> the reasoning
+                                    of the calls after it (gpt-oss's template
+                                    writes it back), else dropped
     previous_response_id         -> that response's conversation first (kept
                                     in memory while store is true, LRU)
     tools (type function)        -> function tools; tool_choice likewise
@@ -196,6 +198,7 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         msgs: list[dict] = []
+        thought = ""  # a reasoning item's text, for the tool calls after it
         for i, item in enumerate(self.input):
             where = f"input.{i}"
             kind = item.get("type", "message")
@@ -204,6 +207,7 @@ class ResponsesRequest(BaseModel):
                 if role not in ("user", "system", "developer", "assistant"):
                     raise ValueError(f"{where}: role must be user, system, developer or assistant, got {role!r}")
                 msgs.append({"role": role, "content": _text(item.get("content"), where)})
+                thought = ""
             elif kind in ("function_call", "custom_tool_call"):
                 argument = "arguments" if kind == "function_call" else "input"
                 for key in ("call_id", "name", argument):
@@ -221,11 +225,17 @@ class ResponsesRequest(BaseModel):
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                if thought:  # the reasoning item before the call: its thoughts (server/harmony.py)
+                    msgs[-1]["reasoning_content"], thought = thought, ""
             elif kind in ("function_call_output", "custom_tool_call_output"):
                 out = item.get("output")
                 msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": out if isinstance(out, str) else _text(out, where + ".output")})
-            elif kind != "reasoning":
+            elif kind == "reasoning":  # its raw text, where a client kept it (summaries and encrypted ones: none)
+                parts = item.get("content")
+                thought = "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)) \
+                    if isinstance(parts, list) else ""
+            else:
                 raise ValueError(f"{where}: input item type {kind!r} is not supported here")
         if not msgs:
             raise ValueError("input has no messages")
@@ -376,6 +386,9 @@ def conversation_after(req: ChatCompletionRequest, output: list[dict], has_instr
     reply = {"role": "assistant", "content": text or None}
     if calls:
         reply["tool_calls"] = calls
+        thoughts = "".join(c["text"] for it in output if it["type"] == "reasoning" for c in it["content"])
+        if thoughts:
+            reply["reasoning_content"] = thoughts
     return msgs + [reply]
 
 

@@ -304,7 +304,7 @@ def test_a_running_outranked_prefill_is_held_and_held_prefills_go_one_a_step():
         t += 0.01
         out = _step_at(sched, t)
         went.append([c.request.program for c in out.chunks if c.num_tokens > 1])
-        assert short.status.name == "RUNNING"  # the holds are what the short call's decoding starts
+        assert short.status.name == "RUNNING"  # the short call decodes throughout: it is what holds them
     assert all(len(w) == 1 for w in went)  # one a step
     assert went == [["a"]] * went.count(["a"]) + [["b"]] * went.count(["b"]) and went.count(["a"]) >= 5
     drive(sched, kv)

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from test_tool_calls import calls_text_finish
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
 from trajserve.server.harmony import HarmonyStream, parse
 from trajserve.server.tool_calls import format_for_template
@@ -181,16 +182,8 @@ def test_chat_completions_give_a_harmony_call_as_a_tool_call(harmony_client):
     s["reply"] = THINK + CALL
     for stream in (False, True):
         r = s["harmony"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, stream=stream)
-        if stream:
-            chunks = list(r)
-            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            calls, text, finish = r.choices[0].message.tool_calls, r.choices[0].message.content, \
-                r.choices[0].finish_reason
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-            ("run_tests", {"path": "tests/", "k": 3})]
+        calls, text, finish = calls_text_finish(r, stream)
+        assert calls == [("run_tests", {"path": "tests/", "k": 3})]
         assert not text and finish == "tool_calls"
 
 

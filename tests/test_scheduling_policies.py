@@ -211,11 +211,12 @@ def test_a_full_pool_makes_room_for_a_head_that_outranks(policy, head_priority, 
         assert r.all_token_ids[len(r.prompt_token_ids):] == reference(r.prompt_token_ids, r.sampling_params.max_tokens)
 
 
-def _step(sched: Scheduler):
-    """One step of the stand-in model (drive's, once)."""
+def _step(sched: Scheduler, now: float | None = None):
+    """One step of the stand-in model (drive's, once), its clock at `now`
+    seconds (drive's clock, time.monotonic(), by default)."""
     out = sched.schedule()
     sched.update(out, {c.request.request_id: next_token(c.request.all_token_ids) for c in out.chunks if c.sample},
-                 time.monotonic())
+                 time.monotonic() if now is None else now)
     return out
 
 
@@ -249,16 +250,9 @@ def _decoding_short_and_long(policy: str, proposer=None, long_served: int = 10_0
     if sched.service is not None:
         sched.service.add("long", long_served, 0.0)
     sched.add(short)
-    _step_at(sched, 0.0)
+    _step(sched, 0.0)
     sched.add(long_call)
     return sched, kv, short, long_call
-
-
-def _step_at(sched: Scheduler, now: float):
-    """One step of the stand-in model, its clock at `now` seconds."""
-    out = sched.schedule()
-    sched.update(out, {c.request.request_id: next_token(c.request.all_token_ids) for c in out.chunks if c.sample}, now)
-    return out
 
 
 @pytest.mark.parametrize("policy, held", [("fcfs", False), ("priority", False), ("program", True)])
@@ -270,7 +264,7 @@ def test_an_outranked_prefill_waits_while_a_less_served_program_decodes(policy, 
     sched, kv, short, long_call = _decoding_short_and_long(policy)
     ran = []
     for k in range(1, 11):  # a step schedules at the clock of the update before it: 0, HOLD_S / 8, ...
-        out = _step_at(sched, k * HOLD_S / 8)
+        out = _step(sched, k * HOLD_S / 8)
         ran.append(any(c.request is long_call for c in out.chunks))
         assert any(c.request is short for c in out.chunks)  # the short call decodes every step
     assert ran.index(True) == (8 if held else 0)
@@ -293,16 +287,16 @@ def test_a_running_outranked_prefill_is_held_and_held_prefills_go_one_a_step():
     sched.service.add("b", 9_000, 0.0)
     sched.add(a)
     sched.add(b)
-    _step_at(sched, 0.0)  # both started their prompts
+    _step(sched, 0.0)  # both started their prompts
     sched.add(short)
-    _step_at(sched, 0.0)  # the short prompt is computed whole (rank first)
+    _step(sched, 0.0)  # the short prompt is computed whole (rank first)
     assert short.num_computed_tokens == 10 and 0 < a.num_computed_tokens < 200
     for t in (0.1, HOLD_S):  # scheduled at the clocks 0.0 and 0.1: held
-        assert [c.request for c in _step_at(sched, t).chunks] == [short]
+        assert [c.request for c in _step(sched, t).chunks] == [short]
     went, t = [], HOLD_S
     while b.num_computed_tokens < 200:
         t += 0.01
-        out = _step_at(sched, t)
+        out = _step(sched, t)
         went.append([c.request.program for c in out.chunks if c.num_tokens > 1])
         assert short.status.name == "RUNNING"  # the short call decodes throughout: it is what holds them
     assert all(len(w) == 1 for w in went)  # one a step
@@ -337,7 +331,7 @@ def test_an_outranked_decode_drafts_nothing_while_a_less_served_program_decodes(
     new program's call is offered drafts."""
     proposer = _AlwaysDrafts()
     sched, kv, short, long_call = _decoding_short_and_long("program", proposer, long_served=0)
-    _step_at(sched, 0.0)  # the long call's prompt, beside the short call's decode
+    _step(sched, 0.0)  # the long call's prompt, beside the short call's decode
     sched.service.add("long", 20_000, 0.0)
     assert long_call.num_computed_tokens == 90 and short.num_computed_tokens > 20
     proposer.asked.clear()

@@ -197,19 +197,25 @@ def test_streamed_tool_calls_as_the_client_assembles_them(scripted):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def calls_text_finish(r, stream: bool) -> tuple[list, str | None, str]:
+    """A chat reply's tool calls (name, arguments), text and finish_reason,
+    as the client assembles them, streamed or not."""
+    if stream:
+        chunks = list(r)
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        calls, text, finish = r.choices[0].message.tool_calls, r.choices[0].message.content, r.choices[0].finish_reason
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls or []], text, finish
+
+
 def test_a_server_reading_llama3_json_returns_its_calls(scripted):
     scripted["reply"] = "<|python_tag|>" + L3
     for stream in (False, True):
         r = scripted["llama3"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, stream=stream)
-        if stream:
-            chunks = list(r)
-            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            calls, text, finish = r.choices[0].message.tool_calls, r.choices[0].message.content, r.choices[0].finish_reason
-        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-            ("run_tests", {"path": "tests/", "k": 3})]
+        calls, text, finish = calls_text_finish(r, stream)
+        assert calls == [("run_tests", {"path": "tests/", "k": 3})]
         assert not text and finish == "tool_calls"
     scripted["reply"] = "No call here."
     r = scripted["llama3"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS)

@@ -3,6 +3,8 @@ the model-family tests (windows, latent attention): three prompts, two of
 them over a shared head of 24 tokens, 64 greedy tokens each."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from trajserve.config import CacheConfig, EngineConfig
@@ -24,9 +26,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 299, (17,)).tolist(), shared + [7, 8, 9], shared + [11, 12] + list(range(20, 34))]
 
 
-def run(eng: LLMEngine, batch: list[list[int]], cached: list[int] | None = None) -> list[list[int]]:
+def run(eng: LLMEngine, batch: list[list[int]], cached: list[int] | None = None,
+        params: SamplingParams = GREEDY) -> list[list[int]]:
     """Greedy tokens of each prompt, run together; `cached` gets each one's prefix-cache hit."""
-    rids = [eng.add_request(p, GREEDY) for p in batch]
+    rids = [eng.add_request(p, params) for p in batch]
     done = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -60,17 +63,22 @@ def hf_greedy(hf, batch: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def paused_turns(d, decision: str, disk_dir) -> tuple[list[int], list[int], str, int]:
+PAUSED_OBSERVATION = 21  # tokens of the observation paused_turns resumes with
+
+
+def paused_turns(d, decision: str, disk_dir) -> tuple[list[int], list[int], str, int, int, int]:
     """Two 12-token turns of a session over prompts()[2] and an observation,
     once straight through and once paused between them (`decision`: keep,
-    host, disk or drop): (the second turn's tokens unpaused, paused, where
-    the paused state went, blocks it saved to a tier)."""
+    host, disk or drop; prefetch: disk, loaded back before the resume):
+    (the second turn's tokens unpaused, paused, where
+    the paused state went, blocks it saved to a tier, the second turn's
+    cached prompt tokens, its prompt's length)."""
     from trajserve.sessions.config import SessionConfig
     from trajserve.sessions.manager import SessionManager
 
     eng = engine(d)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    prompt, observation = prompts()[2], list(range(40, 61))
+    prompt, observation = prompts()[2], list(range(40, 40 + PAUSED_OBSERVATION))
     mgr = SessionManager(eng, SessionConfig(disk_dir=str(disk_dir)))
     try:
         s = mgr.open(prompt)
@@ -81,13 +89,18 @@ def paused_turns(d, decision: str, disk_dir) -> tuple[list[int], list[int], str,
         eng.kv.clear_cache()
         s = mgr.open(prompt)
         s.generate(params)
-        s.pause(decision=decision)
+        s.pause(decision="disk" if decision == "prefetch" else decision, expected_wait_s=60)
         mgr.flush()
         residency, saved = s.residency.value, s.saved_blocks
+        if decision == "prefetch":  # the return is near: loaded back in the background before the resume
+            mgr.machine.set_prefetch(s.record, time.monotonic())
+            mgr.tick()
+            mgr.flush()
+            assert s.prefetched
         s.resume(observation)
-        got = list(s.generate(params).outputs[0].token_ids)
+        out = s.generate(params)
         s.close()
-        return want, got, residency, saved
+        return want, list(out.outputs[0].token_ids), residency, saved, out.num_cached_tokens, len(out.prompt_token_ids)
     finally:
         mgr.shutdown()
         eng.close()

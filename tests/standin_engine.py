@@ -56,7 +56,7 @@ class TokenRunner:
         return self.pool[torch.tensor(ids)].clone()
 
     def write_blocks(self, ids, data):
-        self.pool[torch.tensor(ids)] = data
+        self.pool[torch.tensor(ids)] = torch.stack(data) if isinstance(data, list) else data
 
 
 class StandInEngine:
@@ -70,6 +70,7 @@ class StandInEngine:
         self.kv_format = FORMATS["float32"]
         self.block_layout = BlockLayout.of(b"stand-in", torch.float32, (1, 2, 1, block_size, 1))
         self.block_bytes = self.block_layout.payload_bytes
+        self.window_layout = None  # no window layers
         self.kv = KVCacheManager(num_blocks, block_size, 0.0, enable_prefix_caching=True)
         self.lower = None  # no prefix-cache tiers: a session manager brings its own
         self.config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tiny_models import save_with_tokenizer, tiny_hf_model
-from greedy_runs import engine, hf_greedy, paused_turns, prompts, run, run_staggered
+from greedy_runs import PAUSED_OBSERVATION, engine, hf_greedy, paused_turns, prompts, run, run_staggered
 from trajserve.config import SchedulerConfig
 
 # What each family's engine says it runs: architecture, start-up words.
@@ -83,10 +83,12 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
 
 @pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
 def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
-    want, got, residency, saved = paused_turns(model_dir[0], decision, tmp_path / "kv")
+    want, got, residency, saved, cached, prompt_len = paused_turns(model_dir[0], decision, tmp_path / "kv")
     assert residency == {"keep": "kept", "drop": "dropped"}.get(decision, "offloaded")
     assert (saved > 0) == (decision in ("host", "disk"))  # the state went down to its tier
     assert got == want
+    history = prompt_len - PAUSED_OBSERVATION  # resumed whole (gpt-oss: its windows' parts came back too)
+    assert cached == (0 if decision == "drop" else (history - 1) // 4 * 4)
 
 
 def test_gpt_oss_other_quantizations_lora_and_a_bf16_pool_are_refused_by_name(tmp_path):

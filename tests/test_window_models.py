@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from tiny_models import save_with_tokenizer, tiny_hf_model
-from greedy_runs import engine, hf_greedy, paused_turns, prompts, run, run_staggered
+from greedy_runs import PAUSED_OBSERVATION, engine, hf_greedy, paused_turns, prompts, run, run_staggered
 from trajserve.config import SchedulerConfig
 
 @pytest.fixture(scope="module", params=["mistral", "gemma3"])
@@ -89,15 +89,86 @@ def test_lora_on_gemma3_is_refused_by_name(tmp_path):
         engine(tmp_path, enable_lora=True)
 
 
-@pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
+@pytest.mark.parametrize("decision", ["keep", "host", "disk", "prefetch", "drop"])
 def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
     """Two turns of a session over a window model, paused between them
-    (kept, on the host or disk tier, or dropped and recomputed): the second
-    turn's greedy tokens are those of the turns run without a pause."""
-    want, got, residency, saved = paused_turns(model_dir[0], decision, tmp_path / "kv")
+    (kept, on the host or disk tier, loaded back from disk before the
+    resume, or dropped and recomputed): the second
+    turn's greedy tokens are those of the turns run without a pause, and
+    state that was kept or saved is resumed whole: the last window's window
+    parts went down to the tier and came back with its blocks."""
+    want, got, residency, saved, cached, prompt_len = paused_turns(model_dir[0], decision, tmp_path / "kv")
     assert residency == {"keep": "kept", "drop": "dropped"}.get(decision, "offloaded")
-    assert (saved > 0) == (decision in ("host", "disk"))  # the state went down to its tier
+    assert (saved > 0) == (decision in ("host", "disk", "prefetch"))  # the state went down to its tier
     assert got == want
+    history = prompt_len - PAUSED_OBSERVATION  # the first turn's prompt and reply
+    assert cached == (0 if decision == "drop" else (history - 1) // 4 * 4)  # every full block with KV
+
+
+def test_forks_of_a_session_paused_to_the_host_hit_its_whole_history(model_dir, tmp_path):
+    """Forking a session paused on the host tier copies its saved blocks
+    back as cold cache, the last window's window parts with them: the
+    first child's turn hits the whole history, with the unpaused tokens."""
+    from trajserve.sampling import SamplingParams
+    from trajserve.sessions.config import SessionConfig
+    from trajserve.sessions.manager import SessionManager
+
+    eng = engine(model_dir[0])
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    observation = list(range(40, 40 + PAUSED_OBSERVATION))
+    mgr = SessionManager(eng, SessionConfig(disk_dir=str(tmp_path / "kv")))
+    try:
+        s = mgr.open(prompts()[2])
+        s.generate(params)
+        s.history.extend(observation)
+        want = list(s.generate(params).outputs[0].token_ids)
+        s.close()
+        eng.kv.clear_cache()
+        s = mgr.open(prompts()[2])
+        s.generate(params)
+        history = len(s.history)
+        s.pause(decision="host")
+        mgr.flush()
+        child = s.fork(1)[0]
+        child.history.extend(observation)
+        out = child.generate(params)
+        assert list(out.outputs[0].token_ids) == want
+        assert out.num_cached_tokens == (history - 1) // 4 * 4
+    finally:
+        mgr.shutdown()
+        eng.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_prefix_spilled_to_a_lower_tier_comes_back_with_its_window(tmp_path, tier):
+    """A Gemma 3 prefix pushed out of a small pool by another request goes
+    down to the host (or disk) tier, the window part of its last window
+    with it; the next request over it loads it back and resumes at its end
+    (no window recomputed), with the tokens transformers generates."""
+    import torch
+
+    from trajserve.sampling import SamplingParams
+
+    hf = tiny_hf_model("gemma3")
+    save_with_tokenizer(hf, tmp_path)
+    lower = {"host_cache_bytes": 1 << 22} if tier == "host" else {"disk_cache_bytes": 1 << 22}
+    eng = engine(tmp_path, {"num_blocks": 26, **lower})
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    try:
+        first = prompts()[2] + list(range(100, 140))
+        reply = run(eng, [first], params=params)[0]
+        run(eng, [prompts()[0] + list(range(200, 260))], params=params)  # needs the room: the first path spills
+        assert (eng.lower.num_host_blocks if tier == "host" else eng.lower.num_disk_blocks) > 0
+        again = first + reply + [5, 6, 7]
+        cached: list[int] = []
+        got = run(eng, [again], cached, params=params)[0]
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([again]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert got == want[0, len(again):].tolist()
+        assert eng.kv.stats().promoted_blocks > 0 and eng.kv.num_window_recomputed_tokens == 0
+        assert cached[0] == (len(first) + len(reply) - 1) // 4 * 4  # the whole first path, to its last full block
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("change, message", [

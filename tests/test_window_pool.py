@@ -146,7 +146,7 @@ def test_a_hit_whose_window_part_went_since_its_match_is_not_admitted():
     kv.release("a", tokens, 30, SCOPE)
     hit = kv.match("b", tokens + [1, 2], SCOPE)
     assert hit.num_tokens == 28
-    kv.pool.drop_window([hit.block_ids[-1]])  # gone between the match and the admission
+    kv.pool.imported([hit.block_ids[-1]], [False])  # its window pages gone between the match and the admission
     assert not kv.allocate_slots("b", 32, hit, write_from=28) and not kv.has_table("b")
     assert kv.match("b", tokens + [1, 2], SCOPE) is None  # matched again: cut back (no earlier window kept)
     _windows_held(kv)
@@ -197,18 +197,31 @@ def test_agent_turns_hit_on_a_window_pool_as_on_its_all_global_twin(num_blocks):
     assert window_hit >= 0.95 * dense_hit
 
 
-def test_a_head_is_admitted_when_the_trees_kept_windows_fill_the_pool():
-    """Cached paths whose last window the tree keeps hold most of the pages;
-    what eviction would free counts their global pages only, so a new prompt
-    looks short of room. With nothing running it must still be admitted
-    (eviction frees the kept windows too), not wait for ever."""
-    kv = KVCacheManager(40, 4, watermark=0.0, enable_prefix_caching=True, window=(8, 6, (0, 1, 2, 3, 4)))
-    for i in range(8):  # 8 paths of 4 blocks: the last two of each keep their window parts in the tree
-        tokens = list(range(1000 * (i + 1), 1000 * (i + 1) + 16))
-        assert _compute(kv, f"p{i}", tokens, 0, 16, 16)
-        kv.release(f"p{i}", tokens, 16, SCOPE)
-    need = 30
-    assert kv.pool.num_free + kv.num_reclaimable < need  # what the count alone sees
+def test_what_eviction_would_free_counts_the_kept_windows_exactly():
+    """Cached paths whose last window the tree keeps hold most of the pages.
+    What eviction would free (num_reclaimable, in whole blocks) counts
+    their kept window pages with their global ones, and not those of a
+    path a request holds: exactly what evicting every unheld path frees.
+    A new prompt that needs nearly all of it is admitted."""
+    def filled():
+        kv = KVCacheManager(40, 4, watermark=0.0, enable_prefix_caching=True, window=(8, 6, (0, 1, 2, 3, 4)))
+        for i in range(8):  # 8 paths of 4 blocks: the last two of each keep their window parts in the tree
+            tokens = list(range(1000 * (i + 1), 1000 * (i + 1) + 16))
+            assert _compute(kv, f"p{i}", tokens, 0, 16, 16)
+            kv.release(f"p{i}", tokens, 16, SCOPE)
+        return kv
+
+    kv = filled()
+    held = list(range(1000, 1016)) + [7, 7, 7, 7, 7]  # path 0 and more: its blocks are in use
+    assert _compute(kv, "held", held, 0, len(held), 16) and kv.pool.num_dormant_windows == 14
+    free, reclaimable = kv.pool.num_free, kv.num_reclaimable
+    assert reclaimable > 28 * len(kv.pool.global_cols) // 6  # more than the 28 dormant blocks' global pages alone
+    kv.radix.clear()  # every path nobody holds
+    assert kv.pool.num_free == free + reclaimable
+    _windows_held(kv)
+
+    kv = filled()
+    need = kv.pool.num_free + kv.num_reclaimable
     assert kv.can_admit("new", need * 4, None, others_running=False)
     assert _compute(kv, "new", list(range(50_000, 50_000 + need * 4)), 0, need * 4, 16)
     _windows_held(kv)

@@ -160,14 +160,17 @@ class LLMEngine(RequestChecks):
         quantized = sorted(f for f in formats if f in STORED_FORMATS)
         # A stretched RoPE stores other keys: blocks on disk must not pass for the unstretched model's.
         rope = f";rope={config.rope_scaling}x{config.rope_factor:g}" if config.rope_scaling else ""
-        self.block_layout = BlockLayout.of(model_fingerprint(self.model_path, ",".join(quantized) + rope),
-                                           self.kv_format.disk_name,
-                                           (len(lp.carried) if lp else mc.num_layers, pools, pool_heads,
-                                            cc.block_size, self.kv_format.row_elems(row)))
+        fingerprint = model_fingerprint(self.model_path, ",".join(quantized) + rope)
+        dims = (pools, pool_heads, cc.block_size, self.kv_format.row_elems(row))
+        self.block_layout = BlockLayout.of(fingerprint, self.kv_format.disk_name,
+                                           (len(lp.carried) if lp else mc.num_layers, *dims))
+        # A window model's block saved with its window part: every layer, the global ones first.
+        self.window_layout = BlockLayout.of(fingerprint, self.kv_format.disk_name, (mc.num_layers, *dims)) if lp else None
         self.lower = None
         if (cc.host_cache_bytes or cc.disk_cache_bytes) and cc.enable_prefix_caching:
             self.lower = LowerTiers(self.runner.read_blocks, self.runner.write_blocks, cc.host_cache_bytes,
-                                    cc.disk_cache_bytes, cc.disk_cache_dir, layout=self.block_layout)
+                                    cc.disk_cache_bytes, cc.disk_cache_dir, layout=self.block_layout,
+                                    window_layout=self.window_layout)
             self.kv.attach_lower_tiers(self.lower)
         # What the keep policy and preemption price with; a session manager
         # calibrates it and feeds real prefills and copies in.

@@ -26,7 +26,7 @@ import torch
 
 from trajserve.engine.core import ExecutorOutput, StepStats
 from trajserve.engine.scheduler import Scheduler, SchedulerOutput
-from trajserve.kv.copy_engine import CopyEngine, CopyJob, LayerPages, gather_blocks
+from trajserve.kv.copy_engine import CopyEngine, CopyJob, LayerPages, gather_blocks, scatter_blocks
 from trajserve.lora.rows import LoRARows
 from trajserve.lora.slots import LoRASlots
 from trajserve.model.attention import AttentionMetadata, LayerTables, PrefillSeq
@@ -260,20 +260,17 @@ class ModelRunner:
             if v is not k:
                 v.index_copy_(0, dst, v.index_select(0, src))
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor | list[torch.Tensor]:
         """KV of these blocks as [n, layers, 2, kv_heads, block_size, head_dim] on
-        the host (for the host and disk tiers)."""
-        return gather_blocks(self.kv_caches, block_ids, self.lp)
+        the host (for the host and disk tiers); in a window model's pool, a
+        list where the blocks that have their window part carry it
+        (copy_engine.gather_blocks)."""
+        return gather_blocks(self.kv_caches, block_ids, self.lp, self.lp.with_window(block_ids))
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Inverse of read_blocks: load saved KV into these device blocks."""
-        data = data.to(self.device)
-        for i, layer in enumerate(self.lp.carried):
-            k, v = self.kv_caches[layer]
-            idx = self.lp.index(block_ids, layer, self.device)
-            k.index_copy_(0, idx, data[:, i, 0])
-            if v is not k:
-                v.index_copy_(0, idx, data[:, i, 1])
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor | list[torch.Tensor]) -> None:
+        """Inverse of read_blocks: load saved KV into these device blocks
+        (a block's window part, where it carries one, into its window pages)."""
+        scatter_blocks(self.kv_caches, block_ids, data, self.lp)
 
     def run(self, batch: PreparedBatch) -> torch.Tensor:
         """Float32 logits [len(batch.sample_rows), vocab]: with prompt spans,

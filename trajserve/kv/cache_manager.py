@@ -150,12 +150,12 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
     @property
     def num_reclaimable(self) -> int:
         """Cached blocks nobody holds, in the pool's blocks (a window pool's:
-        whole blocks' worth of the global pages they free, at least; their
-        window parts, kept or not, are not counted)."""
+        the whole blocks' worth of pages their eviction frees, window parts
+        the tree keeps included)."""
         if self.radix is None:
             return 0
         if self.windowed:
-            return self.radix.num_evictable_blocks * len(self.pool.global_cols) // self.pool.num_layers
+            return self.pool.reclaimable(self.radix.num_evictable_blocks)
         return self.radix.num_evictable_blocks
 
     def table(self, request_id: str) -> BlockTable:
@@ -227,10 +227,9 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
                 self._evict_for(n - self.pool.num_free)
         n = min(n, self.pool.num_free)
         new_ids = self.pool.allocate(n) if n > 0 else []
-        if self.windowed:  # the tiers carry global layers only (kv/window_parts.py)
-            self.pool.drop_window(new_ids)
-        got = lower.load(ns, hashes[:n], new_ids) if new_ids else 0
-        self._adopt(ns, hit, keys[start:start + got], new_ids, got)
+        windows = lower.load(ns, hashes[:n], new_ids) if new_ids else []
+        got = len(windows)
+        self._adopt(ns, hit, keys[start:start + got], new_ids, got, windows)
         if not got:
             return hit
         self.num_promoted_blocks += got

@@ -37,37 +37,86 @@ class LayerPages:
     """Where each layer keeps a block's K and V: at the block's id in its own
     tensors (pages None), or, in a window model's pool (kv/window_pool.py),
     at the block's page for that layer in tensors every layer shares.
-    `carried`: the layers the tiers carry, in their order in a saved block
-    (a window model's global layers only: kv/window_parts.py)."""
+    `carried`: the layers every saved block carries, in their order in it (a
+    window model's global layers); `window`: a window model's window layers,
+    which a saved block carries after those when it had its window part
+    (kv/window_parts.py: the points worth resuming from)."""
 
     def __init__(self, num_layers: int, pages: np.ndarray | None = None, carried: list[int] | None = None) -> None:
         self.pages = pages
         self.carried = list(range(num_layers)) if carried is None else carried
+        self.window = [i for i in range(num_layers) if i not in set(self.carried)]
 
     def index(self, block_ids: list[int], layer: int, device) -> torch.Tensor:
         ids = block_ids if self.pages is None else self.pages[block_ids, layer]
         return torch.as_tensor(ids, dtype=torch.long, device=device)
 
+    def with_window(self, block_ids: list[int]) -> list[bool]:
+        """Which of these blocks have their window part now (none outside a window pool)."""
+        if not self.window:
+            return [False] * len(block_ids)
+        return (self.pages[block_ids, self.window[0]] >= 0).tolist()
 
-def gather_blocks(kv_caches: KVCaches, block_ids: list[int], lp: LayerPages | None = None) -> torch.Tensor:
+
+def gather_blocks(kv_caches: KVCaches, block_ids: list[int], lp: LayerPages | None = None,
+                  windows: list[bool] | None = None) -> torch.Tensor | list[torch.Tensor]:
     """KV of these blocks as [n, layers, 2, H_kv, B, d] on the host (the
     layout the host and disk tiers store; a latent attention's pool:
     [n, layers, 1, 1, B, row], its one tensor a layer; a window model's:
-    its global layers only)."""
+    its global layers). windows: which blocks also carry their window part
+    (their window layers after the global ones; each must have it): then a
+    list of blocks, those longer."""
     lp = lp or LayerPages(len(kv_caches))
     k0 = kv_caches[0][0]
     # Gathered straight into the one output (2.2 -> 3.0 GB/s on a 2-core Xeon
     # for 64 blocks of SmolLM2, against stacking per-layer gathers twice).
     one = kv_caches[0][1] is k0  # a latent attention's pool: one tensor a layer (K and V the same)
-    out = torch.empty((len(block_ids), len(lp.carried), 1 if one else 2, *k0.shape[1:]), dtype=k0.dtype,
+    out = _gather(kv_caches, block_ids, lp.carried, lp, one)
+    if not windows or not any(windows):
+        return out
+    with_win = [b for b, w in zip(block_ids, windows) if w]
+    win = iter(_gather(kv_caches, with_win, lp.window, lp, one))
+    return [torch.cat([g, next(win)]) if w else g for g, w in zip(out, windows)]
+
+
+def _gather(kv_caches: KVCaches, block_ids: list[int], layers: list[int], lp: LayerPages, one: bool
+            ) -> torch.Tensor:
+    k0 = kv_caches[0][0]
+    out = torch.empty((len(block_ids), len(layers), 1 if one else 2, *k0.shape[1:]), dtype=k0.dtype,
                       device=k0.device)
-    for i, layer in enumerate(lp.carried):
+    for i, layer in enumerate(layers):
         k, v = kv_caches[layer]
         idx = lp.index(block_ids, layer, k0.device)
         out[:, i, 0] = k.index_select(0, idx)
         if not one:
             out[:, i, 1] = v.index_select(0, idx)
     return out.cpu()
+
+
+def scatter_blocks(kv_caches: KVCaches, block_ids: list[int], data, lp: LayerPages, layers=None) -> None:
+    """The inverse of gather_blocks: blocks (a tensor of rows, or a list, some
+    carrying their window part) written into these device blocks; layers:
+    only these (all)."""
+    n, g = len(data), len(lp.carried)
+    device = kv_caches[0][0].device
+    slot = {layer: i for i, layer in enumerate(lp.carried)} | {layer: g + j for j, layer in enumerate(lp.window)}
+    for layer in (range(len(kv_caches)) if layers is None else layers):
+        k, v = kv_caches[layer]
+        i = slot[layer]
+        if isinstance(data, torch.Tensor):  # rows of one shape
+            if i >= data.shape[1]:
+                continue
+            ids, src = block_ids[:n], data[:, i]
+        else:
+            rows = [r for r in range(n) if data[r].shape[0] > i]  # a window layer: the blocks that carry it
+            if not rows:
+                continue
+            ids, src = [block_ids[r] for r in rows], torch.stack([data[r][i] for r in rows])
+        idx = lp.index(ids, layer, device)
+        src = src.to(device, non_blocking=True)
+        k.index_copy_(0, idx, src[:, 0])
+        if v is not k:
+            v.index_copy_(0, idx, src[:, 1])
 
 
 class CopyJob:
@@ -80,6 +129,7 @@ class CopyJob:
         self.num_layers = num_layers
         self.layers_done = 0
         self.filled = 0  # loads: blocks actually written (a disk read may stop early)
+        self.windows: list[bool] = []  # loads: which of those came with their window part
         self.data: torch.Tensor | None = None
         self.nbytes = 0
         self.seconds = 0.0  # copy time on the copy thread
@@ -133,11 +183,13 @@ class CopyEngine:
         self.wait_s = 0.0  # total time steps waited for loads (stalls not hidden by compute)
 
     # ------------------------------------------------------------ submit
-    def save(self, block_ids: list[int]) -> CopyJob:
+    def save(self, block_ids: list[int], windows: list[bool] | None = None) -> CopyJob:
         """Copy device blocks to a host tensor, in the background. The caller
-        keeps the blocks allocated and unwritten until job.done."""
+        keeps the blocks allocated and unwritten until job.done; windows:
+        which also carry their window part (gather_blocks), which the caller
+        holds as long."""
         job = CopyJob("save", list(block_ids), 1)
-        self._thread.submit(self._run_save, job)
+        self._thread.submit(self._run_save, job, windows)
         return job
 
     def load(self, block_ids: list[int], data: HostBlocks | Callable[[], HostBlocks | None]) -> CopyJob:
@@ -192,12 +244,12 @@ class CopyEngine:
         return before_layer
 
     # ------------------------------------------------------------ the thread
-    def _run_save(self, job: CopyJob) -> None:
+    def _run_save(self, job: CopyJob, windows: list[bool] | None) -> None:
         try:
             t = time.perf_counter()
-            data = gather_blocks(self.kv_caches, job.block_ids, self.lp)
+            data = gather_blocks(self.kv_caches, job.block_ids, self.lp, windows)
             job.data = data
-            job.nbytes = data.numel() * data.element_size()
+            job.nbytes = sum(b.nbytes for b in data) if isinstance(data, list) else data.nbytes
             job.seconds = time.perf_counter() - t
             job._advance(1)  # last: a waiter sees data, nbytes and seconds set
         except BaseException as e:  # noqa: BLE001 -- reported to the waiter, never lost on the thread
@@ -211,15 +263,11 @@ class CopyEngine:
             n = 0 if data is None else len(data)
             job.filled = n
             job.nbytes = sum(b.numel() * b.element_size() for b in data) if n else 0
-            slot = {layer: i for i, layer in enumerate(self.lp.carried)}  # a layer's place in a saved block
-            for layer, (k, v) in enumerate(self.kv_caches):
-                if n and layer in slot:  # (a window model's window layers are not carried: kv/window_parts.py)
-                    idx = self.lp.index(job.block_ids[:n], layer, self.device)
-                    # Gathered per layer: layer 0 is on the device after 1/L of the copy.
-                    src = torch.stack([b[slot[layer]] for b in data]).to(self.device, non_blocking=True)
-                    k.index_copy_(0, idx, src[:, 0])
-                    if v is not k:
-                        v.index_copy_(0, idx, src[:, 1])
+            g = len(self.lp.carried)
+            job.windows = [data[i].shape[0] > g for i in range(n)]
+            for layer in range(len(self.kv_caches)):
+                if n:  # gathered per layer: layer 0 is on the device after 1/L of the copy
+                    scatter_blocks(self.kv_caches, job.block_ids[:n], data, self.lp, (layer,))
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
                 job.seconds = time.perf_counter() - t

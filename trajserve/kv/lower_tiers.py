@@ -117,15 +117,18 @@ def _ns_digest(namespace: Hashable) -> bytes:
 class LowerTiers(SessionHolds, DiskRestarts):
     def __init__(self, read_blocks: ReadBlocks, write_blocks: WriteBlocks, host_bytes: int,
                  disk_bytes: int = 0, disk_dir: str | None = None, *, layout: BlockLayout | None = None,
-                 files: bool = True, copy: bool = True, keep_files: bool = True) -> None:
+                 window_layout: BlockLayout | None = None, files: bool = True, copy: bool = True,
+                 keep_files: bool = True) -> None:
         """layout: the engine's KV block layout (model fingerprint, dtype,
-        shape), which every disk file carries. disk_dir: a directory kept
+        shape), which every disk file carries; window_layout: a window model's
+        block with its window part (kv/window_parts.py). disk_dir: a directory kept
         across restarts (keep_files False: locked while in use, emptied at
         close: paused sessions' state does not outlive its manager); without
         one, a scratch directory removed at close."""
         if host_bytes < 0 or disk_bytes < 0:
             raise ValueError("lower tier sizes must be >= 0 bytes")
         self._read, self._write = read_blocks, write_blocks
+        self._carried = layout.shape[0] if layout and window_layout else None  # more layers: a window part too
         self._copy = copy  # stand-in blocks are one shared byte: nothing to copy
         self.host = HostKVStore(host_bytes)
         self._tmp: ScratchDir | None = None
@@ -139,9 +142,9 @@ class LowerTiers(SessionHolds, DiskRestarts):
             sweep_orphans()  # scratch directories of engines that were killed (a scratch tier sweeps too)
             if disk_dir is None:
                 self._tmp = ScratchDir("cache")
-                self.disk = DiskKVStore(self._tmp.name, disk_bytes, layout, lock=False)
+                self.disk = DiskKVStore(self._tmp.name, disk_bytes, layout, lock=False, window_layout=window_layout)
             else:
-                self.disk = DiskKVStore(disk_dir, disk_bytes, layout)
+                self.disk = DiskKVStore(disk_dir, disk_bytes, layout, window_layout=window_layout)
                 self.persistent = keep_files
         self._ns: dict[str, bytes] = {}            # key -> namespace digest
         self._by_ns: dict[bytes, set[str]] = {}    # namespace digest -> keys in either tier
@@ -210,7 +213,9 @@ class LowerTiers(SessionHolds, DiskRestarts):
         finally:
             self._loading -= keys
 
-    def load(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> int:
+    def load(self, namespace: Hashable, hashes: list[bytes], block_ids: list[int]) -> list[bool]:
+        """The blocks named by hashes into block_ids, up to the first missing or
+        failing its checks; for each one loaded: did it carry its window part?"""
         blocks = []
         ns = _ns_digest(namespace)
         for h in hashes[:len(block_ids)]:
@@ -224,12 +229,16 @@ class LowerTiers(SessionHolds, DiskRestarts):
             else:
                 self.stats.loaded_disk_blocks += 1
             blocks.append(b)
-        if blocks:
-            self._write(block_ids[:len(blocks)], torch.stack(blocks))
+        if blocks:  # a list where some carry their window part
+            self._write(block_ids[:len(blocks)], torch.stack(blocks) if len({b.shape for b in blocks}) == 1 else blocks)
             for h in hashes[:len(blocks)]:
                 if h.hex() not in self._holds:  # a paused session keeps its copy until it lets go
                     self._forget(h.hex())  # exclusive tiers: it lives on the device now
-        return len(blocks)
+        return [self.carries_window(b) for b in blocks]
+
+    def carries_window(self, block: torch.Tensor) -> bool:
+        """Does this saved block carry its window part (a window model's)?"""
+        return self._carried is not None and block.shape[0] > self._carried
 
     def _lookup(self, ns: bytes, h: bytes) -> tuple[torch.Tensor | None, str | None]:
         """The block named h in namespace ns and the tier it came from: the

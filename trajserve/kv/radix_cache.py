@@ -76,7 +76,8 @@ class RadixCache(Invalidation):
         self._stamp = 0
         self._num_nodes = 0  # attached, non-root
         self.num_cached_blocks = 0  # blocks held by attached nodes
-        self.num_evictable_blocks = 0  # ... of which in nodes with ref_count 0
+        self.num_evictable_blocks = 0  # ... of which in nodes with ref_count 0 (dormant)
+        self._mark_dormant = getattr(pool, "mark_dormant", None)  # a window pool counts their window parts
         self.num_detached_blocks = 0  # held by invalidated nodes still in use
         self.num_evicted_nodes = 0
         self.num_evicted_blocks = 0  # tree references dropped by evict()
@@ -144,7 +145,7 @@ class RadixCache(Invalidation):
             raise ValueError(f"lock of an evicted or invalidated radix node {node!r}: match again")
         while node.parent is not None:
             if node.ref_count == 0 and not node.detached:
-                self.num_evictable_blocks -= len(node.block_ids)
+                self._dormant(node.block_ids, False)
             node.ref_count += 1
             node = node.parent
 
@@ -168,7 +169,7 @@ class RadixCache(Invalidation):
                 if node.detached:
                     self._release_detached(node)
                 else:
-                    self.num_evictable_blocks += len(node.block_ids)
+                    self._dormant(node.block_ids, True)
                     if not node.children:
                         self._push(node)
             node = node.parent
@@ -225,7 +226,7 @@ class RadixCache(Invalidation):
             node.children[leaf.key[0]] = leaf
             self._num_nodes += 1
             self.num_cached_blocks += len(new_ids)
-            self.num_evictable_blocks += len(new_ids)
+            self._dormant(new_ids, True)
             new = len(new_ids)
             node = leaf
             if self.on_event is not None:
@@ -302,11 +303,11 @@ class RadixCache(Invalidation):
         if self.on_event is not None:
             self.on_event(False, self.block_hashes(node))
         node.heap_stamp = -1
+        self._dormant(node.block_ids, False)
         freed = self._drop_tree_refs(node.block_ids)
         self.num_evicted_nodes += 1
         self.num_evicted_blocks += len(node.block_ids)
         self.num_cached_blocks -= len(node.block_ids)
-        self.num_evictable_blocks -= len(node.block_ids)
         self._num_nodes -= 1
         parent = node.parent
         del parent.children[node.key[0]]
@@ -457,6 +458,13 @@ class RadixCache(Invalidation):
         if len(self._heap) > 2 * self._num_nodes + 64:
             self._heap = [e for e in self._heap if e[2] == e[3].heap_stamp and self._evictable(e[3])]
             heapq.heapify(self._heap)
+
+    def _dormant(self, block_ids: list[int], on: bool) -> None:
+        """Blocks join (on) or leave the nodes with ref_count 0: what
+        eviction can free."""
+        self.num_evictable_blocks += len(block_ids) if on else -len(block_ids)
+        if self._mark_dormant is not None:
+            self._mark_dormant(block_ids, on)
 
     def _drop_tree_refs(self, block_ids: list[int]) -> int:
         """pool.free the tree's reference; count blocks that hit the free list

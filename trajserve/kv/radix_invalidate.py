@@ -101,7 +101,7 @@ class Invalidation:
             self._num_nodes -= 1
             self.num_cached_blocks -= nb
             if node.ref_count == 0:
-                self.num_evictable_blocks -= nb
+                self._dormant(node.block_ids, False)
                 self.num_freed_blocks += self._drop_tree_refs(node.block_ids)
                 node.block_ids = []
             else:
@@ -127,10 +127,9 @@ class Invalidation:
             if node.ref_count == 0:
                 if self.on_event is not None:
                     self.on_event(False, self.block_hashes(node))
+                self._dormant(node.block_ids, False)
                 freed += self._drop_tree_refs(node.block_ids)
-                nb = len(node.block_ids)
-                self.num_cached_blocks -= nb
-                self.num_evictable_blocks -= nb
+                self.num_cached_blocks -= len(node.block_ids)
                 self._num_nodes -= 1
                 del node.parent.children[node.key[0]]
                 node.detached = True

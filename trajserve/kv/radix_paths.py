@@ -81,29 +81,32 @@ class PathOps:
         if need > self.pool.num_free:
             self.radix.unlock(hit.last_node)
             return None
-        ids = self.pool.allocate(need)
-        if self.windowed:  # the tiers carry global layers only (kv/window_parts.py)
-            self.pool.drop_window(ids)
-        return hit, ids
+        return hit, self.pool.allocate(need)  # a window pool's: with their window pages, until finish_import
 
     def finish_import(self, token_ids: list[int], scope: CacheScope, hit: MatchResult,
-                      new_ids: list[int], filled: int, keys: list[BlockKey] | None = None) -> None:
+                      new_ids: list[int], filled: int, keys: list[BlockKey] | None = None,
+                      windows: list[bool] | None = None) -> None:
         """The first `filled` imported blocks hold their KV now: the tree takes
-        them over; the rest (a block failed its checks) go back to the pool."""
+        them over; the rest (a block failed its checks) go back to the pool.
+        windows: which of those came with their window part (a window pool)."""
         if not new_ids:
             return
         start, B = len(hit.block_ids), self.block_size
         new_keys = (keys[start:start + filled] if keys is not None
                     else self.radix.block_keys(token_ids[start * B:(start + filled) * B]))
-        self._adopt(self.namespace(scope), hit, new_keys, new_ids, filled)
+        self._adopt(self.namespace(scope), hit, new_keys, new_ids, filled, windows)
 
     def _adopt(self, ns: Hashable, hit: MatchResult, new_keys: list[BlockKey], new_ids: list[int],
-               filled: int) -> None:
+               filled: int, windows: list[bool] | None = None) -> None:
         """The end of an import (from a session's saved state or the prefix
         cache's tiers): the first `filled` new blocks hold their KV and join
         the tree right below the hit, which the import locked and which is
-        unlocked now; the rest go back to the pool."""
+        unlocked now; the rest go back to the pool. In a window pool the
+        tree keeps the window parts that came with them (the points worth
+        resuming from, kv/window_parts.py); the others' window pages go."""
         self.pool.free(new_ids[filled:])
+        if self.windowed:
+            self.pool.imported(new_ids[:filled], windows or [])
         node = hit.last_node
         if filled and node.detached:
             # Invalidated while a background import ran (locking stops eviction,

@@ -28,7 +28,8 @@ identity):
     namespace   16-byte digest of the cache namespace (model id, cache_salt)
     block hash  the block's chained hash (radix_cache.chain_hash: its tokens
                 and every token before it, under the namespace)
-    dtype, shape  the KV layout [layers, 2 (K, V), kv_heads, block_size, head_dim] (MLA: [layers, 1, 1, ...])
+    dtype, shape  the KV layout [layers, 2 (K, V), kv_heads, block_size, head_dim] (MLA: [layers, 1, 1, ...];
+                  a window model's block: its global layers, then its window layers when it carries them)
     payload bytes, then a checksum over the header before it and the payload
 
 Checksum: xxh3-64 (the `xxhash` package). It is 64 bits where CRC-32 is 32,
@@ -173,8 +174,11 @@ def read_header(head: bytes) -> Header:
     return Header(layout, BlockIdentity(ns, bh), payload)
 
 
-def decode(data: bytes, layout: BlockLayout, expect: BlockIdentity) -> torch.Tensor:
-    """The block in data, if it is exactly the one asked for; else BlockRejected."""
+def decode(data: bytes, layout: BlockLayout | tuple[BlockLayout, ...], expect: BlockIdentity) -> torch.Tensor:
+    """The block in data, if it is exactly the one asked for, in a layout
+    the reader takes (one, or several: a window model's block with or
+    without its window part); else BlockRejected."""
+    layouts = (layout,) if isinstance(layout, BlockLayout) else layout
     head = read_header(data)
     payload = memoryview(data)[HEADER_BYTES:]
     if head.payload_bytes != len(payload):
@@ -183,8 +187,9 @@ def decode(data: bytes, layout: BlockLayout, expect: BlockIdentity) -> torch.Ten
     h.update(payload)
     if _SUM.unpack_from(data, _BODY.size)[0] != h.intdigest():
         raise BlockRejected("corrupt", "checksum mismatch")
-    if head.layout != layout:
+    if head.layout not in layouts:
         raise BlockRejected("mislabelled", "another model or KV layout")
+    layout = head.layout
     if head.identity != expect:
         raise BlockRejected("mislabelled", "another block (namespace or chained hash)")
     if len(payload) != layout.payload_bytes:
@@ -254,10 +259,13 @@ class HostKVStore:
 
 class DiskKVStore:
     """One file per block in `directory`, under a byte cap. lock: hold the
-    directory's lock file (a --kv-disk-dir; a scratch directory holds its own)."""
+    directory's lock file (a --kv-disk-dir; a scratch directory holds its own).
+    window_layout: a window model's block that carries its window part (its
+    global layers, then its window layers; `layout` has the global ones only):
+    the header's shape says which of the two a file holds."""
 
     def __init__(self, directory: str | os.PathLike, byte_cap: int, layout: BlockLayout,
-                 lock: bool = True) -> None:
+                 lock: bool = True, window_layout: BlockLayout | None = None) -> None:
         self.dir = Path(directory)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -268,6 +276,7 @@ class DiskKVStore:
                              f"{e.strerror or e}") from None
         self._dir_lock = DirLock(self.dir) if lock else None
         self.layout = layout
+        self.layouts = (layout,) if window_layout is None else (layout, window_layout)
         self.byte_cap = byte_cap
         self.nbytes = 0
         self.num_corrupt = 0  # damaged files rejected on the way back
@@ -308,14 +317,16 @@ class DiskKVStore:
     def write_file(self, key: str, block: torch.Tensor, ident: BlockIdentity) -> None:
         """The I/O half of put, no bookkeeping: a writer thread runs it outside
         the owner's lock, then the owner registers the block."""
-        if block.dtype != self.layout.torch_dtype or tuple(block.shape) != self.layout.shape:
-            raise ValueError(f"a block of {block.dtype} {tuple(block.shape)} does not fit the store's layout "
-                             f"({self.layout.dtype} {self.layout.shape})")
+        layout = next((lay for lay in self.layouts
+                       if block.dtype == lay.torch_dtype and tuple(block.shape) == lay.shape), None)
+        if layout is None:
+            raise ValueError(f"a block of {block.dtype} {tuple(block.shape)} does not fit the store's layouts "
+                             f"({', '.join(f'{lay.dtype} {lay.shape}' for lay in self.layouts)})")
         payload = to_bytes(block)
         path = self.path(key)
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
-            f.write(encode(self.layout, ident, payload))
+            f.write(encode(layout, ident, payload))
             f.write(payload)
         os.replace(tmp, path)  # a crash mid-write never leaves a half block under the real name
 
@@ -338,7 +349,7 @@ class DiskKVStore:
         try:
             if self._idents.get(key) != expect:
                 raise BlockRejected("mislabelled", "the store wrote another block under this key")
-            return decode(data, self.layout, expect)
+            return decode(data, self.layouts, expect)
         except BlockRejected as e:
             return self._reject(key, e)
 
@@ -372,12 +383,12 @@ class DiskKVStore:
                     why = str(e)
                 else:
                     key = key_of(head.identity)
-                    if head.layout != self.layout:
+                    if head.layout not in self.layouts:
                         why = "another model or KV layout"
                     elif self.path(key) != path:
                         why = "misnamed"
                         self.num_mislabelled += 1
-                    elif st.st_size != self.layout.file_bytes or head.payload_bytes != self.layout.payload_bytes:
+                    elif st.st_size != head.layout.file_bytes or head.payload_bytes != head.layout.payload_bytes:
                         why = "truncated"
                         self.num_corrupt += 1
                     else:

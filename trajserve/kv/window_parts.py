@@ -20,10 +20,12 @@ those tokens). What keeps hits coming: the radix tree keeps the window
 parts of the last window before the end of each request's prompt (when it
 has computed it) and of its whole path (when it leaves): the end of a
 turn's prompt and of its reply, where a fork, a shared head or an agent's
-next call resumes. The lower tiers carry
-blocks' global layers only (LowerTiers' layout of a window pool), so a
-path loaded back from them has no window parts: it is recomputed from its
-last device-resident window.
+next call resumes. A block goes down to the host and disk tiers with its
+window part when it has one (the LRU spill: those points; a paused
+session's save: its path's last window, hold_copy_windows), its window
+layers after its global ones, and comes back with it, kept by the tree; a
+block saved without one comes back without one, and a hit that needs it
+is cut back as above.
 """
 from __future__ import annotations
 
@@ -74,6 +76,22 @@ class WindowParts:
         short = blocks - self.pool.num_free - max(0, self.num_reclaimable - have)
         if short > 0 and self.reclaimer is not None:
             self.reclaim(short, keep=keep)
+
+    def hold_copy_windows(self, ids: list[int]) -> list[bool]:
+        """A path's blocks are about to be copied to a lower tier (a paused
+        session's save): which carry their window part along, held until
+        release_copy_windows: those of the path's last window that have one,
+        what the next turn, resuming at the path's end, reads."""
+        if not self.windowed:
+            return []
+        start = self.window_start(len(ids) * self.block_size)
+        mask = [i >= start and bool(self.pool.has_window(b)) for i, b in enumerate(ids)]
+        self.pool.hold_window([b for b, m in zip(ids, mask) if m])
+        return mask
+
+    def release_copy_windows(self, ids: list[int], mask: list[bool]) -> None:
+        if any(mask):
+            self.pool.release_window([b for b, m in zip(ids, mask) if m])
 
     def _win_ready(self, ids: list[int]) -> bool:
         """Does every block a query right after ids reads still have its window

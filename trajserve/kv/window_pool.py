@@ -49,6 +49,10 @@ class WindowBlockPool(BlockPool):
         self.page_of = np.full((self.num_ids, num_layers), -1, dtype=np.int64)
         self.win_refs = [0] * self.num_ids
         self.tree_keeps = bytearray(self.num_ids)  # the radix tree holds one of win_refs
+        # Blocks in radix nodes nobody locks (what eviction frees), and how
+        # many of those have a window part: eviction frees its pages too.
+        self.dormant = bytearray(self.num_ids)
+        self.num_dormant_windows = 0
 
     @property
     def num_ids(self) -> int:
@@ -89,10 +93,31 @@ class WindowBlockPool(BlockPool):
         for b in blocks:
             row = self.page_of[b]
             if ref[b] == 0 and (row >= 0).any():  # its last reference went just now
+                if self.dormant[b]:  # (the tree unmarks a block before it lets go of it)
+                    self.num_dormant_windows -= bool(row[self.window_cols[0]] >= 0)
+                    self.dormant[b] = 0
                 pages.extend(int(p) for p in row if p >= 0)
                 row[:] = -1
                 self.win_refs[b] = 0
                 self.tree_keeps[b] = 0
+
+    def mark_dormant(self, blocks, on: bool) -> None:
+        """The radix tree's nodes holding these blocks became unlocked (on)
+        or locked / left the tree."""
+        d, n = self.dormant, 0
+        for b in blocks:
+            d[b] = on
+            n += self.has_window(b)
+        self.num_dormant_windows += n if on else -n
+
+    def reclaimable(self, num_dormant: int) -> int:
+        """Whole blocks that evicting the num_dormant dormant blocks would
+        add to num_free: their ids, their global pages, and the window
+        pages of those that have a window part (the tree's keep is then
+        its only holder)."""
+        pages = num_dormant * len(self.global_cols) + self.num_dormant_windows * len(self.window_cols)
+        after = min(len(self._free) + num_dormant, (len(self._free_pages) + pages) // self.num_layers)
+        return max(0, after - self.num_free)
 
     # ------------------------------------------------------------ window parts
     def has_window(self, block: int) -> bool:
@@ -135,13 +160,19 @@ class WindowBlockPool(BlockPool):
         self.page_of[dst, cols] = self.page_of[src, cols]
         self.page_of[src, cols] = -1
         self.win_refs[src], self.win_refs[dst] = 0, 1
+        self.num_dormant_windows += self.dormant[dst] - self.dormant[src]
         return True
 
-    def drop_window(self, blocks) -> None:
-        """Blocks whose window pages hold nothing (loaded from a tier that kept
-        their global layers only): shed them, whoever holds them."""
-        for b in blocks:
-            if self.has_window(b):
+    def imported(self, blocks, windows) -> None:
+        """Blocks just loaded from a lower tier (allocated whole, so their
+        window part is the allocation's hold) join the radix tree: where
+        windows[i] says block i came with its window part, the tree keeps
+        it (the allocation's hold becomes the tree's); the others' window
+        pages hold nothing and go."""
+        for i, b in enumerate(blocks):
+            if i < len(windows) and windows[i]:
+                self.tree_keeps[b] = 1
+            elif self.has_window(b):
                 self.win_refs[b] = 0
                 self.tree_keeps[b] = 0
                 self._shed(b)
@@ -149,11 +180,15 @@ class WindowBlockPool(BlockPool):
     def _shed(self, b: int) -> None:
         row = self.page_of[b]
         cols = self.window_cols
+        if self.dormant[b] and row[cols[0]] >= 0:
+            self.num_dormant_windows -= 1
         self._free_pages.extend(int(p) for p in row[cols] if p >= 0)
         row[cols] = -1
 
     def check(self) -> None:
         super().check()
+        assert self.num_dormant_windows == sum(1 for b in range(self.num_ids) if self.dormant[b] and self.has_window(b)), \
+            "dormant window parts miscounted"
         used = {int(p) for p in self.page_of.ravel() if p >= 0}
         free = set(self._free_pages)
         assert len(free) == len(self._free_pages), "page on the free list twice"

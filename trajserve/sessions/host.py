@@ -38,6 +38,7 @@ class EngineHost(Protocol):
     config: EngineConfig              # the scheduler's admission ceiling
     block_bytes: int                  # a block's KV, every layer: what the keep policy prices
     block_layout: BlockLayout         # a block's bytes, in memory and on disk
+    window_layout: BlockLayout | None  # a window model's block with its window part (kv/window_parts.py)
     max_model_len: int
     tokenizer: object                 # encode(): a resumed session's observation
 

@@ -81,7 +81,8 @@ class SessionOffload:
             # Saved state does not outlive the manager: its directory (or a
             # scratch one) is locked while it runs and emptied at shutdown.
             self.tiers = LowerTiers(engine.runner.read_blocks, engine.runner.write_blocks, host_bytes, disk_bytes,
-                                    disk_dir, layout=engine.block_layout, keep_files=False)
+                                    disk_dir, layout=engine.block_layout, window_layout=engine.window_layout,
+                                    keep_files=False)
             engine.kv.attach_lower_tiers(self.tiers, spill=False)
             self._own = True
         # False: a resume waits for its whole reload before the turn runs (the
@@ -116,8 +117,9 @@ class SessionOffload:
         # Labelled by the tree that holds the blocks: a copy never claims a
         # namespace its bytes were not computed under.
         namespace, hashes = kv.path_identity(hit)
-        s.saving = (tier, len(hit.block_ids), namespace_digest(namespace), hashes)
-        s.copy = self.engine.runner.copy.save(hit.block_ids)
+        windows = kv.hold_copy_windows(hit.block_ids)  # a window model's last window goes along, held meanwhile
+        s.saving = (tier, len(hit.block_ids), namespace_digest(namespace), hashes, (hit.block_ids, windows))
+        s.copy = self.engine.runner.copy.save(hit.block_ids, windows)
         self.copying[s.session_id] = s
         if sync:
             self._land_save(s)
@@ -126,8 +128,9 @@ class SessionOffload:
         """The host copy is there (waits for it if not): store it, remap the
         table to the tier, free the device frames. A disk save goes on to
         the disk writer thread from here."""
-        job, (tier, nblocks, ns, hashes) = s.copy, s.saving
+        job, (tier, nblocks, ns, hashes, windows) = s.copy, s.saving
         self.engine.runner.copy.finish(job)
+        self.engine.kv.release_copy_windows(*windows)
         s.copy, s.saving = None, None
         data, job.data = job.data, None
         held = self.tiers.hold(ns, hashes, data, TIER_NAME[tier], self._nbytes(tier, nblocks))
@@ -157,8 +160,9 @@ class SessionOffload:
     def _abandon_save(self, s) -> None:
         """Resumed or closed before the save landed: the blocks never left
         the device, so the copy is thrown away."""
-        tier, nblocks, _, _ = s.saving
+        tier, nblocks, _, _, windows = s.saving
         self.engine.runner.copy.finish(s.copy)
+        self.engine.kv.release_copy_windows(*windows)
         s.copy.data = None
         s.copy, s.saving, s.table = None, None, None
         self._unreserve(tier, nblocks)
@@ -200,7 +204,7 @@ class SessionOffload:
             return True
         data = self._fetch(s, have, have + len(new_ids))
         filled = len(data)
-        kv.finish_import(s.history, s.scope, hit, new_ids, filled, s.keys)
+        kv.finish_import(s.history, s.scope, hit, new_ids, filled, s.keys, self._windows(data))
         self.release_saved(s)
         if filled:
             # Device-resident now (the KV still streaming in): the table says so until it lands.
@@ -216,6 +220,10 @@ class SessionOffload:
         blocks are not copied here: the copy engine gathers them per layer."""
         ns = namespace_digest(self.engine.kv.namespace(s.scope))
         return self.tiers.fetch(ns, s.table.frames[start:min(end, len(s.table))])
+
+    def _windows(self, data: list[torch.Tensor]) -> list[bool]:
+        """Which fetched blocks carry their window part (a window model's)."""
+        return [self.tiers.carries_window(b) for b in data]
 
     def _land_load(self, s) -> None:
         """A load finished (waits for it if not): a prefetch's blocks join the
@@ -234,7 +242,7 @@ class SessionOffload:
         if s.importing is not None:
             hit, new_ids, landed = s.importing
             s.importing = None
-            kv.finish_import(s.history, s.scope, hit, new_ids, job.filled, s.keys)
+            kv.finish_import(s.history, s.scope, hit, new_ids, job.filled, s.keys, job.windows)
             self.release_saved(s)
             landed(s, job.filled > 0)
         else:
@@ -312,8 +320,8 @@ class SessionOffload:
         have = len(hit.block_ids)
         data = self._fetch(s, have, have + len(new_ids))
         if data:
-            self.engine.runner.write_blocks(new_ids[:len(data)], torch.stack(data))
-        kv.finish_import(s.history, s.scope, hit, new_ids, len(data), s.keys)
+            self.engine.runner.write_blocks(new_ids[:len(data)], data)
+        kv.finish_import(s.history, s.scope, hit, new_ids, len(data), s.keys, self._windows(data))
         self.stats.corrupt_blocks = self.tiers.stats.corrupt_blocks
 
     def flush(self, sessions) -> None:

@@ -105,6 +105,32 @@ def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp
     assert cached == (0 if decision == "drop" else (history - 1) // 4 * 4)  # every full block with KV
 
 
+def test_a_pause_is_priced_at_the_bytes_its_save_copies(model_dir, tmp_path):
+    """A window model's save copies every block's global layers and the last
+    window's window layers, not every layer of every block: the keep
+    policy prices (and the tier reserves) that, in whole blocks' worth, and
+    the bytes that land on the host tier are within one block of it."""
+    from trajserve.sampling import SamplingParams
+    from trajserve.sessions.config import SessionConfig
+    from trajserve.sessions.manager import SessionManager
+
+    eng = engine(model_dir[0])
+    mgr = SessionManager(eng, SessionConfig(disk_dir=str(tmp_path / "kv")))
+    priced = []
+    decide = mgr.machine.policy.decide
+    mgr.machine.policy.decide = lambda state: priced.append(state.kv_bytes) or decide(state)
+    try:
+        s = mgr.open(prompts()[2] + list(range(100, 140)))
+        s.generate(SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        s.pause(decision="host")
+        mgr.flush()
+        held, every_layer = mgr.offload.tiers.held_bytes()["host"], s.saved_blocks * eng.block_bytes
+        assert priced[0] - eng.block_bytes < held <= priced[0] < every_layer / 2
+    finally:
+        mgr.shutdown()
+        eng.close()
+
+
 def test_forks_of_a_session_paused_to_the_host_hit_its_whole_history(model_dir, tmp_path):
     """Forking a session paused on the host tier copies its saved blocks
     back as cold cache, the last window's window parts with them: the

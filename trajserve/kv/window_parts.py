@@ -80,14 +80,30 @@ class WindowParts:
     def hold_copy_windows(self, ids: list[int]) -> list[bool]:
         """A path's blocks are about to be copied to a lower tier (a paused
         session's save): which carry their window part along, held until
-        release_copy_windows: those of the path's last window that have one,
+        release_copy_windows."""
+        mask = self._copy_windows(ids)
+        if any(mask):
+            self.pool.hold_window([b for b, m in zip(ids, mask) if m])
+        return mask
+
+    def save_blocks(self, ids: list[int]) -> int:
+        """What a paused session's save of this path copies, in whole blocks'
+        worth of bytes (rounded up): the pause decision prices it and the
+        tier reserves it. A window pool's save: every block's global layers
+        and hold_copy_windows' window parts."""
+        if not self.windowed:
+            return len(ids)
+        pool = self.pool
+        pages = len(ids) * len(pool.global_cols) + sum(self._copy_windows(ids)) * len(pool.window_cols)
+        return -(-pages // pool.num_layers)
+
+    def _copy_windows(self, ids: list[int]) -> list[bool]:
+        """The blocks of the path's last window that have their window part:
         what the next turn, resuming at the path's end, reads."""
         if not self.windowed:
             return []
         start = self.window_start(len(ids) * self.block_size)
-        mask = [i >= start and bool(self.pool.has_window(b)) for i, b in enumerate(ids)]
-        self.pool.hold_window([b for b, m in zip(ids, mask) if m])
-        return mask
+        return [i >= start and bool(self.pool.has_window(b)) for i, b in enumerate(ids)]
 
     def release_copy_windows(self, ids: list[int], mask: list[bool]) -> None:
         if any(mask):

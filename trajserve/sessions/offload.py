@@ -117,8 +117,9 @@ class SessionOffload:
         # Labelled by the tree that holds the blocks: a copy never claims a
         # namespace its bytes were not computed under.
         namespace, hashes = kv.path_identity(hit)
+        reserved = kv.save_blocks(hit.block_ids)  # as the pause machine reserved it
         windows = kv.hold_copy_windows(hit.block_ids)  # a window model's last window goes along, held meanwhile
-        s.saving = (tier, len(hit.block_ids), namespace_digest(namespace), hashes, (hit.block_ids, windows))
+        s.saving = (tier, reserved, namespace_digest(namespace), hashes, (hit.block_ids, windows))
         s.copy = self.engine.runner.copy.save(hit.block_ids, windows)
         self.copying[s.session_id] = s
         if sync:

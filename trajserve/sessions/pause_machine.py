@@ -84,7 +84,8 @@ class Transfers(Protocol):
     def free_bytes(self, tier: Decision) -> int: ...
 
     def reserve(self, tier: Decision, nblocks: int) -> bool:
-        """Room for nblocks on the tier, reserved now; False when it does not fit."""
+        """Room for nblocks whole blocks' worth (KVCacheManager.save_blocks) on
+        the tier, reserved now; False when it does not fit."""
 
     def save(self, p: PausedRecord, tier: Decision, hit: MatchResult, sync: bool) -> None:
         """Copy the matched path's device blocks down (room reserved), labelled
@@ -161,8 +162,9 @@ class PauseMachine:
         kv.cancel_hold(owner)  # the turn ran: its resume's hold is over
         hit = kv.cached_prefix(p.history, p.scope, p.keys)
         nblocks = len(hit.block_ids)
-        d = self.policy.decide(PauseState(
-            num_tokens=nblocks * kv.block_size, kv_bytes=nblocks * self.block_bytes, expected_wait_s=wait_s,
+        d = self.policy.decide(PauseState(  # kv_bytes: what a save copies (a window model's: less than every layer)
+            num_tokens=nblocks * kv.block_size, kv_bytes=kv.save_blocks(hit.block_ids) * self.block_bytes,
+            expected_wait_s=wait_s,
             pool_usage=self._usage_for(p.priority),
             host_free_bytes=self.transfers.free_bytes(Decision.HOST),
             disk_free_bytes=self.transfers.free_bytes(Decision.DISK)))
@@ -331,9 +333,9 @@ class PauseMachine:
         """Copy the path's device blocks to the tier; a tier without room falls
         to the next (host -> disk -> drop)."""
         hit = self.kv.cached_prefix(p.history, p.scope, p.keys)
-        n = len(hit.block_ids)
-        if not n:
+        if not hit.block_ids:
             return Decision.DROP
+        n = self.kv.save_blocks(hit.block_ids)  # what the copy takes, in whole blocks' worth
         if d is Decision.HOST and not self.transfers.reserve(Decision.HOST, n):
             d = Decision.DISK
         if d is Decision.DISK and not self.transfers.reserve(Decision.DISK, n):

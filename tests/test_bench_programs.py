@@ -50,6 +50,23 @@ def test_rounds_alternate_the_policies_and_report_each_figures_median():
     assert _programs("--rounds", "0")[0] == 2
 
 
+def test_short_programs_calls_carry_the_priority_asked(monkeypatch):
+    from trajserve.engine.engine import LLMEngine
+
+    seen: dict[str, set[int]] = {}
+    real = LLMEngine.add_request
+
+    def add(self, *args, **kw):
+        seen.setdefault(kw["program"].rstrip("0123456789"), set()).add(kw["priority"])
+        return real(self, *args, **kw)
+    monkeypatch.setattr(LLMEngine, "add_request", add)
+    rc, out = _programs("--reply-tokens", "4", "--preamble-tokens", "100", "--policies", "fcfs,priority",
+                        "--short-priority", "-1")
+    report = json.loads(out)
+    assert rc == 0 and report["workload"]["short_priority"] == -1 and report["same_replies"] is True
+    assert seen == {"short": {-1}, "long": {0}}
+
+
 def test_bench_programs_counts_calls_refused_late_and_on_time_against_a_deadline():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -124,3 +141,6 @@ def test_a_program_is_a_session_that_replays_the_engines_calls():
     history = [1, 2, 3, 4]  # what the simulator hands the next call: the prompt and its outputs
     assert second.wait == 0.5 and second.prompt(history) == [1, 2, 3, 4, 7, 8] and second.output_len == 2
     assert third.prompt([1, 2, 3, 4, 7, 8, 5, 6]) == [1, 2, 3, 4, 7, 8, 5, 6, 9] and third.wait == 0.25
+    short = Program("short4", "short", 1.0, [1, 2], [([3], 0.1)])
+    marked = sessions_for([p, short], {"long0": [[4], [5, 6], [10]], "short4": [[5], [6]]}, short_priority=-1)
+    assert [[c.priority for c in s.calls] for s in marked] == [[0, 0, 0], [-1, -1]]  # as the engine's calls

@@ -239,14 +239,16 @@ def test_a_high_priority_conversations_blocks_are_the_last_evicted(policy, kept,
     assert held[dropped] is None or held[dropped].num_tokens == 0
 
 
-def _decoding_short_and_long(policy: str, proposer=None, long_served: int = 10_000):
+def _decoding_short_and_long(policy: str, proposer=None, long_served: int = 10_000, short_priority: int = 0):
     """A long program (long_served tokens so far) and a new one; the new
-    one's call decodes (its prompt computed), the long one's call is queued."""
+    one's call (priority short_priority) decodes (its prompt computed), the
+    long one's call is queued."""
     kv = KVCacheManager(1000, 16, 0.0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=256, scheduling=policy), kv,
                       proposer=proposer)
     short, long_call = make_requests([(20, 30), (90, 30)])
     short.program, long_call.program = "new", "long"
+    short.priority = short_priority
     if sched.service is not None:
         sched.service.add("long", long_served, 0.0)
     sched.add(short)
@@ -255,13 +257,16 @@ def _decoding_short_and_long(policy: str, proposer=None, long_served: int = 10_0
     return sched, kv, short, long_call
 
 
-@pytest.mark.parametrize("policy, held", [("fcfs", False), ("priority", False), ("program", True)])
-def test_an_outranked_prefill_waits_while_a_less_served_program_decodes(policy, held):
-    """Program scheduling: the long program's prefill stays out of the new
-    program's decode steps for HOLD_S, then runs; the other policies run it
-    at once. Every call still gets the tokens it gets alone."""
+@pytest.mark.parametrize("policy, urgent, held", [("fcfs", False, False), ("fcfs", True, False),
+                                                   ("priority", False, False), ("priority", True, True),
+                                                   ("program", False, True)])
+def test_an_outranked_prefill_waits_while_a_less_served_program_decodes(policy, urgent, held):
+    """Program scheduling, or priority scheduling when the new program's
+    call is the more urgent: the long program's prefill stays out of the
+    new program's decode steps for HOLD_S, then runs; otherwise it runs at
+    once. Every call still gets the tokens it gets alone."""
     from trajserve.engine.program_precedence import HOLD_S
-    sched, kv, short, long_call = _decoding_short_and_long(policy)
+    sched, kv, short, long_call = _decoding_short_and_long(policy, short_priority=-1 if urgent else 0)
     ran = []
     for k in range(1, 11):  # a step schedules at the clock of the update before it: 0, HOLD_S / 8, ...
         out = _step(sched, k * HOLD_S / 8)

@@ -154,3 +154,23 @@ def test_timeline_records_u_kv_every_step():
     u = np.asarray(tl.u_kv)
     assert (u >= 0).all() and (u <= 1).all() and u.max() > 0.3
     assert 0 < res.hit_rate < 0.5  # the 1,000-token system prompt (of 2,000) is shared
+
+
+@pytest.mark.parametrize("policy, first", [("fcfs", "early"), ("priority", "urgent")])
+def test_a_calls_priority_reaches_the_scheduler(policy, first):
+    """One slot, two calls queued behind a running one: under priority
+    scheduling the later, more urgent call (priority -1) takes the slot
+    from the earlier one and ends first; FCFS ends them in arrival order."""
+    def sessions(tokens):
+        return [Session("running", [Call(fixed(lambda: tokens.fresh(300)), 50, arrival=0.0)]),
+                Session("early", [Call(fixed(lambda: tokens.fresh(300)), 5, arrival=0.001)]),
+                Session("urgent", [Call(fixed(lambda: tokens.fresh(300)), 5, arrival=0.002, priority=-1)])]
+
+    s = setup(seqs=1)
+    s.scheduler = SchedulerConfig(1, 2048, 2048, scheduling=policy)
+    _, steps = run(sessions, s)
+    ended = {}
+    for _, t1, chunks in steps:
+        for req, _, _ in chunks:
+            ended[req.request_id.split("#")[0]] = t1
+    assert min(("early", "urgent"), key=ended.get) == first

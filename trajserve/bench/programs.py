@@ -21,6 +21,9 @@ programs' makespan). Greedy replies must be the same under every policy
 (a policy changes the order calls run in, never a token), for the
 programs every policy ran to their end.
 
+--short-priority P gives the short programs' calls priority P (the long
+ones' 0; lower runs first under priority and program scheduling).
+
 --call-deadline-s D gives each short program's calls a deadline of D
 seconds from when the call is sent (engine/deadline.py prices it under
 --deadline-admission): a refused call ends its program (the agent would
@@ -117,8 +120,9 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
                     ids = p.first if p.calls == 0 else p.history + p.turns[p.calls - 1][0]
                     p.sent = now
                     try:
-                        p.rid = engine.add_request(ids, sp, program=p.name,
-                                                   deadline_s=deadline if p.kind == "short" else None)
+                        short = p.kind == "short"
+                        p.rid = engine.add_request(ids, sp, program=p.name, priority=args.short_priority if short else 0,
+                                                   deadline_s=deadline if short else None)
                     except DeadlineMiss:
                         p.refused, p.end = p.refused + 1, now
                         continue
@@ -230,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     same = all({k: r["replies"][k] for k in ran} == {k: every[0]["replies"][k] for k in ran} for r in every)
     report = {"command": command_line(), "machine": machine_info(), "same_replies": same,
               "workload": {"long": [args.long, args.long_calls], "short": [args.short, args.short_calls],
-                           "reply_tokens": args.reply_tokens, "max_num_seqs": cfg.scheduler.max_num_seqs},
+                           "reply_tokens": args.reply_tokens, "max_num_seqs": cfg.scheduler.max_num_seqs,
+                           "short_priority": args.short_priority},
               "rounds": args.rounds,
               "policies": {k: {c: v[c] for c in ("short", "long", "deadline") if c in v} for k, v in results.items()}}
     if args.rounds > 1:
@@ -251,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
                          for name, (op, bound) in TARGETS.items()}
     if args.simulate is not None:
         from trajserve.bench.programs_sim import compare
-        report["simulator"] = compare(cfg, args.simulate, workload, results)
+        report["simulator"] = compare(cfg, args.simulate, workload, results, args.short_priority)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -303,6 +308,9 @@ def add_parser(bsub) -> None:
     s.add_argument("--wait-cap", type=float, default=60.0, help="longest trace gap kept, in trace seconds")
     s.add_argument("--wait-scale", type=float, default=0.02, help="trace seconds to seconds here")
     s.add_argument("--policies", default=",".join(POLICIES))
+    s.add_argument("--short-priority", type=int, default=0,
+                   help="the short programs' calls' priority (lower first; the long ones' 0): what an "
+                        "interactive client marks; FCFS ignores it")
     s.add_argument("--call-deadline-s", type=float, default=None,
                    help="each short program's call must finish within this many seconds of being sent "
                    "(priced under --deadline-admission)")

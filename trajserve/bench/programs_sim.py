@@ -27,24 +27,27 @@ P50_TOLERANCE = 0.15  # the agreement asked of the simulator on p50
 TIE = 0.05  # policies the simulator puts within this of each other are not ordered by it
 
 
-def sessions_for(workload, replies: dict[str, list[list[int]]]) -> list[Session]:
+def sessions_for(workload, replies: dict[str, list[list[int]]], short_priority: int = 0) -> list[Session]:
     out = []
     for p in workload:
         got = replies[p.name]
-        calls = [Call(fixed(lambda ids=p.first: list(ids)), len(got[0]), arrival=p.arrival, output_ids=got[0])]
+        prio = short_priority if p.kind == "short" else 0
+        calls = [Call(fixed(lambda ids=p.first: list(ids)), len(got[0]), arrival=p.arrival, output_ids=got[0],
+                      priority=prio)]
         for k, (obs, wait) in enumerate(p.turns, start=1):
             calls.append(Call(lambda history, obs=obs: history + list(obs), len(got[k]), wait=wait,
-                              output_ids=got[k], turn=k))
+                              output_ids=got[k], turn=k, priority=prio))
         out.append(Session(p.name, calls))
     return out
 
 
-def simulate_policy(cfg, profile: dict, num_blocks: int, workload, replies, policy: str) -> dict:
+def simulate_policy(cfg, profile: dict, num_blocks: int, workload, replies, policy: str,
+                    short_priority: int = 0) -> dict:
     setup = SimSetup(hw=Hardware.from_profile(profile), model=ModelCost.from_profile(profile), num_blocks=num_blocks,
                      block_size=cfg.cache.block_size, scheduler=dataclasses.replace(cfg.scheduler, scheduling=policy),
                      pool_source="the measured engine's pool")
     sim, _ = setup.simulator()
-    res = sim.run(sessions_for(workload, replies))
+    res = sim.run(sessions_for(workload, replies, short_priority))
     r = res.records
     end: dict[str, float] = {}
     computed: dict[str, int] = {}
@@ -73,9 +76,10 @@ def profile_of_run(engine, steps) -> dict:
                               disk_bandwidth(16), [s.kind for s in steps], "bench programs' FCFS run", 0.0)
 
 
-def compare(cfg, profile_path: str, workload, measured: dict[str, dict]) -> dict:
+def compare(cfg, profile_path: str, workload, measured: dict[str, dict], short_priority: int = 0) -> dict:
     """measured: policy -> run_policy's result (its replies and per-class
-    figures). profile_path "fit": the profile fitted to the FCFS run's steps."""
+    figures). profile_path "fit": the profile fitted to the FCFS run's steps.
+    short_priority: the short programs' calls' priority, as the engine ran them."""
     if profile_path == "fit":
         if "fcfs" not in measured:
             raise ValueError("--simulate fit fits the simulator to the FCFS run's steps: run --policies with fcfs")
@@ -84,7 +88,8 @@ def compare(cfg, profile_path: str, workload, measured: dict[str, dict]) -> dict
         profile = load_profile(profile_path)
     predicted = {}
     for policy, m in measured.items():
-        predicted[policy] = simulate_policy(cfg, profile, m["num_blocks"], workload, m["replies"], policy)
+        predicted[policy] = simulate_policy(cfg, profile, m["num_blocks"], workload, m["replies"], policy,
+                                            short_priority)
     rows = {}
     for policy in measured:
         rows[policy] = {f"{kind}_{q}_ratio": predicted[policy][kind][f"{q}_s"] / measured[policy][kind][f"{q}_s"]

@@ -1,7 +1,7 @@
 """When one call outranks another enough to take something from it, under
 --scheduling priority and program: a slot (Scheduler._preempt_for, and
-deadline pricing, which must foresee it), and under program scheduling
-the expensive rows of its steps (PrefillHolds).
+deadline pricing, which must foresee it), and the expensive rows of its
+steps (PrefillHolds).
 
 A rank is the scheduler's sort key: (priority,) under priority
 scheduling, (priority, attained service) under program scheduling
@@ -34,8 +34,9 @@ def outranks(a: tuple, b: tuple) -> bool:
 
 
 class PrefillHolds:
-    """Program scheduling: while a call decodes, calls it outranks add no
-    prefill rows and no draft rows to the step.
+    """Priority and program scheduling: while a call decodes, calls it
+    outranks (a lower priority; under program scheduling also a program
+    served far more) add no prefill rows and no draft rows to the step.
 
     A step lasts as long as its rows take, and every call in it waits that
     long for its next token: a long program's 200-token prefill beside a

@@ -10,9 +10,10 @@ kv-cache-management "分块预填充调度". Each step:
      order --scheduling says: fcfs (arrival), priority (a request's
      priority, then arrival) or program (priority, then the least service
      its program has attained: engine/attained_service.py); the queue's
-     head waits for room, so a big prompt is not starved; under program
-     scheduling, while a call decodes, the calls it outranks add no prefill
-     or draft rows to its steps for a while (engine/program_precedence.py);
+     head waits for room, so a big prompt is not starved; under priority
+     and program scheduling, while a call decodes, the calls it outranks add
+     no prefill or draft rows to its steps for a while
+     (engine/program_precedence.py);
   3. when the pool is short mid-step, first release paused agent state (the
      KV manager's reclaimer), then preempt a running request and re-queue it
      at the front: with a pricer (kv/preemption.py) the one cheapest to bring
@@ -120,7 +121,7 @@ class Scheduler(Forks):
         self.pending_samples: dict[str, list[Request]] = {}
         self.ordered = config.scheduling != "fcfs"
         self.service = AttainedService(config.program_half_life_s) if config.scheduling == "program" else None
-        self.holds = PrefillHolds() if self.service is not None else None
+        self.holds = PrefillHolds() if self.ordered else None
         self.now = 0.0  # the clock of the last update (the engine's, or the simulator's)
 
     def reconfigure(self, **changes) -> None:
@@ -196,7 +197,7 @@ class Scheduler(Forks):
         # running request per step (the simulator's hot path).
         decodes = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if len(r.all_token_ids) - r.num_computed_tokens > 1]
-        holds = None  # program scheduling: what the first decoding call's outranked ones hold back this step
+        holds = None  # priority / program scheduling: what the first decoding call's outranked ones hold back
         if self.ordered:  # the budget goes to the first in the policy's order (stable: oldest first on a tie)
             rank = self.ranking()
             decodes.sort(key=rank)

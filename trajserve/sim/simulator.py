@@ -311,7 +311,8 @@ class Simulator:
             n_out = max(2, n_out)  # branches need a token of their own after the shared first one
         rid = f"{s.name}#{s.next}"
         req = Request(rid, prompt, greedy_params(n_out), self.cap, arrival_time=arrival,
-                      cache_salt=call.cache_salt, program=s.name)  # an agent session's calls: one program
+                      cache_salt=call.cache_salt, program=s.name,  # an agent session's calls: one program
+                      priority=call.priority)
         live[rid] = (s, call, False)
         if call.output_ids is not None:
             forced[rid] = call.output_ids

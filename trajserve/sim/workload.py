@@ -30,6 +30,7 @@ class Call:
     output_ids: list[int] | None = None  # replay these outputs instead of placeholders
     cache_salt: str | None = None
     turn: int = 0                 # for per-turn reports
+    priority: int = 0             # as a request's (lower runs first under priority / program scheduling)
 
 
 @dataclass(slots=True, eq=False)

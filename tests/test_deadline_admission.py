@@ -158,6 +158,26 @@ def test_the_server_answers_a_refusal_naming_the_predicted_time(engine):
         assert 'trajserve_deadline_refusals_total{code="503"} 2.0' in metrics
 
 
+def test_a_decode_that_outranks_it_holds_its_prefill_back(engine):
+    """Program scheduling (the fixture's): while an urgent call decodes, a
+    call it outranks is priced with the hold of its prefill (up to HOLD_S,
+    until the urgent call's expected end); a call as urgent is not."""
+    from trajserve.engine.program_precedence import HOLD_S
+
+    urgent = engine.add_request(list(range(200, 230)), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                                priority=-1)
+    engine.step()
+    engine.step()  # it decodes; one slot of two is free
+    ids = list(range(400, 440))
+    held = engine.deadlines.predict(_request(ids, 16))
+    peer = _request(ids, 16)
+    peer.priority = -1
+    assert engine.deadlines.predict(peer).wait_s == 0
+    assert held.wait_s == pytest.approx(HOLD_S)  # 190-odd tokens still to decode take longer than the hold
+    engine.abort_request(urgent)
+    _drain(engine)
+
+
 def test_the_last_30_s_of_arrivals_are_the_load_a_prediction_is_stretched_by():
     from trajserve.engine.deadline import DeadlineAdmission
 

@@ -8,7 +8,10 @@ with the step-time model fitted to this engine's own steps
 
     wait     the running requests' decodes until a slot frees, when every
              slot is taken and the policy would not give it one at once
-             (the soonest to finish, at the expected length)
+             (the soonest to finish, at the expected length); and, under
+             priority or program scheduling, the running decodes that
+             outrank it until they end, at most HOLD_S (they hold its
+             prefill back: engine/program_precedence.py)
     prefill  the prompt tokens the prefix cache does not hold, behind the
              uncomputed tokens of the waiting requests the policy
              (--scheduling) runs first, at the step's budget less the
@@ -50,7 +53,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from trajserve.config import DEADLINE_ADMISSION, PRIORITY_RANGE
-from trajserve.engine.program_precedence import outranks
+from trajserve.engine.program_precedence import HOLD_S, outranks
 from trajserve.engine.step_time import StepTimeModel
 from trajserve.plan.flops import causal_pairs
 
@@ -88,7 +91,8 @@ class DeadlineMiss(RuntimeError):
                "an idle engine would need that long too: ask for fewer tokens or a later deadline")
         super().__init__(
             f"deadline_ms {deadline_s * 1e3:,.0f} cannot be met: predicted completion {p.total_s * 1e3:,.0f} ms "
-            f"(waiting for a slot {p.wait_s * 1e3:,.0f} ms + prefill {p.prefill_s * 1e3:,.0f} ms + "
+            f"(waiting for a slot or outranking decodes {p.wait_s * 1e3:,.0f} ms + prefill "
+            f"{p.prefill_s * 1e3:,.0f} ms + "
             f"{p.output_tokens:,} output tokens {p.decode_s * 1e3:,.0f} ms; idle {p.idle_s * 1e3:,.0f} ms)"
             + (f" x {margin:.2f}, how late this engine's predictions have run" if margin != 1.0 else "")
             + f"; {why}")
@@ -159,6 +163,11 @@ class DeadlineAdmission:
             left = min(max(1, self.expected_output(r.sampling_params.max_tokens) - r.num_output_tokens)
                        for r in running)
             wait = price(left, left * len(running), left * len(running), left * ctx)
+        over = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1 and outranks(rank(r), mine)]
+        if s.holds is not None and over:  # decodes that outrank it hold its prefill back
+            left = max(max(1, self.expected_output(r.sampling_params.max_tokens) - r.num_output_tokens)
+                       for r in over)
+            wait += min(HOLD_S, price(left, left * len(running), left * len(running), left * ctx))
         # The waiting requests the policy runs first (ties: theirs arrived first), and the rest.
         ahead, behind = [], []
         for w in s.waiting:

@@ -83,6 +83,69 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
         eng.close()
 
 
+def test_a_sequence_grows_past_the_pools_whole_blocks(model_dir):
+    """A pool of 24 whole blocks (96 tokens with every layer) holds one
+    sequence of far more: every block keeps its global pages, window pages
+    only the window and the chunk being written need. Two requests of 190
+    and 160 tokens run alone and together on it (one preempted for the
+    other) with the greedy tokens of a pool that holds both whole."""
+    import torch
+
+    from trajserve.sampling import SamplingParams
+
+    d, _ = model_dir
+    torch.manual_seed(1)
+    batch = [torch.randint(0, 299, (150,)).tolist(), torch.randint(0, 299, (120,)).tolist()]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    sched = SchedulerConfig(max_num_batched_tokens=16, speculative="off")
+    big = engine(d, {"num_blocks": 128}, scheduler=sched)
+    try:
+        want = run(big, batch, params=params)
+    finally:
+        big.close()
+    eng = engine(d, {"num_blocks": 24}, scheduler=sched)
+    try:
+        assert eng.kv.token_capacity >= 190 > 24 * 4
+        assert [run(eng, [p], params=params)[0] for p in batch] == want
+        assert run(eng, batch, params=params) == want
+        assert eng.scheduler.num_preemptions > 0
+        eng.kv.pool.check()
+    finally:
+        eng.close()
+
+
+def test_a_conversation_grows_past_the_pools_whole_blocks(model_dir):
+    """Ten turns of one conversation to 220 tokens on the 24-block pool: the
+    tree keeps each turn's prompt and path ends' windows, more pages than
+    the pool has once the conversation is long; the oldest give their
+    window pages back (every turn still resumes at the last one's end), so
+    each turn hits what it hits on a pool that holds everything, with the
+    same tokens (without that the pool stalls)."""
+    import torch
+
+    from trajserve.sampling import SamplingParams
+
+    d, _ = model_dir
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sched = SchedulerConfig(max_num_batched_tokens=16, speculative="off")
+
+    def turns(num_blocks: int) -> tuple[list[list[int]], list[int]]:
+        eng = engine(d, {"num_blocks": num_blocks}, scheduler=sched)
+        torch.manual_seed(2)
+        history, outs, cached = torch.randint(0, 299, (30,)).tolist(), [], []
+        try:
+            for _ in range(10):
+                outs.append(run(eng, [history], cached, params=params)[0])
+                history = history + outs[-1] + torch.randint(0, 299, (11,)).tolist()
+            eng.kv.pool.check()
+        finally:
+            eng.close()
+        return outs, cached
+
+    big, small = turns(128), turns(24)
+    assert small == big and big[1][-1] == 188  # the last turn resumed the whole conversation before it
+
+
 def test_lora_on_gemma3_is_refused_by_name(tmp_path):
     save_with_tokenizer(tiny_hf_model("gemma3"), tmp_path)
     with pytest.raises(ValueError, match="gemma3 model are not supported"):

@@ -144,6 +144,7 @@ class LLMEngine(RequestChecks):
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.watermark,
                                  enable_prefix_caching=cc.enable_prefix_caching, model_id=self.model_path,
                                  window=(mc.window.size, mc.num_layers, mc.window.layers) if paged else None)
+        self.kv.prefill_chunk_tokens = config.scheduler.max_prefill_chunk  # a window pool's longest sequence
         kv_caches = allocate_kv_pool(1 if paged else mc.num_layers, self.num_blocks * (mc.num_layers if paged else 1),
                                      cc.block_size, pool_heads, row, self.kv_format, self.device, tensors=pools)
         lp = None

@@ -36,10 +36,10 @@ class RequestChecks:
                 f"prompt has {len(ids):,} tokens; the context limit max_model_len is {self.max_model_len:,} "
                 f"(prompt + at least 1 generated token)")
         need = blocks_for(len(ids) + 1, self.kv.block_size) + self.kv.watermark_blocks
-        if need > self.kv.num_blocks:
+        if need > self.kv.sequence_blocks:
             raise ValueError(
                 f"prompt has {len(ids):,} tokens, more than the whole KV pool holds: "
-                f"{self.kv.num_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
+                f"{self.kv.sequence_blocks:,} blocks x {self.kv.block_size} tokens = {self.kv.token_capacity:,} "
                 f"tokens (less a watermark of {self.kv.watermark_blocks} blocks)")
 
     def max_tokens_within_pool(self, prompt_len: int, n: int) -> int:
@@ -48,7 +48,9 @@ class RequestChecks:
         full blocks; each has its own tail and output). 0: none fits."""
         B = self.kv.block_size
         shared = prompt_len // B
-        per_seq = (self.kv.num_blocks - self.kv.watermark_blocks - shared) // n
+        # One sequence may grow to the pool's sequence_blocks (a window pool's: past its whole blocks);
+        # n of them share whole blocks.
+        per_seq = ((self.kv.sequence_blocks if n == 1 else self.kv.num_blocks) - self.kv.watermark_blocks - shared) // n
         return max(0, (shared + per_seq) * B - prompt_len)
 
     def _check_n_fits(self, prompt_len: int, params: SamplingParams) -> None:

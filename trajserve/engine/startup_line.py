@@ -17,7 +17,8 @@ def startup_line(engine, formats: dict[str, int], why: dict[str, str]) -> str:
         f"KV cache: {e.kv_format.name} ({why['kv']}) | m_token = {m_token:,} B "
         f"(eq. 1) | block = {cc.block_size} tokens = {e.block_bytes:,} B | {e.num_blocks:,} blocks | "
         f"capacity {e.kv.token_capacity:,} tokens"
-        + (" (window layers' pages freed behind their windows: more across sequences)" if e.kv.windowed else "")
+        + (f" a sequence ({e.kv.num_blocks * cc.block_size:,} with every layer of every block: window layers' "
+           f"pages freed behind their windows, more across sequences)" if e.kv.windowed else "")
         + f" | max_model_len {e.max_model_len:,}{why.get('rope', '')}\n"
         f"speculative decoding: {e.speculative} ({why['speculative']})"
         f" | scheduling: {e.config.scheduler.scheduling}"

@@ -95,10 +95,9 @@ class KVCacheManager(PathOps, CacheViews, WindowParts):
     @property
     def token_capacity(self) -> int:
         """The longest sequence a request may grow to: what the pool holds
-        with every layer of every block (a window pool holds more, but a
-        preempted request is recomputed, its window parts not yet shed, and
-        must fit then)."""
-        return self.pool.num_blocks * self.block_size
+        with every layer of every block; a window pool's, more
+        (sequence_blocks: kv/window_parts.py)."""
+        return self.sequence_blocks * self.block_size
 
     def usage(self) -> float:
         """U_KV = N_allocated_blocks / N_total_blocks   (eq. 8, kv-cache-management).

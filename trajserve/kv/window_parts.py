@@ -41,24 +41,51 @@ class WindowParts:
         self._win_pending: dict[str, list[int]] = {}  # copy-on-write sources, released after their copy ran
         self.num_window_recomputed_tokens = 0  # hit tokens cut because a window part was gone
         self._win_prompts: set[str] = set()  # requests whose prompt's end the tree keeps already
+        # The scheduler's largest prefill chunk (the engine sets it): what sequence_blocks allows for.
+        self.prefill_chunk_tokens = 0
 
     @property
     def windowed(self) -> bool:
         return self.window_tokens > 0
 
+    @property
+    def sequence_blocks(self) -> int:
+        """The most blocks one sequence may grow to (token_capacity). Every
+        block keeps its global pages; window pages only the table's window
+        and the chunk being written need (the tree's other window parts are
+        shed for it when the pool is short: _evict_for): at most
+        live = W / B + chunk / B + 4 blocks with every layer. So a sequence
+        may hold live + (pages - live x L) / g blocks, where the pool's whole
+        blocks would hold fewer (Gemma 3's 5:1 layout: about 5x)."""
+        pool = self.pool
+        if not self.windowed or not self.prefill_chunk_tokens:
+            return pool.num_blocks
+        B, g = self.block_size, len(pool.global_cols)
+        live = -(-self.window_tokens // B) + -(-self.prefill_chunk_tokens // B) + 4
+        if live * pool.num_layers >= pool.num_pages:
+            return pool.num_blocks
+        most = live + (pool.num_pages - live * pool.num_layers) // g if g else pool.num_ids
+        return max(pool.num_blocks, min(most, pool.num_ids))
+
     def window_start(self, num_tokens: int) -> int:
         B = self.block_size
         return max(0, (num_tokens // B) * B - self.window_tokens + 1) // B
 
-    def _evict_for(self, blocks: int) -> None:
+    def _evict_for(self, blocks: int, keep: list[int] = ()) -> None:
         """Evict cold cached blocks until `blocks` more whole blocks are free,
         or nothing is left to evict. A dense block frees a whole block; a
         window pool's frees its global pages and its window part only where
         no one else held it, so a whole block's worth (a page every layer)
-        may take several, and eviction is asked again until the room is there."""
+        may take several, and eviction is asked again until the room is there.
+        A window pool still short sheds the tree's own window parts (but
+        keep's: a match's resume window) on paths in use: a sequence longer
+        than the pool's whole blocks grows past its earlier turns' resume
+        points (token_capacity)."""
         target = self.pool.num_free + blocks
         while self.pool.num_free < target and self.radix.evict(target - self.pool.num_free):
             pass
+        if self.windowed and self.pool.num_free < target:
+            self.pool.shed_tree_windows(target, keep)
 
     def _make_room(self, blocks: int, keep: MatchResult | None) -> None:
         """Admission wants `blocks` blocks, free or cold (cached, unheld) and
@@ -70,7 +97,8 @@ class WindowParts:
         if self.windowed and self.radix is not None:
             if have:
                 self.radix.lock(keep.last_node)
-            self._evict_for(blocks - self.pool.num_free)
+            resume = keep.block_ids[self.window_start(have * self.block_size):] if have else []
+            self._evict_for(blocks - self.pool.num_free, resume)
             if have:
                 self.radix.unlock(keep.last_node)
         short = blocks - self.pool.num_free - max(0, self.num_reclaimable - have)

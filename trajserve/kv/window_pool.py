@@ -177,6 +177,23 @@ class WindowBlockPool(BlockPool):
                 self.tree_keeps[b] = 0
                 self._shed(b)
 
+    def shed_tree_windows(self, target_free: int, keep=()) -> None:
+        """Short of pages with nothing left to evict: the window parts only
+        the radix tree holds (resume points, on paths in use too) give their
+        pages back until num_free reaches target_free whole blocks, except
+        keep's (a match about to be admitted). A hit at a shed point is cut
+        back and recomputed; no running request reads them."""
+        if len(self._free) < target_free:
+            return  # ids, not pages, are short: shedding frees none
+        keep = set(keep)
+        for b in np.flatnonzero(np.frombuffer(self.tree_keeps, dtype=np.uint8)).tolist():
+            if self.num_free >= target_free:
+                return
+            if self.win_refs[b] == 1 and b not in keep:
+                self.win_refs[b] = 0
+                self.tree_keeps[b] = 0
+                self._shed(b)
+
     def _shed(self, b: int) -> None:
         row = self.page_of[b]
         cols = self.window_cols

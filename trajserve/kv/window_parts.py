@@ -29,7 +29,7 @@ is cut back as above.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from trajserve.kv.radix_node import BlockKey, MatchResult
 
@@ -71,7 +71,7 @@ class WindowParts:
         B = self.block_size
         return max(0, (num_tokens // B) * B - self.window_tokens + 1) // B
 
-    def _evict_for(self, blocks: int, keep: list[int] = ()) -> None:
+    def _evict_for(self, blocks: int, keep: Sequence[int] = ()) -> None:
         """Evict cold cached blocks until `blocks` more whole blocks are free,
         or nothing is left to evict. A dense block frees a whole block; a
         window pool's frees its global pages and its window part only where

@@ -24,6 +24,7 @@ tokens than its all-global twin.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -177,7 +178,7 @@ class WindowBlockPool(BlockPool):
                 self.tree_keeps[b] = 0
                 self._shed(b)
 
-    def shed_tree_windows(self, target_free: int, keep=()) -> None:
+    def shed_tree_windows(self, target_free: int, keep: Sequence[int] = ()) -> None:
         """Short of pages with nothing left to evict: the window parts only
         the radix tree holds (resume points, on paths in use too) give their
         pages back until num_free reaches target_free whole blocks, except

@@ -69,10 +69,10 @@ PAUSED_OBSERVATION = 21  # tokens of the observation paused_turns resumes with
 def paused_turns(d, decision: str, disk_dir) -> tuple[list[int], list[int], str, int, int, int]:
     """Two 12-token turns of a session over prompts()[2] and an observation,
     once straight through and once paused between them (`decision`: keep,
-    host, disk or drop; prefetch: disk, loaded back before the resume):
-    (the second turn's tokens unpaused, paused, where
-    the paused state went, blocks it saved to a tier, the second turn's
-    cached prompt tokens, its prompt's length)."""
+    host, disk or drop; prefetch: disk, loaded back before the resume).
+    Returns the second turn's tokens unpaused and paused, where the paused
+    state went, the blocks it saved to a tier, the second turn's cached
+    prompt tokens and its prompt's length."""
     from trajserve.sessions.config import SessionConfig
     from trajserve.sessions.manager import SessionManager
 

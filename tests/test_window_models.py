@@ -4,8 +4,11 @@ per kind, sandwich norms, GELU, soft-capped logits) written by transformers,
 windows of 8 tokens under prompts of 17-40: greedy tokens over 64 as
 transformers generates them, and the same tokens whatever the chunk size,
 block size, batch, warm prefix cache (a hit resumes exactly), preemption,
-host-tier reload, speculation or a session paused to each tier; LoRA on
-Gemma 3 refused by name."""
+host-tier reload, speculation or a session paused to each tier; state
+that went down to the host or disk tier (a paused, prefetched or forked
+session, an LRU spill) resumes at its end, its last window's window parts
+with it, and is priced at what it copies; one sequence grows past the
+pool's whole blocks; LoRA on Gemma 3 refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -156,10 +159,10 @@ def test_lora_on_gemma3_is_refused_by_name(tmp_path):
 def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
     """Two turns of a session over a window model, paused between them
     (kept, on the host or disk tier, loaded back from disk before the
-    resume, or dropped and recomputed): the second
-    turn's greedy tokens are those of the turns run without a pause, and
-    state that was kept or saved is resumed whole: the last window's window
-    parts went down to the tier and came back with its blocks."""
+    resume, or dropped and recomputed): the second turn's greedy tokens are
+    those of the turns run without a pause, and state that was kept or
+    saved is resumed whole: the last window's window parts went down to the
+    tier and came back with its blocks."""
     want, got, residency, saved, cached, prompt_len = paused_turns(model_dir[0], decision, tmp_path / "kv")
     assert residency == {"keep": "kept", "drop": "dropped"}.get(decision, "offloaded")
     assert (saved > 0) == (decision in ("host", "disk", "prefetch"))  # the state went down to its tier

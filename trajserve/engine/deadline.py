@@ -163,8 +163,9 @@ class DeadlineAdmission:
             left = min(max(1, self.expected_output(r.sampling_params.max_tokens) - r.num_output_tokens)
                        for r in running)
             wait = price(left, left * len(running), left * len(running), left * ctx)
-        over = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1 and outranks(rank(r), mine)]
-        if s.holds is not None and over:  # decodes that outrank it hold its prefill back
+        over = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1 and outranks(rank(r), mine)
+                ] if s.holds is not None else []
+        if over:  # decodes that outrank it hold its prefill back
             left = max(max(1, self.expected_output(r.sampling_params.max_tokens) - r.num_output_tokens)
                        for r in over)
             wait += min(HOLD_S, price(left, left * len(running), left * len(running), left * ctx))

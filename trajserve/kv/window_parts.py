@@ -122,7 +122,8 @@ class WindowParts:
         if not self.windowed:
             return len(ids)
         pool = self.pool
-        pages = len(ids) * len(pool.global_cols) + sum(self._copy_windows(ids)) * len(pool.window_cols)
+        last = ids[self.window_start(len(ids) * self.block_size):]
+        pages = len(ids) * len(pool.global_cols) + sum(map(pool.has_window, last)) * len(pool.window_cols)
         return -(-pages // pool.num_layers)
 
     def _copy_windows(self, ids: list[int]) -> list[bool]:
@@ -131,7 +132,7 @@ class WindowParts:
         if not self.windowed:
             return []
         start = self.window_start(len(ids) * self.block_size)
-        return [i >= start and bool(self.pool.has_window(b)) for i, b in enumerate(ids)]
+        return [False] * start + [bool(self.pool.has_window(b)) for b in ids[start:]]
 
     def release_copy_windows(self, ids: list[int], mask: list[bool]) -> None:
         if any(mask):

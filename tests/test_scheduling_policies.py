@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from test_scheduler import drive, make_requests, next_token, reference
 from trajserve.config import SchedulerConfig
 from trajserve.engine.attained_service import AttainedService
+from trajserve.engine.program_precedence import LEVEL_TOKENS, outranks, program_rank, service_level
 from trajserve.engine.scheduler import Scheduler
 from trajserve.request import check_priority
 from trajserve.kv.cache_manager import KVCacheManager
@@ -66,6 +67,76 @@ def test_program_scheduling_puts_the_least_served_program_first():
     assert order == ["r1", "r0", "r2"]
     # 20 prompt rows and 2 decode rows (the third output is sampled, never computed)
     assert sched.service.of("short", sched.now) == pytest.approx(22, rel=0.01)
+
+
+def _program_order(calls, served: dict[str, tuple[int, float]]) -> list[str]:
+    """Calls (program, prompt length) queued in that order, one slot,
+    program scheduling; served: program -> (service attained, when its
+    first call arrived). The order their prefills start in."""
+    kv = KVCacheManager(1000, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, scheduling="program"), kv)
+    sched.now = time.monotonic()  # drive()'s clock
+    for program, (tokens, arrived) in served.items():
+        sched.service.add(program, tokens, sched.now, arrived=sched.now - arrived)
+    rs = make_requests([(n, 2) for _, n in calls])
+    for r, (program, _) in zip(rs, calls):
+        r.program = program
+        sched.add(r)
+    order = []
+    drive(sched, kv, lambda out: order.extend(c.request.program for c in out.chunks
+                                              if c.start == 0 and c.request.program not in order))
+    return order
+
+
+def test_within_a_service_level_the_program_that_started_first_goes_first():
+    """A new program's first call queued before the next call of a program
+    that started earlier and has had a little (level 0, as the newcomer):
+    the older program goes first. One that has had more (a level up) goes
+    after the newcomer, however early it started."""
+    assert _program_order([("new", 20), ("old", 20)], {"old": (100, 30.0)}) == ["old", "new"]
+    assert _program_order([("new", 20), ("old", 20)], {"old": (300, 30.0)}) == ["new", "old"]
+    # Of two in one level, the start orders them, not the service.
+    assert _program_order([("a", 20), ("b", 20)], {"a": (10, 1.0), "b": (200, 5.0)}) == ["b", "a"]
+
+
+def test_service_levels_double_and_outranking_means_a_lower_level():
+    assert [service_level(s) for s in (0, 255, 256, 511, 512, 1023, 1024, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 12]
+
+    @given(st.floats(0, 1e7), st.floats(0, 1e7), st.floats(0, 100), st.floats(0, 100))
+    @settings(max_examples=300, deadline=None)
+    def agree(a, b, ta, tb):
+        ra, rb = program_rank(0, a, ta, 0), program_rank(0, b, tb, 0)
+        if outranks(ra, rb):  # what takes a slot or holds rows also sorts first
+            assert ra[1] < rb[1] and ra < rb
+    agree()
+
+
+def test_a_calls_own_quantum_does_not_drop_its_level():
+    """A new program's call of 300 prompt tokens: once its prefill ran, the
+    program has attained 300 tokens (level 1), but the call itself ranks
+    in level 0 (its first LEVEL_TOKENS are its quantum); the program's next
+    call, computing nothing yet, ranks in level 1."""
+    assert LEVEL_TOKENS < 300 < 2 * LEVEL_TOKENS
+    kv = KVCacheManager(1000, 16, 0.0)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512, scheduling="program"), kv)
+    first, later = make_requests([(300, 8), (20, 2)])
+    first.program = later.program = "p"
+    sched.add(first)
+    out = sched.schedule()
+    sched.update(out, {first.request_id: 7}, sched.now + 0.01)
+    assert sched.service.of("p", sched.now) == pytest.approx(300, rel=0.01)
+    rank = sched.ranking()
+    assert rank(first)[1] == 0 and rank(later)[1] == 1
+
+
+def test_attained_service_keeps_when_the_program_started():
+    s = AttainedService(60.0)
+    assert s.started("p") is None
+    s.add("p", 10, 5.0, arrived=4.0)
+    s.add("p", 10, 9.0, arrived=8.5)  # a later call: the start stays
+    assert s.started("p") == 4.0
+    s.add("q", 10, 5.0)  # no arrival given: when first served
+    assert s.started("q") == 5.0
 
 
 def test_priority_outranks_attained_service():

@@ -315,8 +315,9 @@ class SchedulerConfig:
     max_loras: int = 4
     # The order of the waiting queue, of the step's budget and of preemption
     # victims (SCHEDULING): fcfs; priority (a request's priority, then
-    # arrival); program (priority, then the least service its program has
-    # attained, halving every program_half_life_s): the default, as `bench
+    # arrival); program (priority, then the level of the service its
+    # program has attained, halving every program_half_life_s, then the
+    # program's start: engine/program_precedence.py): the default, as `bench
     # programs` measured it (short agent programs' p99 about half FCFS's,
     # long programs' throughput kept: docs/benchmarks.md).
     scheduling: str = "program"

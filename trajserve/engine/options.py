@@ -116,7 +116,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("scheduling", "scheduler.scheduling", "--scheduling",
            "the order of waiting requests and of preemption victims: fcfs (arrival), priority (a request's "
            "priority field, lower first, then arrival) or program (priority, then the least service its "
-           "program, a session or conversation, has attained: short agent programs first)", choices=SCHEDULING),
+           "program, a session or conversation, has attained, in levels that double, then the program's "
+           "start: short agent programs first)", choices=SCHEDULING),
     Option("program_half_life_s", "scheduler.program_half_life_s", "--program-half-life-s",
            "under --scheduling program: seconds in which a program's attained service halves", type=float),
     Option("deadline_admission", "scheduler.deadline_admission", "--deadline-admission",

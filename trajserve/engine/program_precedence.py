@@ -1,16 +1,30 @@
-"""When one call outranks another enough to take something from it, under
---scheduling priority and program: a slot (Scheduler._preempt_for, and
-deadline pricing, which must foresee it), and the expensive rows of its
-steps (PrefillHolds).
+"""Under --scheduling priority and program: the rank that orders calls,
+and when one call outranks another enough to take something from it: a
+slot (Scheduler._preempt_for, and deadline pricing, which must foresee
+it), and the expensive rows of its steps (PrefillHolds).
 
 A rank is the scheduler's sort key: (priority,) under priority
-scheduling, (priority, attained service) under program scheduling
-(engine/attained_service.py).
+scheduling; under program scheduling (priority, service level, when the
+program started, service) (program_rank). Least served first is
+Autellix's program-level attained service (engine/attained_service.py),
+in levels that double, as a multi-level feedback queue's: below
+LEVEL_TOKENS, then up to twice that, four times ...; within a level, the
+program that started first goes first. Ordering by the exact service
+would put every newcomer's first call ahead of the next call of a program
+that has had a little, and that program's user waits for its end:
+program-level first-come first-served within a level bounds the wait of
+the programs that started earliest, as a short program's last call. A
+call's own first LEVEL_TOKENS tokens (its quantum) do not count toward
+its rank, so the prefill of a short program's next call does not drop it
+a level in the middle of its reply; a call that computes more (a long
+prompt, a long reply) does.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
+from trajserve.engine.attained_service import AttainedService
 from trajserve.request import Request
 
 # Of equal priorities, a call outranks another when the other's program has
@@ -21,16 +35,53 @@ from trajserve.request import Request
 PREEMPT_SERVICE_RATIO = 2.0
 PREEMPT_SERVICE_MIN = 512
 
+# The first service level's width in tokens (about what one agent call
+# computes past its cached prefix: a program served more has made a few
+# calls); each next level is twice the one before. At most
+# PREEMPT_SERVICE_MIN, so a call that outranks another (below) is always in
+# a lower level: the order and the take-aways agree.
+LEVEL_TOKENS = 256
+
 # The longest a prefill of an outranked call waits for the calls that
 # outrank it to stop decoding (then such prefills go one a step).
 HOLD_S = 0.5
+
+
+def service_level(service: float) -> int:
+    """0 below LEVEL_TOKENS, then 1 + log2(service / LEVEL_TOKENS), floored."""
+    return 0 if service < LEVEL_TOKENS else 1 + int(math.log2(service / LEVEL_TOKENS))
+
+
+def program_rank(priority: int, service: float, started: float, own: int) -> tuple:
+    """The sort key of a call under program scheduling: service, what its
+    program has attained; started, when the program's first call arrived;
+    own, the tokens this call has computed (the first LEVEL_TOKENS of them
+    are its quantum)."""
+    service = max(0.0, service - min(max(own, 0), LEVEL_TOKENS))
+    return (priority, service_level(service), started, service)
+
+
+def program_ranking(service: AttainedService, now: float) -> Callable[[Request], tuple]:
+    """A step's rank of each call under program scheduling; its program's
+    service and start are read once per program (a step sorts the running
+    and the waiting requests, many of them calls of the same programs)."""
+    known: dict[str, tuple[float, float]] = {}
+
+    def rank(req: Request) -> tuple:
+        program = req.program or req.request_id
+        got = known.get(program)
+        if got is None:
+            started = service.started(program)
+            got = known[program] = (service.of(program, now), req.arrival_time if started is None else started)
+        return program_rank(req.priority, got[0], got[1], req.num_computed_tokens - req.num_cached_tokens)
+    return rank
 
 
 def outranks(a: tuple, b: tuple) -> bool:
     """Does the call ranked `a` outrank the one ranked `b`?"""
     if a[0] != b[0]:
         return a[0] < b[0]
-    return len(a) > 1 and b[1] > PREEMPT_SERVICE_RATIO * a[1] + PREEMPT_SERVICE_MIN
+    return len(a) > 1 and b[-1] > PREEMPT_SERVICE_RATIO * a[-1] + PREEMPT_SERVICE_MIN
 
 
 class PrefillHolds:

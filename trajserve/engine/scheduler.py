@@ -8,8 +8,9 @@ kv-cache-management "分块预填充调度". Each step:
   2. then running partial prefills, then waiting requests, each cut to
      min(remaining, token budget left, per-request chunk cap), in the
      order --scheduling says: fcfs (arrival), priority (a request's
-     priority, then arrival) or program (priority, then the least service
-     its program has attained: engine/attained_service.py); the queue's
+     priority, then arrival) or program (priority, then the level of the
+     service its program has attained, then the program's start:
+     engine/program_precedence.py); the queue's
      head waits for room, so a big prompt is not starved; under priority
      and program scheduling, while a call decodes, the calls it outranks add
      no prefill or draft rows to its steps for a while
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING
 from trajserve.config import SchedulerConfig
 from trajserve.engine.attained_service import AttainedService
 from trajserve.engine.forks import Forks
-from trajserve.engine.program_precedence import PrefillHolds, outranks
+from trajserve.engine.program_precedence import PrefillHolds, outranks, program_ranking
 from trajserve.kv.cache_manager import KVCacheManager
 from trajserve.kv.preemption import PreemptionPricer
 from trajserve.request import Request, RequestStatus
@@ -168,20 +169,12 @@ class Scheduler(Forks):
 
     def ranking(self) -> Callable[[Request], tuple]:
         """The policy's order for this step (smaller first): priority, then
-        under program scheduling the service the request's program has
-        attained, decayed once per program (a step sorts the running and
-        the waiting requests, many of them calls of the same programs)."""
+        under program scheduling the level of the service the request's
+        program has attained and when the program started
+        (engine/program_precedence.py)."""
         if self.service is None:
             return lambda req: (req.priority,)
-        of, now, served = self.service.of, self.now, {}
-
-        def rank(req: Request) -> tuple:
-            program = req.program or req.request_id
-            s = served.get(program)
-            if s is None:
-                s = served[program] = of(program, now)
-            return (req.priority, s)
-        return rank
+        return program_ranking(self.service, self.now)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -408,7 +401,8 @@ class Scheduler(Forks):
         self.now = now
         if self.service is not None:  # rows computed: service attained by each chunk's program
             for chunk in out.chunks:
-                self.service.add(chunk.request.program or chunk.request.request_id, chunk.num_tokens, now)
+                req = chunk.request
+                self.service.add(req.program or req.request_id, chunk.num_tokens, now, req.arrival_time)
         cache_computed = self.kv.cache_computed
         B = self.kv.block_size
         for chunk in out.chunks:

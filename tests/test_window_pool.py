@@ -225,3 +225,29 @@ def test_what_eviction_would_free_counts_the_kept_windows_exactly():
     assert kv.can_admit("new", need * 4, None, others_running=False)
     assert _compute(kv, "new", list(range(50_000, 50_000 + need * 4)), 0, need * 4, 16)
     _windows_held(kv)
+
+
+def test_a_sequence_past_the_pool_sheds_the_least_recently_used_resume_points_first():
+    """Two conversations' next turns run, each past its first turn's end
+    (a resume point whose window part only the tree keeps). One grows until
+    nothing is left to evict and the pool sheds such parts: the path used
+    least recently (b's, whose turn started first) loses its part first,
+    though a's blocks have the lower ids."""
+    kv = KVCacheManager(12, 4, watermark=0.0, enable_prefix_caching=True, window=(8, 6, (0, 1, 2, 3, 4)))
+    first = {c: list(range(base, base + 16)) for c, base in (("a", 100), ("b", 200))}
+    ends = {}
+    for c in ("a", "b"):
+        assert _compute(kv, f"{c}1", first[c], 0, 16, 16)
+        ends[c] = kv.tables[f"{c}1"].block_ids[-1]
+        kv.release(f"{c}1", first[c], 16, SCOPE)
+    assert ends["a"] < ends["b"]
+    turn = {"a": first["a"] + list(range(300, 600)), "b": first["b"] + list(range(400, 440))}
+    for c in ("b", "a"):  # b's next turn starts first
+        assert _compute(kv, f"{c}2", turn[c], 0, 24, 8) and _compute(kv, f"{c}2", turn[c], 24, 32, 4)
+    assert kv.pool.win_refs[ends["a"]] == kv.pool.win_refs[ends["b"]] == 1  # the tree's alone
+    pos = 32
+    while kv.pool.has_window(ends["a"]) and kv.pool.has_window(ends["b"]):
+        assert _compute(kv, "a2", turn["a"], pos, pos + 4, 4), "the pool filled before shedding"
+        pos += 4
+    assert kv.pool.has_window(ends["a"]) and not kv.pool.has_window(ends["b"])
+    _windows_held(kv)

@@ -372,6 +372,12 @@ class RadixCache(Invalidation):
             yield node
             stack.extend(node.children.values())
 
+    def blocks_by_recency(self) -> list[int]:
+        """Every block of the tree, in eviction's order: the least urgent
+        class first, the least recently used path within it."""
+        nodes = sorted(self.iter_nodes(), key=lambda n: (-n.priority, n.last_access))
+        return [b for n in nodes for b in n.block_ids]
+
     # ---------------------------------------------------------------- private
 
     def _root(self, namespace: Hashable) -> RadixNode:

@@ -78,14 +78,14 @@ class WindowParts:
         no one else held it, so a whole block's worth (a page every layer)
         may take several, and eviction is asked again until the room is there.
         A window pool still short sheds the tree's own window parts (but
-        keep's: a match's resume window) on paths in use: a sequence longer
-        than the pool's whole blocks grows past its earlier turns' resume
-        points (token_capacity)."""
+        keep's: a match's resume window) on paths in use, the least
+        recently used paths' first: a sequence longer than the pool's whole
+        blocks grows past its earlier turns' resume points (token_capacity)."""
         target = self.pool.num_free + blocks
         while self.pool.num_free < target and self.radix.evict(target - self.pool.num_free):
             pass
         if self.windowed and self.pool.num_free < target:
-            self.pool.shed_tree_windows(target, keep)
+            self.pool.shed_tree_windows(target, keep, self.radix.blocks_by_recency)
 
     def _make_room(self, blocks: int, keep: MatchResult | None) -> None:
         """Admission wants `blocks` blocks, free or cold (cached, unheld) and

@@ -23,8 +23,9 @@ tokens than its all-global twin.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -178,19 +179,24 @@ class WindowBlockPool(BlockPool):
                 self.tree_keeps[b] = 0
                 self._shed(b)
 
-    def shed_tree_windows(self, target_free: int, keep: Sequence[int] = ()) -> None:
+    def shed_tree_windows(self, target_free: int, keep: Sequence[int] = (),
+                          order: Callable[[], Iterable[int]] = tuple) -> None:
         """Short of pages with nothing left to evict: the window parts only
         the radix tree holds (resume points, on paths in use too) give their
         pages back until num_free reaches target_free whole blocks, except
-        keep's (a match about to be admitted). A hit at a shed point is cut
-        back and recomputed; no running request reads them."""
+        keep's (a match about to be admitted): order()'s blocks first (the
+        tree's, least recently used first; asked only when shedding can
+        help), then any other the tree keeps.
+        A hit at a shed point is cut back and recomputed; no running
+        request reads them."""
         if len(self._free) < target_free:
             return  # ids, not pages, are short: shedding frees none
         keep = set(keep)
-        for b in np.flatnonzero(np.frombuffer(self.tree_keeps, dtype=np.uint8)).tolist():
+        kept = np.flatnonzero(np.frombuffer(self.tree_keeps, dtype=np.uint8)).tolist()
+        for b in itertools.chain(order(), kept):
             if self.num_free >= target_free:
                 return
-            if self.win_refs[b] == 1 and b not in keep:
+            if self.tree_keeps[b] and self.win_refs[b] == 1 and b not in keep:
                 self.win_refs[b] = 0
                 self.tree_keeps[b] = 0
                 self._shed(b)

@@ -10,11 +10,10 @@ kv-cache-management "分块预填充调度". Each step:
      order --scheduling says: fcfs (arrival), priority (a request's
      priority, then arrival) or program (priority, then the level of the
      service its program has attained, then the program's start:
-     engine/program_precedence.py); the queue's
-     head waits for room, so a big prompt is not starved; under priority
-     and program scheduling, while a call decodes, the calls it outranks add
-     no prefill or draft rows to its steps for a while
-     (engine/program_precedence.py);
+     engine/program_precedence.py); the queue's head waits for room, so a
+     big prompt is not starved; under priority and program scheduling,
+     while a call decodes, the calls it outranks add no prefill or draft
+     rows to its steps for a while (engine/program_precedence.py);
   3. when the pool is short mid-step, first release paused agent state (the
      KV manager's reclaimer), then preempt a running request and re-queue it
      at the front: with a pricer (kv/preemption.py) the one cheapest to bring

@@ -71,8 +71,8 @@ def test_program_scheduling_puts_the_least_served_program_first():
 
 def _program_order(calls, served: dict[str, tuple[int, float]]) -> list[str]:
     """Calls (program, prompt length) queued in that order, one slot,
-    program scheduling; served: program -> (service attained, when its
-    first call arrived). The order their prefills start in."""
+    program scheduling; served: program -> (service attained, seconds ago
+    its first call arrived). The order their prefills start in."""
     kv = KVCacheManager(1000, 16, 0.0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=1, scheduling="program"), kv)
     sched.now = time.monotonic()  # drive()'s clock

@@ -71,6 +71,12 @@ class WindowParts:
         B = self.block_size
         return max(0, (num_tokens // B) * B - self.window_tokens + 1) // B
 
+    def _last_window(self, ids: list[int], n: int | None = None) -> list[int]:
+        """The blocks of ids[:n]'s last window (n: all of ids): what a query
+        right after them reads."""
+        n = len(ids) if n is None else n
+        return ids[self.window_start(n * self.block_size):n]
+
     def _evict_for(self, blocks: int, keep: Sequence[int] = ()) -> None:
         """Evict cold cached blocks until `blocks` more whole blocks are free,
         or nothing is left to evict. A dense block frees a whole block; a
@@ -97,8 +103,7 @@ class WindowParts:
         if self.windowed and self.radix is not None:
             if have:
                 self.radix.lock(keep.last_node)
-            resume = keep.block_ids[self.window_start(have * self.block_size):] if have else []
-            self._evict_for(blocks - self.pool.num_free, resume)
+            self._evict_for(blocks - self.pool.num_free, self._last_window(keep.block_ids) if have else [])
             if have:
                 self.radix.unlock(keep.last_node)
         short = blocks - self.pool.num_free - max(0, self.num_reclaimable - have)
@@ -122,8 +127,8 @@ class WindowParts:
         if not self.windowed:
             return len(ids)
         pool = self.pool
-        last = ids[self.window_start(len(ids) * self.block_size):]
-        pages = len(ids) * len(pool.global_cols) + sum(map(pool.has_window, last)) * len(pool.window_cols)
+        carried = sum(map(pool.has_window, self._last_window(ids)))
+        pages = len(ids) * len(pool.global_cols) + carried * len(pool.window_cols)
         return -(-pages // pool.num_layers)
 
     def _copy_windows(self, ids: list[int]) -> list[bool]:
@@ -131,8 +136,8 @@ class WindowParts:
         what the next turn, resuming at the path's end, reads."""
         if not self.windowed:
             return []
-        start = self.window_start(len(ids) * self.block_size)
-        return [False] * start + [bool(self.pool.has_window(b)) for b in ids[start:]]
+        last = self._last_window(ids)
+        return [False] * (len(ids) - len(last)) + [bool(self.pool.has_window(b)) for b in last]
 
     def release_copy_windows(self, ids: list[int], mask: list[bool]) -> None:
         if any(mask):
@@ -142,7 +147,7 @@ class WindowParts:
         """Does every block a query right after ids reads still have its window
         part? (A preemption between a match and its admission may have
         released one the tree did not keep.)"""
-        return all(self.pool.has_window(b) for b in ids[self.window_start(len(ids) * self.block_size):])
+        return all(self.pool.has_window(b) for b in self._last_window(ids))
 
     def _win_hold(self, request_id: str, ids: list[int], start: int) -> None:
         """A table that now holds ids (a hit, a fork) takes their window parts from `start` on."""
@@ -169,7 +174,7 @@ class WindowParts:
         resume there), once."""
         if request_id not in self._win_prompts and in_tree:
             self._win_prompts.add(request_id)
-            self.pool.keep_window(ids[self.window_start(in_tree * self.block_size):in_tree])
+            self.pool.keep_window(self._last_window(ids, in_tree))
 
     def _win_release(self, request_id: str, ids: list[int], keep_to: int) -> None:
         """The table goes: the tree keeps the window parts of its path's last
@@ -180,7 +185,7 @@ class WindowParts:
         if start is None:
             return
         if keep_to:
-            self.pool.keep_window(ids[self.window_start(keep_to * self.block_size):keep_to])
+            self.pool.keep_window(self._last_window(ids, keep_to))
         pending = self._win_pending.pop(request_id, None)
         if pending:
             self.pool.release_window(pending)
@@ -211,7 +216,7 @@ class WindowParts:
         head such as a system prompt ends there): the tree keeps the window
         parts before it, where other requests sharing that head resume."""
         if 0 < branch < len(ids):
-            self.pool.keep_window(ids[self.window_start(branch * self.block_size):branch])
+            self.pool.keep_window(self._last_window(ids, branch))
 
     def _win_cut(self, ns: Hashable, keys: list[BlockKey], hit: MatchResult) -> MatchResult:
         """The longest prefix of hit whose first query's window has every window part."""

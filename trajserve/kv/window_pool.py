@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -192,14 +192,18 @@ class WindowBlockPool(BlockPool):
         if len(self._free) < target_free:
             return  # ids, not pages, are short: shedding frees none
         keep = set(keep)
-        kept = np.flatnonzero(np.frombuffer(self.tree_keeps, dtype=np.uint8)).tolist()
-        for b in itertools.chain(order(), kept):
+        for b in itertools.chain(order(), self._tree_kept()):
             if self.num_free >= target_free:
                 return
             if self.tree_keeps[b] and self.win_refs[b] == 1 and b not in keep:
                 self.win_refs[b] = 0
                 self.tree_keeps[b] = 0
                 self._shed(b)
+
+    def _tree_kept(self) -> Iterator[int]:
+        """The blocks whose window part the tree keeps, by id (scanned only
+        when asked: shedding's fallback after the tree's own order)."""
+        yield from np.flatnonzero(np.frombuffer(self.tree_keeps, dtype=np.uint8)).tolist()
 
     def _shed(self, b: int) -> None:
         row = self.page_of[b]

@@ -203,8 +203,12 @@ def test_a_killed_replica_loses_no_request_and_comes_back(cluster):
     async def load_and_kill():
         async with httpx.AsyncClient(base_url=url, timeout=300) as c:
             tasks = [asyncio.create_task(c.post(path, json=body)) for path, body in bodies]
-            await asyncio.sleep(0.3)
-            busy = max(_replicas(url), key=lambda r: r["in_flight"])
+            deadline = time.monotonic() + 30
+            while True:  # the front end counts a request once routed: wait for it, not for a fixed time
+                await asyncio.sleep(0.05)
+                busy = max(_replicas(url), key=lambda r: r["in_flight"])
+                if busy["in_flight"] > 0 or time.monotonic() > deadline:
+                    break
             assert busy["in_flight"] > 0
             os.kill(busy["pid"], signal.SIGKILL)
             return await asyncio.gather(*tasks)

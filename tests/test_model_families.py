@@ -10,10 +10,12 @@ to each tier."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tiny_models import save_with_tokenizer, tiny_hf_model
 from greedy_runs import PAUSED_OBSERVATION, engine, hf_greedy, paused_turns, prompts, run, run_staggered
 from trajserve.config import SchedulerConfig
+from trajserve.sampling import SamplingParams
 
 # What each family's engine says it runs: architecture, start-up words.
 FAMILIES = {"deepseek_v2": ("deepseek2", "latent attention: 32 + 8 RoPE values"),
@@ -91,7 +93,7 @@ def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp
     assert cached == (0 if decision == "drop" else (history - 1) // 4 * 4)
 
 
-def test_gpt_oss_other_quantizations_lora_and_a_bf16_pool_are_refused_by_name(tmp_path):
+def test_gpt_oss_other_quantizations_and_lora_are_refused_by_name(tmp_path):
     import json
 
     from trajserve.model.hf_reader import _hf_config
@@ -104,6 +106,36 @@ def test_gpt_oss_other_quantizations_lora_and_a_bf16_pool_are_refused_by_name(tm
         _hf_config(raw)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         engine(tmp_path, enable_lora=True)
-    # The bf16 pool's kernels count no sinks.
-    with pytest.raises(ValueError, match="bfloat16 under float32 compute is not supported with attention sinks"):
-        engine(tmp_path, {"kv_cache_dtype": "bfloat16"})
+
+
+def _prompt_logprobs(eng, prompt: list[int]) -> torch.Tensor:
+    """The engine's log-probability of each prompt token after the first."""
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    done = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished and o.request_id == rid:
+                done = o
+    return torch.tensor([lp[0] for lp in done.prompt_logprobs[1:]])
+
+
+def test_gpt_oss_on_a_bf16_pool_counts_its_sinks(tmp_path):
+    """A bf16 pool's kernels (AMX tiles where the CPU has them) add each
+    head's sink: the prompt's log-probabilities are transformers' within
+    bf16's rounding, and a model whose sinks were zeroed moves them further."""
+    hf = tiny_hf_model("gpt_oss", num_hidden_layers=2, head_dim=32)  # a head AMX tiles take
+    save_with_tokenizer(hf, tmp_path)
+    prompt = prompts()[2]
+    with torch.inference_mode():
+        lsm = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    want = lsm[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    eng = engine(tmp_path, {"kv_cache_dtype": "bfloat16", "block_size": 16, "enable_prefix_caching": False})
+    try:
+        assert eng.kv_dtype == torch.bfloat16
+        got = _prompt_logprobs(eng, prompt)
+        for layer in eng.model.layers:
+            layer.sinks.zero_()
+        zeroed = _prompt_logprobs(eng, prompt)
+    finally:
+        eng.close()
+    assert (got - want).abs().max() < 1e-3 < (zeroed - want).abs().max()

@@ -130,9 +130,6 @@ class LLMEngine(RequestChecks):
         if mc.mla is not None and cc.kv_cache_dtype not in ("auto", str(self.dtype).removeprefix("torch.")):
             raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {cc.kv_cache_dtype} is not supported for latent "
                              f"attention ({mc.architecture}: rows of {row} values); supported: auto, the compute dtype")
-        if mc.attn_sinks and cc.kv_cache_dtype == "bfloat16" and self.dtype == torch.float32:
-            raise ValueError("kv_cache_dtype (--kv-cache-dtype) bfloat16 under float32 compute is not supported with "
-                             f"attention sinks ({mc.architecture}); supported: auto, float32, q8_0, q4_0")
         self.kv_format, why["kv"] = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.attention_kernels,
                                                      row, cc.block_size, mc.num_heads // pool_heads)
         self.kv_dtype = self.kv_format.storage

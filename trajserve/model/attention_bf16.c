@@ -44,11 +44,18 @@
 #define CHUNK 32 /* elements of one tile product: one AMX row of bf16 pairs */
 #define FTZ_DAZ 0x8040
 
+/* A softmax's denominator l (its running maximum m), with head j's sink
+ * where the model has them (gpt-oss): one more logit, weighing no value.
+ * Every kernel here and cpu_kernels.c's vector ones add it the same way. */
+static inline float sink_sum(float l, float m, const float *sinks, int64_t j) {
+    return sinks ? l + expf(sinks[j] - m) : l;
+}
+
 /* Decode attention for (sequence, kv head h, query heads j0 .. j0 + nh) of
  * one query over ctx keys; q: the token's q row, out: its output row. */
 static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
                               const uint16_t *v_cache, int64_t bs, const int64_t *table, int64_t lo, int64_t ctx,
-                              int64_t h, int64_t j0, int64_t nh, float scale, float *out) {
+                              int64_t h, int64_t j0, int64_t nh, float scale, const float *sinks, float *out) {
     const int64_t group = hq / hkv, nv = d / 8;
     float qs[MAX_GROUP * 256], o[MAX_GROUP * 256], m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP * KB];
     for (int64_t j = 0; j < nh; j++) {
@@ -113,7 +120,7 @@ static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d
     }
     for (int64_t j = 0; j < nh; j++) {
         float *orow = out + (h * group + j0 + j) * d;
-        const float inv = 1.0f / l[j];
+        const float inv = 1.0f / sink_sum(l[j], m[j], sinks, h * group + j0 + j);
         for (int64_t e = 0; e < d; e++) orow[e] = o[j * d + e] * inv;
     }
 }
@@ -122,7 +129,7 @@ static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d
 void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                               const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *tables,
                               const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
-                              float *out, int64_t ldo, int64_t window, int nthreads) {
+                              float *out, int64_t ldo, int64_t window, const float *sinks, int nthreads) {
     const int64_t group = hq / hkv;
     const int64_t per = n * hkv >= nthreads && group <= MAX_GROUP ? group : 1, runs = group / per;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
@@ -132,7 +139,8 @@ void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq
             _mm_setcsr(csr | FTZ_DAZ);
             const int64_t h = t / runs, j0 = (t % runs) * per;
             decode_heads_bf16(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, bs, tables + table_start[si],
-                              window_start(ctx[si] - 1, window), ctx[si], h, j0, per, scale, out + rows[si] * ldo);
+                              window_start(ctx[si] - 1, window), ctx[si], h, j0, per, scale, sinks,
+                              out + rows[si] * ldo);
             _mm_setcsr(csr);
         }
 }
@@ -143,7 +151,8 @@ void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq
  * AMX_MIN_QUERIES), for which a V^T copy of the whole context costs more. */
 void ts_prefill_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                                const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *table,
-                               int64_t ctx, float scale, float *out, int64_t ldo, int64_t window, int nthreads) {
+                               int64_t ctx, float scale, float *out, int64_t ldo, int64_t window, const float *sinks,
+                               int nthreads) {
     const int64_t group = hq / hkv, per = group <= MAX_GROUP ? group : 1, runs = group / per;
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t i = n - 1; i >= 0; i--)
@@ -152,7 +161,7 @@ void ts_prefill_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t h
             _mm_setcsr(csr | FTZ_DAZ);
             const int64_t h = t / runs, j0 = (t % runs) * per;
             decode_heads_bf16(q + i * ldq, hq, hkv, d, k_cache, v_cache, bs, table, window_start(ctx - n + i, window),
-                              ctx - n + i + 1, h, j0, per, scale, out + i * ldo);
+                              ctx - n + i + 1, h, j0, per, scale, sinks, out + i * ldo);
             _mm_setcsr(csr);
         }
 }
@@ -301,8 +310,8 @@ __attribute__((target("avx512bf16"))) static inline __m512 tile_softmax(const fl
 
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static int amx_task(
     const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,
-    const uint16_t *vt, int64_t ctxp, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out,
-    int64_t ldo, int64_t b, int64_t h) {
+    const uint16_t *vt, int64_t ctxp, int64_t bs, const int64_t *table, int64_t ctx, float scale, const float *sinks,
+    float *out, int64_t ldo, int64_t b, int64_t h) {
     const int64_t group = hq / hkv, q0 = b * AQ, rows = n - q0 < AQ ? n - q0 : AQ;
     const int64_t first = ctx - n + q0, kend = first + rows;
     /* per group head: Q^T pairs [d/2][16] u32, O^T [d][16] f32, m, l [16]; shared: S^T [KB][16], P pairs [KB/2][16] */
@@ -349,7 +358,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static int amx_task(
     for (int64_t j = 0; j < group; j++)
         for (int64_t r = 0; r < rows; r++) {
             float *orow = out + (q0 + r) * ldo + (h * group + j) * d;
-            const float inv = 1.0f / ml[j * 32 + 16 + r], *oj = ot + j * d * 16;
+            const float inv = 1.0f / sink_sum(ml[j * 32 + 16 + r], ml[j * 32 + r], sinks, h * group + j);
+            const float *oj = ot + j * d * 16;
             for (int64_t c = 0; c < d; c++) orow[c] = oj[c * AQ + r] * inv;
         }
     free(buf);
@@ -398,7 +408,7 @@ __attribute__((target("avx512bf16"))) static inline __attribute__((always_inline
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention_amx(
     const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_pool,
     const void *v_pool, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out, int64_t ldo,
-    int kv_fmt, int nthreads) {
+    int kv_fmt, const float *sinks, int nthreads) {
     const int64_t ctxp = (ctx + KB - 1) / KB * KB, nqb = (n + AQ - 1) / AQ, rb = kv_row_bytes(kv_fmt, d);
     const int quant = kv_fmt != TS_BF16;
     const uint16_t *k_cache = k_pool, *v_cache = v_pool;
@@ -453,7 +463,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t b = nqb - 1; b >= 0; b--)
             for (int64_t h = 0; h < hkv; h++)
-                failed += amx_task(q, ldq, n, hq, hkv, d, k_cache, vt, ctxp, kbs, ktable, ctx, scale, out, ldo, b, h);
+                failed += amx_task(q, ldq, n, hq, hkv, d, k_cache, vt, ctxp, kbs, ktable, ctx, scale, sinks, out, ldo,
+                                   b, h);
         _tile_release();
         _mm_setcsr(csr);
     }
@@ -479,7 +490,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) int ts_prefill_attention
  * Requires hq / hkv <= 16 and the AMX prefill's shapes. */
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribute__((always_inline)) void amx_decode_task(
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_pool, const void *v_pool, const int fmt,
-    int64_t bs, const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
+    int64_t bs, const int64_t *table, int64_t ctx, int64_t h, float scale, const float *sinks, float *out) {
     const int64_t group = hq / hkv, rb = kv_row_bytes(fmt, d);
     const int quant = fmt != TS_BF16;
     const uint16_t *k_cache = k_pool, *v_cache = v_pool;
@@ -575,7 +586,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribut
     }
     for (int64_t j = 0; j < group; j++) {
         float *orow = out + (h * group + j) * d;
-        const float inv = 1.0f / ml[AQ + j];
+        const float inv = 1.0f / sink_sum(ml[AQ + j], ml[j], sinks, h * group + j);
         for (int64_t c = 0; c < d; c++) orow[c] = o[j * d + c] * inv;
         if (quant) unrotate32(orow, d);
     }
@@ -584,11 +595,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static inline __attribut
 /* amx_decode_task with a constant format in each copy (the row reads fold). */
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_any(
     const float *q, int64_t hq, int64_t hkv, int64_t d, const void *k_pool, const void *v_pool, int fmt, int64_t bs,
-    const int64_t *table, int64_t ctx, int64_t h, float scale, float *out) {
+    const int64_t *table, int64_t ctx, int64_t h, float scale, const float *sinks, float *out) {
     switch (fmt) {
-        case TS_Q8_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_Q8_0, bs, table, ctx, h, scale, out); break;
-        case TS_Q4_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_Q4_0, bs, table, ctx, h, scale, out); break;
-        default: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_BF16, bs, table, ctx, h, scale, out);
+        case TS_Q8_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_Q8_0, bs, table, ctx, h, scale, sinks, out); break;
+        case TS_Q4_0: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_Q4_0, bs, table, ctx, h, scale, sinks, out); break;
+        default: amx_decode_task(q, hq, hkv, d, k_pool, v_pool, TS_BF16, bs, table, ctx, h, scale, sinks, out);
     }
 }
 
@@ -599,7 +610,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void amx_decode_a
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention_amx(
     const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
     const void *v_cache, int64_t bs, const int64_t *tables, const int64_t *table_start, const int64_t *ctx,
-    const int64_t *rows, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
+    const int64_t *rows, float scale, float *out, int64_t ldo, int kv_fmt, const float *sinks, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = amx_thread_begin();
@@ -607,7 +618,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention
         for (int64_t si = 0; si < n; si++)
             for (int64_t h = 0; h < hkv; h++)
                 amx_decode_any(q + rows[si] * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, tables + table_start[si],
-                                ctx[si], h, scale, out + rows[si] * ldo);
+                                ctx[si], h, scale, sinks, out + rows[si] * ldo);
         _tile_release();
         _mm_setcsr(csr);
     }
@@ -620,7 +631,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_decode_attention
 __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_prefill_attention_amx_decodes(
     const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d, const void *k_cache,
     const void *v_cache, int64_t bs, const int64_t *table, int64_t ctx, float scale, float *out, int64_t ldo,
-    int kv_fmt, int nthreads) {
+    int kv_fmt, const float *sinks, int nthreads) {
 #pragma omp parallel num_threads(nthreads)
     {
         const unsigned csr = amx_thread_begin();
@@ -628,7 +639,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) void ts_prefill_attentio
         for (int64_t i = n - 1; i >= 0; i--)
             for (int64_t h = 0; h < hkv; h++)
                 amx_decode_any(q + i * ldq, hq, hkv, d, k_cache, v_cache, kv_fmt, bs, table, ctx - n + i + 1, h,
-                                scale, out + i * ldo);
+                                scale, sinks, out + i * ldo);
         _tile_release();
         _mm_setcsr(csr);
     }
@@ -639,13 +650,15 @@ int ts_amx_init(void) { return 0; }
 void ts_decode_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                              const void *k_cache, const void *v_cache, int64_t bs, const int64_t *tables,
                              const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
-                             float *out, int64_t ldo, int kv_fmt, int nthreads) {}
+                             float *out, int64_t ldo, int kv_fmt, const float *sinks, int nthreads) {}
 void ts_prefill_attention_amx_decodes(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                                       const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
-                                      int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {}
+                                      int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, const float *sinks,
+                                      int nthreads) {}
 int ts_prefill_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                              const void *k_cache, const void *v_cache, int64_t bs, const int64_t *table,
-                             int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, int nthreads) {
+                             int64_t ctx, float scale, float *out, int64_t ldo, int kv_fmt, const float *sinks,
+                             int nthreads) {
     return -1;
 }
 #endif

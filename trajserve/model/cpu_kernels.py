@@ -75,11 +75,13 @@ _SIGNATURES = {
     "ts_prefill_attention": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C],
     "ts_decode_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _I, _P, _C],
     "ts_prefill_attention_q": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _I, _P, _C],
-    "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _I, _C],
-    "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _I, _C],
-    "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
-    "ts_prefill_attention_amx_decodes": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _C],
-    "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _C],
+    "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _I, _P, _C],
+    "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _I, _P, _C],
+    "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _P, _C],
+    "ts_prefill_attention_amx_decodes": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _P,
+                                         _C],
+    "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _P,
+                                _C],
     "ts_amx_init": [],
     "ts_quant_isa": [],
     "ts_quantize_rows_q8": [_P, _I, _I, _I, _P, _C],
@@ -222,11 +224,8 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return packed[ids // PANEL, :, ids % PANEL]
 
 
-def _check_sinks(sinks: torch.Tensor | None, num_heads: int, vector: bool) -> None:
-    """Sinks reach the vector kernels only (float32, q8_0, q4_0 pools), contiguous float32, one a query head."""
-    if sinks is not None and not vector:
-        raise ValueError("attention sinks run on the vector kernels (a float32, q8_0 or q4_0 pool without AMX "
-                         "tiles); this pool's attention takes none")
+def _check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Sinks (every attention kernel takes them): contiguous float32, one a query head."""
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous()):
         raise ValueError(f"sinks must be contiguous float32 [{num_heads}], got {sinks.dtype} {tuple(sinks.shape)}")
 
@@ -378,7 +377,7 @@ class CpuKernels:
         """q, out: [T, H, d] (q may have a row stride); writes out[rows].
         window > 0: a sliding-window layer's, each query over its latest
         `window` keys (the AMX kernels take no window: the vector ones run
-        it). sinks: each head's sink logit [H] (gpt-oss; vector kernels only)."""
+        it). sinks: each head's sink logit [H] (gpt-oss)."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
         fmt = _pool_format(k_cache, v_cache, d)
@@ -386,11 +385,11 @@ class CpuKernels:
                 v_cache.data_ptr(), k_cache.shape[2], tables.data_ptr(), table_start.data_ptr(), ctx.data_ptr(),
                 rows.data_ptr(), scale, out.data_ptr(), out.stride(0))
         path = self.decode_path(fmt, d, k_cache.shape[2], num_heads // k_cache.shape[1], window)
-        _check_sinks(sinks, num_heads, path == DECODE_VECTOR)
+        _check_sinks(sinks, num_heads)
         if path == DECODE_AMX:
-            self.lib.ts_decode_attention_amx(*args, fmt, self.threads())
+            self.lib.ts_decode_attention_amx(*args, fmt, _ptr(sinks), self.threads())
         elif path == DECODE_BF16:
-            self.lib.ts_decode_attention_bf16(*args, window, self.threads())
+            self.lib.ts_decode_attention_bf16(*args, window, _ptr(sinks), self.threads())
         else:
             self.lib.ts_decode_attention_q(*args, fmt, window, _ptr(sinks), self.threads())
 
@@ -425,16 +424,16 @@ class CpuKernels:
                 bs, block_ids.data_ptr(), ctx_len, scale, out.data_ptr(), out.stride(0))
         failed = 0
         amx_rows = fmt and not window and self.amx_quantized(d, num_heads // k_cache.shape[1])  # q8_0 / q4_0 as bf16
-        _check_sinks(sinks, num_heads, fmt != 1 and not amx_rows)
+        _check_sinks(sinks, num_heads)
         if fmt == 1 and not window and self.amx_attention(d, bs) and n >= AMX_MIN_QUERIES:
-            failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
+            failed = self.lib.ts_prefill_attention_amx(*args, fmt, _ptr(sinks), self.threads())
         elif fmt == 1:
-            self.lib.ts_prefill_attention_bf16(*args, window, self.threads())
+            self.lib.ts_prefill_attention_bf16(*args, window, _ptr(sinks), self.threads())
         elif amx_rows:
             if n >= AMX_MIN_QUERIES:
-                failed = self.lib.ts_prefill_attention_amx(*args, fmt, self.threads())
+                failed = self.lib.ts_prefill_attention_amx(*args, fmt, _ptr(sinks), self.threads())
             else:
-                self.lib.ts_prefill_attention_amx_decodes(*args, fmt, self.threads())
+                self.lib.ts_prefill_attention_amx_decodes(*args, fmt, _ptr(sinks), self.threads())
         else:  # float32, or q8_0 / q4_0 key blocks dequantized as read
             failed = self.lib.ts_prefill_attention_q(*args, fmt, window, _ptr(sinks), self.threads())
         if failed:

@@ -44,11 +44,11 @@ void ts_decode_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
 void ts_decode_attention_bf16(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                               const uint16_t *k_cache, const uint16_t *v_cache, int64_t bs, const int64_t *tables,
                               const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
-                              float *out, int64_t ldo, int64_t window, int nthreads);
+                              float *out, int64_t ldo, int64_t window, const float *sinks, int nthreads);
 void ts_decode_attention_amx(const float *q, int64_t ldq, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                              const void *k_cache, const void *v_cache, int64_t bs, const int64_t *tables,
                              const int64_t *table_start, const int64_t *ctx, const int64_t *rows, float scale,
-                             float *out, int64_t ldo, int kv_fmt, int nthreads);
+                             float *out, int64_t ldo, int kv_fmt, const float *sinks, int nthreads);
 
 /* One product: float panels (fmt TS_F32, cpu_kernels.pack) or quantized ones
  * (quant.py pack_panels); a quantized gate|up has its up panels in w2. */
@@ -107,10 +107,10 @@ int ts_decode_stack(const TsStack *s, const TsLayer *layers, int64_t nl, float *
                       slot_offset, s->bs, (int)s->kv_fmt, nt);
         if (L->attn == TS_ATTN_AMX)
             ts_decode_attention_amx(qkv, width, t, s->hq, s->hkv, s->d, L->k_cache, L->v_cache, s->bs, tables,
-                                    table_start, ctx, rows, s->scale, a, qw, (int)s->kv_fmt, nt);
+                                    table_start, ctx, rows, s->scale, a, qw, (int)s->kv_fmt, NULL, nt);
         else if (L->attn == TS_ATTN_BF16)
             ts_decode_attention_bf16(qkv, width, t, s->hq, s->hkv, s->d, L->k_cache, L->v_cache, s->bs, tables,
-                                     table_start, ctx, rows, s->scale, a, qw, L->window, nt);
+                                     table_start, ctx, rows, s->scale, a, qw, L->window, NULL, nt);
         else
             ts_decode_attention_q(qkv, width, t, s->hq, s->hkv, s->d, L->k_cache, L->v_cache, s->bs, tables,
                                   table_start, ctx, rows, s->scale, a, qw, (int)s->kv_fmt, L->window, NULL, nt);

@@ -21,7 +21,7 @@ into w at load; its norms of the attention and MLP outputs
 latent attention (model/mla.py) takes the place of q/k/v and o; its
 attention runs in torch over the latent rows (the C attention kernels take
 per-head K and V of up to 256 values), its products on the C kernels;
-gpt-oss's attention sinks, on the C vector kernels (or torch's).
+gpt-oss's attention sinks, on every C attention kernel (or torch's).
 """
 from __future__ import annotations
 
@@ -76,7 +76,6 @@ class LlamaModel:
 
         mk = use_onednn(self.device, dtype)
         self.kernels = None
-        self._sink_kernels = None  # (kernels, their twin without AMX attention): attention_kernels
         if (use_cpu_kernels and self.device.type == "cpu" and dtype == torch.float32
                 and c.head_dim % 8 == 0 and c.head_dim <= 256):
             self.kernels = cpu_kernels.load()
@@ -195,14 +194,8 @@ class LlamaModel:
     @property
     def attention_kernels(self):
         """The C kernels that run the attention (None: torch's): a latent
-        attention's rows are wider than theirs, so torch runs those; sinks
-        (gpt-oss) are counted by the vector kernels only, so such a model's
-        attention kernels are its kernels without the AMX tile paths."""
-        if self.config.mla is not None or self.kernels is None or not self.config.attn_sinks:
-            return None if self.config.mla is not None else self.kernels
-        if self._sink_kernels is None or self._sink_kernels[0] is not self.kernels:
-            self._sink_kernels = (self.kernels, self.kernels.with_paths(amx=False, amx_kv_quant=False))
-        return self._sink_kernels[1]
+        attention's rows are wider than theirs, so torch runs those."""
+        return None if self.config.mla is not None else self.kernels
 
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE

@@ -78,32 +78,21 @@ def random_q4_k(n: int, k: int, seed: int, wild: bool = False) -> QuantizedWeigh
     """Valid Q4_K bytes: quantized from Gaussian rows, or (wild) every byte
     random but d and dmin, so every scale, minimum and code occurs."""
     rng = np.random.default_rng(seed)
-    if not wild:
-        raw = quantize_q4_k(rng.standard_normal((n, k)).astype(np.float32))
-    else:
-        raw = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
-        raw[..., 0:2] = (rng.random((n, k // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
-        raw[..., 2:4] = (rng.random((n, k // 256, 1)) * 4e-3).astype(np.float16).view(np.uint8)
-        raw = raw.reshape(n, -1)
-    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw)), "q4_k", (n, k))
+    if wild:
+        return QuantizedWeight.random_blocks("q4_k", n, k, rng)
+    raw = quantize_q4_k(rng.standard_normal((n, k)).astype(np.float32))
+    return QuantizedWeight(torch.from_numpy(raw), "q4_k", (n, k))
 
 
 def random_q5_k(n: int, k: int, seed: int) -> QuantizedWeight:
     """Valid Q5_K bytes (Q4_K's fields and 32 bytes of fifth bits a
     super-block), every scale, minimum, code and fifth bit random, d and dmin small."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 256, 176), dtype=np.uint8)
-    raw[..., 0:2] = (rng.random((n, k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
-    raw[..., 2:4] = (rng.random((n, k // 256, 1)) * 2e-3).astype(np.float16).view(np.uint8)
-    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1))), "q5_k", (n, k))
+    return QuantizedWeight.random_blocks("q5_k", n, k, np.random.default_rng(seed))
 
 
 def random_q6_k(n: int, k: int, seed: int) -> QuantizedWeight:
     """Valid Q6_K bytes, every code and int8 scale random, d small."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
-    raw[..., 208:210] = (rng.random((n, k // 256, 1)) * 1e-3).astype(np.float16).view(np.uint8)
-    return QuantizedWeight(torch.from_numpy(np.ascontiguousarray(raw.reshape(n, -1))), "q6_k", (n, k))
+    return QuantizedWeight.random_blocks("q6_k", n, k, np.random.default_rng(seed))
 
 
 def random_mxfp4(n: int, k: int, g: torch.Generator) -> QuantizedWeight:

@@ -5,12 +5,13 @@ the engine's --kv-cache-dtype choosing and reporting it.
 
 Every build the CPU runs is tested; the AMX paths where the CPU has AMX
 (elsewhere they are never selected, which is tested too)."""
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from trajserve.model import cpu_kernels
-from trajserve.model.quant import QuantizedWeight
+from trajserve.model.quant import STORED_FORMATS, QuantizedWeight, group_size
 
 ISAS = cpu_kernels.supported_isas()
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler or no AVX2 here")
@@ -147,18 +148,19 @@ def test_a_pool_of_another_dtype_is_refused(K):
 
 @needs_amx_int8
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(16, 130), blocks=st.integers(1, 20), n=st.integers(1, 70),
-       fmt=st.sampled_from(["q8_0", "q4_0", "q4_1"]), bias=st.booleans(), acc=st.booleans(),
+@given(m=st.integers(32, 130), blocks=st.integers(1, 20), n=st.integers(1, 70),
+       fmt=st.sampled_from(STORED_FORMATS), bias=st.booleans(), acc=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_amx_int8_products_give_the_vector_kernels_bits(m, blocks, n, fmt, bias, acc, seed):
     """A prefill chunk's products on tiles and a decode's on vpdpbusd give
     the same bits (same integers, same float steps per block), for any rows,
-    width and format, with bias and the residual add."""
+    width and stored format (every code, scale and minimum random), with
+    bias and the residual add."""
     K = cpu_kernels.load()
     g = torch.Generator().manual_seed(seed)
-    k = 32 * blocks
+    k = 32 * blocks if group_size(fmt) == 32 else 256 * (1 + blocks // 8)
     x = torch.randn(m, k, generator=g)
-    w = QuantizedWeight.quantize(torch.randn(n, k, generator=g), fmt).pack()
+    w = QuantizedWeight.random_blocks(fmt, n, k, np.random.default_rng(seed)).pack()
     b = torch.randn(n, generator=g) if bias else None
     res = torch.randn(m, n, generator=g)
     outs = []
@@ -171,18 +173,19 @@ def test_amx_int8_products_give_the_vector_kernels_bits(m, blocks, n, fmt, bias,
 def test_rows_wider_than_the_tile_path_takes_run_on_the_vector_kernel():
     K = cpu_kernels.load()
     g = torch.Generator().manual_seed(9)
-    x = torch.randn(20, 32 * 300, generator=g)  # 300 blocks a row: over the 256 the tiles' repacking holds
+    x = torch.randn(40, 32 * 300, generator=g)  # 300 blocks a row: over the 256 the tiles' repacking holds
     w = QuantizedWeight.quantize(torch.randn(24, 32 * 300, generator=g), "q4_1").pack()
     want = K.with_paths(amx_int8=False).qlinear(x, w)
     assert torch.equal(K.qlinear(x, w), want)
 
 
 @needs_amx_int8
-def test_amx_int8_gate_up_gives_the_vector_kernels_bits():
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q6_k"])
+def test_amx_int8_gate_up_gives_the_vector_kernels_bits(fmt):
     K = cpu_kernels.load()
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(45, 96, generator=g)
-    gate, up = (QuantizedWeight.quantize(torch.randn(40, 96, generator=g), "q4_1").pack() for _ in range(2))
+    rng = np.random.default_rng(5)
+    x = torch.from_numpy(rng.standard_normal((45, 512), dtype=np.float32))
+    gate, up = (QuantizedWeight.random_blocks(fmt, 40, 512, rng).pack() for _ in range(2))
     want = K.with_paths(amx_int8=False).qgate_up_silu(x, gate, up)
     assert torch.equal(K.qgate_up_silu(x, gate, up), want)
 

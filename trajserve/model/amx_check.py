@@ -91,10 +91,9 @@ def amx_int8_usable(k, flags: frozenset[str], formats) -> bool:
     if k.isa != "avx512" or not {"amx_tile", "amx_int8"} <= flags or not k.lib.ts_quant_amx_init():
         return False
     rng = np.random.default_rng(13)
-    x = torch.from_numpy(rng.standard_normal((37, 96), dtype=np.float32))
-    w = torch.from_numpy(rng.standard_normal((40, 96), dtype=np.float32))
-    for fmt in formats:
-        q = QuantizedWeight.quantize(w, fmt).pack()
+    for fmt in formats:  # 37 rows: two whole tiles and a part; 512 wide: two K-quant super-blocks
+        q = QuantizedWeight.random_blocks(fmt, 40, 512, rng).pack()
+        x = torch.from_numpy(rng.standard_normal((37, 512), dtype=np.float32))
         tiles = k.with_paths(amx_int8=True).qlinear(x, q)
         if not torch.equal(tiles, k.with_paths(amx_int8=False).qlinear(x, q)):
             log.warning("CPU kernels: the AMX-INT8 %s product differs from the vector kernel's bits; "

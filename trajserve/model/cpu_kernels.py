@@ -98,7 +98,7 @@ _RETURNS_INT = ("ts_lora_rows", "ts_decode_stack", "ts_prefill_attention", "ts_p
 # queries (a shorter chunk runs as decodes, which need no V^T copy of the context).
 AMX_MIN_QUERIES = 4
 DECODE_VECTOR, DECODE_BF16, DECODE_AMX = 0, 1, 2  # decode attention kernels (decode_path)
-_WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1")  # the formats with an AMX-INT8 tile path (each one checked)
+_WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "mxfp4")  # the AMX-INT8 tile paths, each checked
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, sum_lo; int8 q[32]
 
 

@@ -99,6 +99,26 @@ class QuantizedWeight:
                              + ", ".join(f"{p.fmt} {p.shape}" for p in parts))
         return cls(torch.cat([p.data for p in parts]), fmt, (sum(p.shape[0] for p in parts), k))
 
+    @classmethod
+    def random_blocks(cls, fmt: str, n: int, k: int, rng: np.random.Generator) -> QuantizedWeight:
+        """Valid bytes of a stored format with every code, scale and minimum
+        random and the block scales small (finite fp16 d and dmin, MXFP4 scales
+        2^-10 .. 2^-3): the inputs the load-time path checks multiply, where no
+        quantizer exists here for the K-quants."""
+        rows = rng.integers(0, 256, size=(n, k // group_size(fmt), block_bytes(fmt)), dtype=np.uint8)
+        small = lambda top: (rng.random((n, k // group_size(fmt), 1)) * top).astype(np.float16).view(np.uint8)
+        if fmt in ("q4_k", "q5_k"):  # d, dmin first
+            rows[..., 0:2], rows[..., 2:4] = small(1e-3), small(2e-3)
+        elif fmt == "q6_k":  # d last
+            rows[..., -2:] = small(1e-3)
+        elif fmt == "mxfp4":  # the e8m0 exponent byte first
+            rows[..., 0] = rng.integers(117, 125, size=rows.shape[:2], dtype=np.uint8)
+        else:  # Q8_0 / Q4_0 / Q4_1: fp16 d (and m) first
+            rows[..., 0:2] = small(1e-2)
+            if fmt == "q4_1":
+                rows[..., 2:4] = small(1e-2)
+        return cls(torch.from_numpy(np.ascontiguousarray(rows.reshape(n, -1))), fmt, (n, k))
+
     def pack(self) -> QuantizedPanels:
         """The layout the kernels multiply by (quant_kernels.c, "Panel layout")."""
         return QuantizedPanels(pack_panels(self), self.fmt, self.shape)

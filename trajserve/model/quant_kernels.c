@@ -115,8 +115,12 @@ static inline const uint8_t *q4k_head(const uint8_t *panel, int64_t b, const int
 static inline int has_min(const int fmt) { return fmt == TS_Q4_1 || fmt == TS_Q4_K || fmt == TS_Q5_K; }
 static inline const uint8_t *q6k_head(const uint8_t *panel, int64_t b) { return panel + (b >> 3) * Q6K_SUPER; }
 
-/* Formats with an AMX-INT8 tile path (amx_product). */
-static inline int has_tiles(const int fmt) { return fmt == TS_Q8_0 || fmt == TS_Q4_0 || fmt == TS_Q4_1; }
+/* Formats with an AMX-INT8 tile path (amx_product). Not Q6_K: its two
+ * scales a block would make two tile products of 16 values and two scale
+ * steps a block, which measured 0.7-0.8x the VNNI kernel. */
+static inline int has_tiles(const int fmt) {
+    return fmt == TS_Q8_0 || fmt == TS_Q4_0 || fmt == TS_Q4_1 || fmt == TS_Q4_K || fmt == TS_Q5_K || fmt == TS_MXFP4;
+}
 
 /* Which integer dot product this build runs: 1 AVX2, 2 AVX512-VNNI. */
 int ts_quant_isa(void) {
@@ -442,6 +446,11 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
 /* Input rows in blocks of QROW_BLOCK stay in L1/L2 while every panel passes over them. */
 #define QROW_BLOCK 32
 #define AMX_ROWS 16        /* input rows of an AMX tile product (amx_product) */
+/* Inputs of fewer rows stay on the VNNI kernel: at 16 rows a panel's unpack
+ * serves one tile, and the tiles measured 0.82-1.07x VNNI by format (a 1.7B
+ * layer's products, Sapphire Rapids, 2 threads); from 32 rows 0.92-1.21x,
+ * from 64 1.06-1.34x (docs/benchmarks.md). */
+#define AMX_MIN_ROWS 32
 #define AMX_MAX_BLOCKS 256 /* blocks of 32 in an input row the AMX path takes */
 
 typedef struct {
@@ -505,7 +514,7 @@ static void qfinish(const QProduct *P, int64_t p, int64_t i0, int nr, float *g, 
     }
 }
 
-/* The AMX-INT8 products (below), for inputs of at least AMX_ROWS rows. */
+/* The AMX-INT8 products (below), for inputs of at least AMX_MIN_ROWS rows. */
 static int amx_product(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int nthreads);
 
 static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QProduct *P, int fmt, int amx,
@@ -513,7 +522,7 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
     const int64_t nb = k / QK, panels = (P->n + PANEL - 1) / PANEL;
     // Tiles for prefill-sized inputs; rows of up to 8,192 values (a row's blocks are repacked on the stack).
     // K-quants run on the vector kernels (their tile path is not written).
-    if (amx && has_tiles(fmt) && m >= AMX_ROWS && nb <= AMX_MAX_BLOCKS) return amx_product(x, m, k, ldx, P, fmt, nthreads);
+    if (amx && has_tiles(fmt) && m >= AMX_MIN_ROWS && nb <= AMX_MAX_BLOCKS) return amx_product(x, m, k, ldx, P, fmt, nthreads);
     block_q8x *xq = malloc(sizeof(block_q8x) * (m * nb > 0 ? m * nb : 1));
     if (xq == NULL) return 1;
     ts_quantize_rows_q8(x, m, k, ldx, xq, nthreads);
@@ -532,7 +541,7 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
 #if defined(__AVX512F__)
 /* ------------------------------------------------------------------ AMX-INT8 products
  *
- * Where the CPU has AMX-INT8 and a product has >= 16 input rows (prefill
+ * Where the CPU has AMX-INT8 and a product has >= AMX_MIN_ROWS input rows (prefill
  * chunks), the integer dot products run as tile products: TDPBSUD
  * multiplies 16 input rows' codes of one block (A: 16 x 32 signed bytes,
  * the rows quantized straight into contiguous tiles, amx_block) by one panel's codes of that block
@@ -540,11 +549,18 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
  * the 4-bit codes unpacked once per panel for Q4), into 16 x 16 exact int32
  * sums: the same integers as vpdpbusd. The float steps after them are the
  * VNNI tile's, block by block in order (convert, scale by d_w * d_x, add;
- * Q4_1's m_w * s_x), so the results are bit-identical to the other builds.
+ * Q4_1's and Q4_K's m_w * s_x), so the results are bit-identical to the other
+ * builds. A panel's Q4_K, Q5_K and MXFP4 codes are unpacked once into the
+ * same byte codes (Q5_K's fifth bits or-ed on, MXFP4's through its table)
+ * and their scales computed once as the vector kernel computes them (d * sc,
+ * -dmin * m).
  * The scale step is per block (the formats share no scale across blocks)
  * and the tile products run at the tile unit's latency (8 tile registers:
  * four accumulators, two A/B pairs), so each product is issued between the
- * scale steps of earlier blocks (amx_rows): 1.2-1.4x the VNNI kernel. */
+ * scale steps of earlier blocks (amx_rows): on a 1.7B layer's products
+ * from 64 rows, Q4_K and Q5_K 1.26-1.36x the VNNI kernel (their scales are
+ * computed once per panel here, per block per input tile there), Q8_0,
+ * Q4_0, Q4_1 and MXFP4 1.06-1.26x. */
 #define AMX_GROUP 4
 
 typedef struct {
@@ -554,24 +570,42 @@ typedef struct {
 } QTileConfig;
 
 /* One panel's codes as B tiles (512 bytes a block: 8 groups of 4 codes x 16
- * rows) and its scales as floats (dw, and mw for Q4_1: 16 a block). */
+ * rows, group g = values 4g .. 4g + 3) and its scales as floats (16 a block:
+ * dw, and mw for the formats with a minimum). */
 static void unpack_panel(const uint8_t *panel, int64_t nb, int fmt, uint8_t *codes, float *dw, float *mw) {
-    const int64_t pb = panel_block_bytes(fmt);
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(MXFP4_LUT));
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = panel + b * pb;
-        _mm512_storeu_ps(dw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
-        if (fmt == TS_Q4_1) _mm512_storeu_ps(mw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))));
+        const uint8_t *blk = panel_block(panel, b, fmt);
         uint8_t *cb = codes + b * 512;
+        if (fmt == TS_Q4_K || fmt == TS_Q5_K) {  // d * sc and -dmin * m, as the vector kernel computes them
+            const uint8_t *head = q4k_head(panel, b, fmt);
+            _mm512_storeu_ps(dw + b * PANEL, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)),
+                                                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)))));
+            _mm512_storeu_ps(mw + b * PANEL, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))),
+                                                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16))))));
+        } else if (fmt == TS_MXFP4) {
+            memcpy(dw + b * PANEL, blk, PANEL * sizeof(float));
+        } else {
+            _mm512_storeu_ps(dw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
+            if (fmt == TS_Q4_1) _mm512_storeu_ps(mw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))));
+        }
+        const uint8_t *c = blk + codes_offset(fmt);
         if (fmt == TS_Q8_0) {
-            memcpy(cb, blk + 32, 512);
-        } else {  // group g's low nibbles are k = 4g + t, its high nibbles k = 16 + 4g + t
-            const uint8_t *c = blk + (fmt == TS_Q4_1 ? 64 : 32);
-            for (int g = 0; g < 4; g++) {
-                const __m512i v = _mm512_loadu_si512(c + 64 * g);
-                _mm512_storeu_si512(cb + 64 * g, _mm512_and_si512(v, low));
-                _mm512_storeu_si512(cb + 64 * (g + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+            memcpy(cb, c, 512);
+            continue;
+        }
+        const __m512i h5 = fmt == TS_Q5_K ? _mm512_loadu_si512(c + 256) : _mm512_setzero_si512();
+        for (int g = 0; g < 4; g++) {  // group g's low nibbles are k = 4g + t, its high nibbles k = 16 + 4g + t
+            const __m512i v = _mm512_loadu_si512(c + 64 * g);
+            __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            if (fmt == TS_MXFP4) lo = _mm512_shuffle_epi8(lut, lo), hi = _mm512_shuffle_epi8(lut, hi);
+            if (fmt == TS_Q5_K) {  // bit g -> 4 (the low nibble's value), bit 4 + g -> 4 (the high's)
+                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h5, 4 - g), fifth));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(h5, g), fifth));
             }
+            _mm512_storeu_si512(cb + 64 * g, lo);
+            _mm512_storeu_si512(cb + 64 * (g + 4), hi);
         }
     }
 }
@@ -632,15 +666,15 @@ static void amx_quantize_tile(const float *x, int64_t m, int64_t k, int64_t ldx,
         __m512i isum = _mm512_load_si512(c_ + i * PANEL);                                      \
         if (offset_) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset_ * xb_->sum[i]));  \
         a##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dwv_, _mm512_set1_ps(xb_->d[i])), a##i); \
-        if (fmt == TS_Q4_1) a##i = _mm512_fmadd_ps(mwv_, _mm512_set1_ps(xb_->s[i]), a##i);    \
+        if (has_min(fmt)) a##i = _mm512_fmadd_ps(mwv_, _mm512_set1_ps(xb_->s[i]), a##i);      \
     }
-#define AMX_SCALE(xb, c, dw, mw)                                                               \
+#define AMX_SCALE(b, c)                                                                        \
     {                                                                                          \
-        const amx_block *xb_ = (xb);                                                           \
+        const amx_block *xb_ = x + (b);                                                        \
         const int32_t *c_ = (c);                                                               \
-        const int offset_ = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : 0;                   \
-        const __m512 dwv_ = _mm512_loadu_ps(dw);                                               \
-        const __m512 mwv_ = fmt == TS_Q4_1 ? _mm512_loadu_ps(mw) : _mm512_setzero_ps();       \
+        const int offset_ = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : fmt == TS_MXFP4 ? MXFP4_OFFSET : 0; \
+        const __m512 dwv_ = _mm512_loadu_ps(dw + (b) * PANEL);                                 \
+        const __m512 mwv_ = has_min(fmt) ? _mm512_loadu_ps(mw + (b) * PANEL) : _mm512_setzero_ps(); \
         AMX_ACC(AMX_SCALE_ROW)                                                                 \
     }
 
@@ -653,8 +687,7 @@ static void amx_quantize_tile(const float *x, int64_t m, int64_t k, int64_t ldx,
  * scale steps behind them, and the two ran one after the other. */
 #define AMX_STEP(t, A, B)                                                                      \
     if (next + t < nb) AMX_PRODUCT(t, A, B, next + t)                                          \
-    if (g > 0) AMX_SCALE(x + last + t, sums[(g - 1) & 1] + t * AMX_ROWS * PANEL, dw + (last + t) * PANEL, \
-                         mw + (last + t) * PANEL)
+    if (g > 0) AMX_SCALE(last + t, sums[(g - 1) & 1] + t * AMX_ROWS * PANEL)
 __attribute__((target("amx-tile,amx-int8"))) static void amx_rows(const amx_block *x, int64_t nb,
                                                                  const uint8_t *codes, const float *dw,
                                                                  const float *mw, const int fmt, float *o) {
@@ -676,18 +709,19 @@ __attribute__((target("amx-tile,amx-int8"))) static void amx_rows(const amx_bloc
         AMX_STEP(0, 4, 6) AMX_STEP(1, 5, 7) AMX_STEP(2, 4, 6) AMX_STEP(3, 5, 7)
     }
     const int64_t first = (groups - 1) * AMX_GROUP;  // the last group, stored above
-    for (int64_t t = 0; t < AMX_GROUP && first + t < nb; t++)
-        AMX_SCALE(x + first + t, sums[(groups - 1) & 1] + t * AMX_ROWS * PANEL, dw + (first + t) * PANEL,
-                  mw + (first + t) * PANEL)
+    for (int64_t t = 0; t < AMX_GROUP && first + t < nb; t++) AMX_SCALE(first + t, sums[(groups - 1) & 1] + t * AMX_ROWS * PANEL)
 #define AMX_OUT(i) _mm512_storeu_ps(o + i * PANEL, a##i);
     AMX_ACC(AMX_OUT)
 }
 
 static void amx_rows_any(const amx_block *x, int64_t nb, const uint8_t *codes, const float *dw, const float *mw,
                          int fmt, float *o) {
-    switch (fmt) {  // a constant format inside: the offset and Q4_1 tests fold away
+    switch (fmt) {  // a constant format inside: the offset and minimum tests fold away
         case TS_Q8_0: amx_rows(x, nb, codes, dw, mw, TS_Q8_0, o); break;
         case TS_Q4_0: amx_rows(x, nb, codes, dw, mw, TS_Q4_0, o); break;
+        case TS_Q4_K: amx_rows(x, nb, codes, dw, mw, TS_Q4_K, o); break;
+        case TS_Q5_K: amx_rows(x, nb, codes, dw, mw, TS_Q5_K, o); break;
+        case TS_MXFP4: amx_rows(x, nb, codes, dw, mw, TS_MXFP4, o); break;
         default: amx_rows(x, nb, codes, dw, mw, TS_Q4_1, o);
     }
 }

@@ -179,8 +179,37 @@ def test_rows_wider_than_the_tile_path_takes_run_on_the_vector_kernel():
     assert torch.equal(K.qlinear(x, w), want)
 
 
+@needs_kernels
+def test_which_formats_and_rows_run_on_amx_int8_tiles(K):
+    """The tile path's reach, as the kernels report it (what the load check
+    and `bench products` read): every format but Q6_K from 32 rows, and
+    nothing in a build or on a CPU without AMX-INT8."""
+    from trajserve.model.quant import STORED_FORMATS
+
+    want = 32 if K.isa == "avx512" and K.amx_int8 else 0
+    assert {f: K.tile_rows(f) for f in STORED_FORMATS} == {f: 0 if f == "q6_k" else want for f in STORED_FORMATS}
+    assert all(K.without("amx_int8").tile_rows(f) == 0 for f in STORED_FORMATS)
+
+
+def test_bench_products_compares_the_paths_or_says_there_are_none(capsys):
+    import json
+
+    from trajserve.cli import main
+
+    rc = main(["bench", "products", "--formats", "q4_k,q6_k", "--rows", "8,40", "--repeats", "1", "--json"])
+    out = capsys.readouterr().out
+    if not AMX_INT8:
+        assert rc == 1 and "runs no AMX-INT8 tiles" in out
+        return
+    rows = json.loads(out)["results"]
+    assert [(r["format"], r["rows"], r["tiles_arm_runs"]) for r in rows] == [
+        ("q4_k", 8, "VNNI (tiles from 32 rows)"), ("q4_k", 40, "tiles"),
+        ("q6_k", 8, "VNNI (no tile path)"), ("q6_k", 40, "VNNI (no tile path)")]
+    assert all(r["tiles_ms"] > 0 and r["vnni_ms"] > 0 for r in rows)
+
+
 @needs_amx_int8
-@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k", "q5_k", "mxfp4"])
 def test_amx_int8_gate_up_gives_the_vector_kernels_bits(fmt):
     K = cpu_kernels.load()
     rng = np.random.default_rng(5)
@@ -199,7 +228,7 @@ def test_amx_is_used_only_where_it_runs_and_gives_the_same_bits(monkeypatch, cap
 
     K = cpu_kernels.load()
     no_amx = frozenset({"avx2", "fma", "f16c"})
-    assert not amx_check.amx_usable(K, no_amx) and not amx_check.amx_int8_usable(K, no_amx, ["q8_0"])
+    assert not amx_check.amx_usable(K, no_amx) and not amx_check.amx_int8_usable(K, no_amx)
     if not AMX:
         return
     real = cpu_kernels.CpuKernels.prefill_attention

@@ -9,7 +9,8 @@ import logging
 import numpy as np
 import torch
 
-from trajserve.model.quant import QuantizedWeight
+from trajserve.model.formats import CODES
+from trajserve.model.quant import STORED_FORMATS, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +85,21 @@ def amx_kv_quant_usable(k) -> bool:
     return ok
 
 
-def amx_int8_usable(k, flags: frozenset[str], formats) -> bool:
+def amx_int8_usable(k, flags: frozenset[str]) -> bool:
     """Whether quantized products run on AMX-INT8 tiles here, giving the
     vector kernel's bits: an avx512 build, AMX-INT8 in /proc/cpuinfo, the tile
-    state granted, and products of every format computed both ways equal."""
+    state granted, and products of every format with a tile path computed
+    both ways equal."""
     if k.isa != "avx512" or not {"amx_tile", "amx_int8"} <= flags or not k.lib.ts_quant_amx_init():
         return False
     rng = np.random.default_rng(13)
-    for fmt in formats:  # 37 rows: two whole tiles and a part; 512 wide: two K-quant super-blocks
+    for fmt in STORED_FORMATS:
+        rows = k.lib.ts_quant_tile_rows(CODES[fmt])
+        if not rows:
+            continue
+        # Whole tiles and a part, 512 wide: two K-quant super-blocks.
         q = QuantizedWeight.random_blocks(fmt, 40, 512, rng).pack()
-        x = torch.from_numpy(rng.standard_normal((37, 512), dtype=np.float32))
+        x = torch.from_numpy(rng.standard_normal((rows + 21, 512), dtype=np.float32))
         tiles = k.with_paths(amx_int8=True).qlinear(x, q)
         if not torch.equal(tiles, k.with_paths(amx_int8=False).qlinear(x, q)):
             log.warning("CPU kernels: the AMX-INT8 %s product differs from the vector kernel's bits; "

@@ -88,17 +88,17 @@ _SIGNATURES = {
     "ts_qlinear": [_P, _I, _I, _I, _P, _C, _I, _P, _P, _I, _C, _C, _C],
     "ts_qgate_up_silu": [_P, _I, _I, _I, _P, _P, _C, _I, _P, _I, _P, _I, _C, _C],
     "ts_quant_amx_init": [],
+    "ts_quant_tile_rows": [_C],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
     "ts_decode_stack": [_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _C],
 }
-_RETURNS_INT = ("ts_lora_rows", "ts_decode_stack", "ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init",
+_RETURNS_INT = ("ts_lora_rows", "ts_decode_stack", "ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init", "ts_quant_tile_rows",
                 "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
 # AMX prefill of a bf16 pool: head_dim a multiple of 32 (one tile row of
 # pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
 # queries (a shorter chunk runs as decodes, which need no V^T copy of the context).
 AMX_MIN_QUERIES = 4
 DECODE_VECTOR, DECODE_BF16, DECODE_AMX = 0, 1, 2  # decode attention kernels (decode_path)
-_WEIGHT_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "mxfp4")  # the AMX-INT8 tile paths, each checked
 Q8X_BLOCK_BYTES = 48  # quant_kernels.c block_q8x: float d, s; int32 sum, sum_lo; int8 q[32]
 
 
@@ -164,7 +164,7 @@ def _checked_paths(k: CpuKernels) -> dict[str, bool]:
     flags = cpu_flags()
     amx = amx_usable(k, flags)
     return {"amx": amx, "amx_kv_quant": amx and amx_kv_quant_usable(k.with_paths(amx=True)),
-            "amx_int8": amx_int8_usable(k, flags, _WEIGHT_FORMATS), "lora_dp": lora_dp_usable(k, flags)}
+            "amx_int8": amx_int8_usable(k, flags), "lora_dp": lora_dp_usable(k, flags)}
 
 
 @functools.cache
@@ -288,6 +288,11 @@ class CpuKernels:
         """A twin over the same library with these paths set: load() turns
         on what its checks passed, the checks try a path on a twin first."""
         return CpuKernels(self.lib, self.isa, dataclasses.replace(self.paths, **paths))
+
+    def tile_rows(self, fmt: str) -> int:
+        """The fewest input rows with which a product of this stored format
+        runs on AMX-INT8 tiles here (0: never: no AMX-INT8, or no tile path)."""
+        return self.lib.ts_quant_tile_rows(CODES[fmt]) if self.paths.amx_int8 else 0
 
     def without(self, *names: str) -> CpuKernels:
         """A twin with these paths off (--kernel-paths-off)."""

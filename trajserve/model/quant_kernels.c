@@ -787,6 +787,16 @@ static int amx_product(const float *x, int64_t m, int64_t k, int64_t ldx, const 
 }
 #endif
 
+/* The fewest input rows with which a product of format fmt runs on AMX-INT8
+ * tiles in this build, where the caller allows them; 0: no tile path. */
+int ts_quant_tile_rows(int fmt) {
+#if defined(__AVX512F__)
+    return has_tiles(fmt) ? AMX_MIN_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
 /* y[i, r] = (acc ? y[i, r] : 0) + bias[r] + x[i, :] . w[r, :] for i < m, r < n;
  * w as panels (quant.py pack_panels). Returns nonzero when the input blocks
  * found no memory (nothing is written). */

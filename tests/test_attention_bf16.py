@@ -184,8 +184,6 @@ def test_which_formats_and_rows_run_on_amx_int8_tiles(K):
     """The tile path's reach, as the kernels report it (what the load check
     and `bench products` read): every format but Q6_K from 32 rows, and
     nothing in a build or on a CPU without AMX-INT8."""
-    from trajserve.model.quant import STORED_FORMATS
-
     want = 32 if K.isa == "avx512" and K.amx_int8 else 0
     assert {f: K.tile_rows(f) for f in STORED_FORMATS} == {f: 0 if f == "q6_k" else want for f in STORED_FORMATS}
     assert all(K.without("amx_int8").tile_rows(f) == 0 for f in STORED_FORMATS)

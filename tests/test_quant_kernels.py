@@ -139,7 +139,7 @@ def test_a_row_does_not_depend_on_its_batch_the_threads_or_the_build(fmt):
     results = []
     for K in BUILDS.values():
         whole = K.qlinear(x, w)
-        assert torch.equal(K.with_paths(amx_int8=False).qlinear(x, w), whole)  # 67 rows: tiles where there are
+        assert torch.equal(K.with_paths(amx_int8=False).qlinear(x, w), whole)  # 67 rows: on tiles where the CPU has them
         assert torch.equal(torch.cat([K.qlinear(x[i:i + 1], w) for i in range(67)]), whole)
         assert torch.equal(K.qlinear(x[5:40], w), whole[5:40])
         threads = torch.get_num_threads()

@@ -21,8 +21,6 @@ import json
 import statistics
 import time
 
-from trajserve.bench.common import command_line, machine_info
-
 FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4")
 
 
@@ -40,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
+    from trajserve.bench.common import command_line, machine_info
     from trajserve.model import cpu_kernels
     from trajserve.model.quant import QuantizedWeight
     from trajserve.plan.catalog import get_model

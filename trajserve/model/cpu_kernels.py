@@ -78,10 +78,8 @@ _SIGNATURES = {
     "ts_decode_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _I, _P, _C],
     "ts_prefill_attention_bf16": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _I, _P, _C],
     "ts_prefill_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _P, _C],
-    "ts_prefill_attention_amx_decodes": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _P,
-                                         _C],
-    "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _P,
-                                _C],
+    "ts_prefill_attention_amx_decodes": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _I, ctypes.c_float, _P, _I, _C, _P, _C],
+    "ts_decode_attention_amx": [_P, _I, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C, _P, _C],
     "ts_amx_init": [],
     "ts_quant_isa": [],
     "ts_quantize_rows_q8": [_P, _I, _I, _I, _P, _C],
@@ -290,8 +288,7 @@ class CpuKernels:
         return CpuKernels(self.lib, self.isa, dataclasses.replace(self.paths, **paths))
 
     def tile_rows(self, fmt: str) -> int:
-        """The fewest input rows with which a product of this stored format
-        runs on AMX-INT8 tiles here (0: never: no AMX-INT8, or no tile path)."""
+        """The fewest input rows a product of this format takes AMX-INT8 tiles from here (0: never)."""
         return self.lib.ts_quant_tile_rows(CODES[fmt]) if self.paths.amx_int8 else 0
 
     def without(self, *names: str) -> CpuKernels:
@@ -379,10 +376,8 @@ class CpuKernels:
                          tables: torch.Tensor, table_start: torch.Tensor, ctx: torch.Tensor,
                          rows: torch.Tensor, scale: float, out: torch.Tensor, window: int = 0,
                          sinks: torch.Tensor | None = None) -> None:
-        """q, out: [T, H, d] (q may have a row stride); writes out[rows].
-        window > 0: a sliding-window layer's, each query over its latest
-        `window` keys (the AMX kernels take no window: the vector ones run
-        it). sinks: each head's sink logit [H] (gpt-oss)."""
+        """q, out: [T, H, d] (q may have a row stride); writes out[rows]. window > 0: each query over
+        its latest `window` keys (on the vector kernels). sinks: each head's sink logit [H] (gpt-oss)."""
         _, num_heads, d = q.shape
         _check_index(tables, table_start, ctx, rows)
         fmt = _pool_format(k_cache, v_cache, d)

@@ -448,8 +448,8 @@ static void qtile_any(const uint8_t *panel, int64_t nb, const block_q8x *x, int 
 #define AMX_ROWS 16        /* input rows of an AMX tile product (amx_product) */
 /* Inputs of fewer rows stay on the VNNI kernel: at 16 rows a panel's unpack
  * serves one tile, and the tiles measured 0.82-1.07x VNNI by format (a 1.7B
- * layer's products, Sapphire Rapids, 2 threads); from 32 rows 0.92-1.21x,
- * from 64 1.06-1.34x (docs/benchmarks.md). */
+ * layer's products, Sapphire Rapids, 2 threads); at 32 rows 0.97-1.12x, at
+ * 64 1.13-1.45x (docs/benchmarks.md). */
 #define AMX_MIN_ROWS 32
 #define AMX_MAX_BLOCKS 256 /* blocks of 32 in an input row the AMX path takes */
 
@@ -557,10 +557,10 @@ static int qproduct(const float *x, int64_t m, int64_t k, int64_t ldx, const QPr
  * The scale step is per block (the formats share no scale across blocks)
  * and the tile products run at the tile unit's latency (8 tile registers:
  * four accumulators, two A/B pairs), so each product is issued between the
- * scale steps of earlier blocks (amx_rows): on a 1.7B layer's products
- * from 64 rows, Q4_K and Q5_K 1.26-1.36x the VNNI kernel (their scales are
- * computed once per panel here, per block per input tile there), Q8_0,
- * Q4_0, Q4_1 and MXFP4 1.06-1.26x. */
+ * scale steps of earlier blocks (amx_rows): a 1.7B layer's products at 64
+ * rows ran Q4_K 1.31x and Q5_K 1.45x the VNNI kernel (their scales computed
+ * once a panel here, once a block per input tile there), Q8_0, Q4_0, Q4_1
+ * and MXFP4 1.13-1.27x; at 512 rows 0.98-1.33x (`bench products`). */
 #define AMX_GROUP 4
 
 typedef struct {

@@ -21,13 +21,12 @@ import json
 import statistics
 import time
 
-FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "mxfp4")
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("products", help="a layer's quantized products on AMX-INT8 tiles against VNNI, by format")
     p.add_argument("--shape", default="smollm2-1.7b", help="a catalog model (trajserve/plan/catalog.toml)")
-    p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
+    p.add_argument("--formats", default=None, help="comma-separated stored formats (default: every one the kernels "
+                                                   "run as stored: q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, mxfp4)")
     p.add_argument("--rows", default="16,32,64,512", help="input rows: decode batch sizes, prefill chunk tokens")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--json", action="store_true", help="print only JSON")
@@ -40,13 +39,13 @@ def run(args: argparse.Namespace) -> int:
 
     from trajserve.bench.common import command_line, machine_info
     from trajserve.model import cpu_kernels
-    from trajserve.model.quant import QuantizedWeight
+    from trajserve.model.quant import STORED_FORMATS, QuantizedWeight
     from trajserve.plan.catalog import get_model
 
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()] if args.formats else list(STORED_FORMATS)
+    unknown = [f for f in formats if f not in STORED_FORMATS]
     if unknown:
-        raise ValueError(f"--formats: {', '.join(unknown)} not among {', '.join(FORMATS)}")
+        raise ValueError(f"--formats: {', '.join(unknown)} not among {', '.join(STORED_FORMATS)}")
     rows = [int(r) for r in args.rows.split(",")]
     kernels = cpu_kernels.load()
     if kernels is None or not kernels.amx_int8:
@@ -54,28 +53,28 @@ def run(args: argparse.Namespace) -> int:
         return 1
     tiles, vnni = kernels.with_paths(amx_int8=True), kernels.with_paths(amx_int8=False)
     c = get_model(args.shape).config
-    h, inter = c.hidden_size, c.intermediate_size
-    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    h, inter, q = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+    qkv = q + 2 * c.num_kv_heads * c.head_dim
     rng = np.random.default_rng(0)
     results = []
     for fmt in formats:
         w = {name: QuantizedWeight.random_blocks(fmt, n, k, rng).pack()
-             for name, n, k in (("qkv", qkv, h), ("o", h, c.num_heads * c.head_dim), ("gate", inter, h),
-                                ("up", inter, h), ("down", h, inter))}
+             for name, n, k in (("qkv", qkv, h), ("o", h, q), ("gate", inter, h), ("up", inter, h), ("down", h, inter))}
         for m in rows:
             x = {k: torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
-                 for k in {h, inter, c.num_heads * c.head_dim}}
+                 for k in {h, inter, q}}
 
             def layer(K) -> float:
                 t = time.perf_counter()
                 K.qlinear(x[h], w["qkv"])
-                K.qlinear(x[c.num_heads * c.head_dim], w["o"])
+                K.qlinear(x[q], w["o"])
                 K.qgate_up_silu(x[h], w["gate"], w["up"])
                 K.qlinear(x[inter], w["down"])
                 return time.perf_counter() - t
 
             times: dict[str, list[float]] = {"tiles": [], "vnni": []}
-            layer(tiles), layer(vnni)  # warm: the tile state, the caches
+            layer(tiles)  # warm: the tile state, the caches
+            layer(vnni)
             for _ in range(args.repeats):
                 times["tiles"].append(layer(tiles))
                 times["vnni"].append(layer(vnni))

@@ -44,13 +44,6 @@
 #define CHUNK 32 /* elements of one tile product: one AMX row of bf16 pairs */
 #define FTZ_DAZ 0x8040
 
-/* A softmax's denominator l (its running maximum m), with head j's sink
- * where the model has them (gpt-oss): one more logit, weighing no value.
- * Every kernel here and cpu_kernels.c's vector ones add it the same way. */
-static inline float sink_sum(float l, float m, const float *sinks, int64_t j) {
-    return sinks ? l + expf(sinks[j] - m) : l;
-}
-
 /* Decode attention for (sequence, kv head h, query heads j0 .. j0 + nh) of
  * one query over ctx keys; q: the token's q row, out: its output row. */
 static void decode_heads_bf16(const float *q, int64_t hq, int64_t hkv, int64_t d, const uint16_t *k_cache,

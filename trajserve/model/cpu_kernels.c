@@ -807,8 +807,7 @@ static inline __attribute__((always_inline)) void decode_heads(
     }
     for (int64_t j = 0; j < nh; j++) {
         float *orow = out + (h * group + j0 + j) * d;
-        // A sink (gpt-oss): one more logit in the denominator, weighing no value.
-        const float inv = 1.0f / (sinks ? l[j] + expf(sinks[h * group + j0 + j] - m[j]) : l[j]);
+        const float inv = 1.0f / sink_sum(l[j], m[j], sinks, h * group + j0 + j);
         for (int64_t e = 0; e < d; e++) orow[e] = o[j * d + e] * inv;
         if (quant) unrotate32(orow, d);
     }
@@ -1098,8 +1097,8 @@ int ts_prefill_attention_q(const float *q, int64_t ldq, int64_t n, int64_t hq, i
             }
             for (int64_t j = 0; j < group; j++)
                 for (int64_t r = 0; r < rows; r++) {
-                    const float lr = l[j * QB + r], sink = sinks ? expf(sinks[h * group + j] - m[j * QB + r]) : 0.0f;
-                    float *orow = out + (q0 + r) * ldo + (h * group + j) * d, inv = 1.0f / (sinks ? lr + sink : lr);
+                    const float inv = 1.0f / sink_sum(l[j * QB + r], m[j * QB + r], sinks, h * group + j);
+                    float *orow = out + (q0 + r) * ldo + (h * group + j) * d;
                     for (int64_t e = 0; e < d; e++) orow[e] = o[(j * QB + r) * d + e] * inv;
                     if (quant) unrotate32(orow, d);
                 }

@@ -182,6 +182,51 @@ static inline int32_t dword(const int8_t *q, int g) {
 /* o[i * 16 + r] = input row i . panel row r, for i < nr. Constant nr and fmt
  * (always inlined from a switch) keep the sums in registers. The integer
  * offset o * sum(q_x) is taken off before the conversion to float. */
+/* The offset o of a format's stored codes u = q + o (Q6_K's is its own, 32). */
+static inline int code_offset(const int fmt) {
+    return fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : fmt == TS_MXFP4 ? MXFP4_OFFSET : 0;
+}
+
+#if defined(__AVX512F__)
+/* Block b's scales for its 16 panel rows (every format but Q6_K): d_w, and
+ * m_w for the formats with a minimum; a K-quant's d * sc and -dmin * m
+ * (exact in float32). The VNNI kernel computes them per block and input
+ * tile, the AMX path once a panel: the same operations, the same bits. */
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *panel, int64_t b, const uint8_t *blk,
+                                                               const int fmt, __m512 *dw, __m512 *mw) {
+    *mw = _mm512_setzero_ps();
+    if (fmt == TS_Q4_K || fmt == TS_Q5_K) {
+        const uint8_t *head = q4k_head(panel, b, fmt);
+        *dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))));
+        *mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)))));
+    } else if (fmt == TS_MXFP4) {
+        *dw = _mm512_loadu_ps((const float *)blk);
+    } else {
+        *dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        if (fmt == TS_Q4_1) *mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+    }
+}
+
+/* Group g of a 4-bit block's packed codes c as byte codes u: lo for values
+ * 4g + t, hi for 16 + 4g + t; MXFP4's through its value table, Q5_K's
+ * fifth bits (h5: the block's 64 bytes of them) or-ed on. */
+static inline __attribute__((always_inline)) void group_codes(const __m512i c, const __m512i h5, const int g,
+                                                              const int fmt, __m512i *lo, __m512i *hi) {
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
+    *lo = _mm512_and_si512(c, low), *hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+    if (fmt == TS_MXFP4) {
+        const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(MXFP4_LUT));
+        *lo = _mm512_shuffle_epi8(lut, *lo), *hi = _mm512_shuffle_epi8(lut, *hi);
+    }
+    if (fmt == TS_Q5_K) {  // bit g -> 4 (the low nibble's value), bit 4 + g -> 4 (the high's)
+        *lo = _mm512_or_si512(*lo, _mm512_and_si512(_mm512_slli_epi16(h5, 4 - g), fifth));
+        *hi = _mm512_or_si512(*hi, _mm512_and_si512(_mm512_srli_epi16(h5, g), fifth));
+    }
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 /* 8 input rows a tile (32 vector registers hold their sums): a K-quant
  * block's unpacking (Q6_K's 6-bit codes: ~50 operations a block) is shared
@@ -190,9 +235,8 @@ static inline int32_t dword(const int8_t *q, int g) {
 #define QTILE_ROWS 8
 static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, int64_t nb, const block_q8x *x,
                                                         const int nr, const int fmt, float *o) {
-    const int offset = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : fmt == TS_MXFP4 ? MXFP4_OFFSET : 0;
+    const int offset = code_offset(fmt);
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(MXFP4_LUT));
     __m512 acc[QTILE_ROWS];
     for (int i = 0; i < nr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -228,19 +272,8 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
             }
             continue;
         }
-        __m512 dw, mw = _mm512_setzero_ps();
-        if (fmt == TS_Q4_K || fmt == TS_Q5_K) {  // d * sc and -dmin * m: exact in float32
-            const uint8_t *head = q4k_head(panel, b, fmt);
-            dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)),
-                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk))));
-            mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))),
-                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16)))));
-        } else if (fmt == TS_MXFP4) {
-            dw = _mm512_loadu_ps((const float *)blk);
-        } else {
-            dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-            if (fmt == TS_Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
-        }
+        __m512 dw, mw;
+        block_scales(panel, b, blk, fmt, &dw, &mw);
         const uint8_t *codes = blk + codes_offset(fmt);
         __m512i isum[QTILE_ROWS];
         for (int i = 0; i < nr; i++) isum[i] = _mm512_setzero_si512();
@@ -251,17 +284,10 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *panel, in
                     isum[i] = _mm512_dpbusd_epi32(isum[i], c, _mm512_set1_epi32(dword(x[i * nb + b].q, g)));
             }
         } else {
-            const __m512i fifth = _mm512_set1_epi8(0x10);
-            __m512i h5 = _mm512_setzero_si512();
-            if (fmt == TS_Q5_K) h5 = _mm512_loadu_si512(codes + 256);
+            const __m512i h5 = fmt == TS_Q5_K ? _mm512_loadu_si512(codes + 256) : _mm512_setzero_si512();
             for (int g = 0; g < 4; g++) {
-                const __m512i c = _mm512_loadu_si512(codes + 64 * g);
-                __m512i lo = _mm512_and_si512(c, low), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
-                if (fmt == TS_MXFP4) lo = _mm512_shuffle_epi8(lut, lo), hi = _mm512_shuffle_epi8(lut, hi);
-                if (fmt == TS_Q5_K) {  // bit g -> 4 (low nibble's value), bit 4 + g -> 4 (high's)
-                    lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h5, 4 - g), fifth));
-                    hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(h5, g), fifth));
-                }
+                __m512i lo, hi;
+                group_codes(_mm512_loadu_si512(codes + 64 * g), h5, g, fmt, &lo, &hi);
                 for (int i = 0; i < nr; i++) {
                     isum[i] = _mm512_dpbusd_epi32(isum[i], lo, _mm512_set1_epi32(dword(x[i * nb + b].q, g)));
                     isum[i] = _mm512_dpbusd_epi32(isum[i], hi, _mm512_set1_epi32(dword(x[i * nb + b].q, g + 4)));
@@ -573,23 +599,13 @@ typedef struct {
  * rows, group g = values 4g .. 4g + 3) and its scales as floats (16 a block:
  * dw, and mw for the formats with a minimum). */
 static void unpack_panel(const uint8_t *panel, int64_t nb, int fmt, uint8_t *codes, float *dw, float *mw) {
-    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
-    const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(MXFP4_LUT));
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = panel_block(panel, b, fmt);
         uint8_t *cb = codes + b * 512;
-        if (fmt == TS_Q4_K || fmt == TS_Q5_K) {  // d * sc and -dmin * m, as the vector kernel computes them
-            const uint8_t *head = q4k_head(panel, b, fmt);
-            _mm512_storeu_ps(dw + b * PANEL, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)head)),
-                                                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)blk)))));
-            _mm512_storeu_ps(mw + b * PANEL, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(head + 32))),
-                                                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16))))));
-        } else if (fmt == TS_MXFP4) {
-            memcpy(dw + b * PANEL, blk, PANEL * sizeof(float));
-        } else {
-            _mm512_storeu_ps(dw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
-            if (fmt == TS_Q4_1) _mm512_storeu_ps(mw + b * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))));
-        }
+        __m512 d, m;
+        block_scales(panel, b, blk, fmt, &d, &m);
+        _mm512_storeu_ps(dw + b * PANEL, d);
+        if (has_min(fmt)) _mm512_storeu_ps(mw + b * PANEL, m);
         const uint8_t *c = blk + codes_offset(fmt);
         if (fmt == TS_Q8_0) {
             memcpy(cb, c, 512);
@@ -597,13 +613,8 @@ static void unpack_panel(const uint8_t *panel, int64_t nb, int fmt, uint8_t *cod
         }
         const __m512i h5 = fmt == TS_Q5_K ? _mm512_loadu_si512(c + 256) : _mm512_setzero_si512();
         for (int g = 0; g < 4; g++) {  // group g's low nibbles are k = 4g + t, its high nibbles k = 16 + 4g + t
-            const __m512i v = _mm512_loadu_si512(c + 64 * g);
-            __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            if (fmt == TS_MXFP4) lo = _mm512_shuffle_epi8(lut, lo), hi = _mm512_shuffle_epi8(lut, hi);
-            if (fmt == TS_Q5_K) {  // bit g -> 4 (the low nibble's value), bit 4 + g -> 4 (the high's)
-                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h5, 4 - g), fifth));
-                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(h5, g), fifth));
-            }
+            __m512i lo, hi;
+            group_codes(_mm512_loadu_si512(c + 64 * g), h5, g, fmt, &lo, &hi);
             _mm512_storeu_si512(cb + 64 * g, lo);
             _mm512_storeu_si512(cb + 64 * (g + 4), hi);
         }
@@ -672,7 +683,7 @@ static void amx_quantize_tile(const float *x, int64_t m, int64_t k, int64_t ldx,
     {                                                                                          \
         const amx_block *xb_ = x + (b);                                                        \
         const int32_t *c_ = (c);                                                               \
-        const int offset_ = fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : fmt == TS_MXFP4 ? MXFP4_OFFSET : 0; \
+        const int offset_ = code_offset(fmt);                                                   \
         const __m512 dwv_ = _mm512_loadu_ps(dw + (b) * PANEL);                                 \
         const __m512 mwv_ = has_min(fmt) ? _mm512_loadu_ps(mw + (b) * PANEL) : _mm512_setzero_ps(); \
         AMX_ACC(AMX_SCALE_ROW)                                                                 \

@@ -123,6 +123,13 @@ static inline void bf16_store8(uint16_t *p, __m256 x) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+/* A softmax's denominator l (its running maximum m), with head j's sink
+ * where the model has them (gpt-oss): one more logit, weighing no value.
+ * Every attention kernel adds it this way, once a query's keys are done. */
+static inline float sink_sum(float l, float m, const float *sinks, int64_t j) {
+    return sinks ? l + expf(sinks[j] - m) : l;
+}
+
 /* The first key a query at position pos sees under a sliding window of
  * `window` keys (0: no window, keys from 0): transformers' kv > pos - window. */
 static inline int64_t window_start(int64_t pos, int64_t window) {

@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from test_scheduler import drive, make_requests, next_token, reference
 from trajserve.config import SchedulerConfig
 from trajserve.engine.attained_service import AttainedService
-from trajserve.engine.program_precedence import LEVEL_TOKENS, outranks, program_rank, service_level
+from trajserve.engine.program_precedence import (LEVEL_TOKENS, PREEMPT_SERVICE_MIN, outranks, program_rank,
+                                                   service_level)
 from trajserve.engine.scheduler import Scheduler
 from trajserve.request import check_priority
 from trajserve.kv.cache_manager import KVCacheManager
@@ -93,14 +94,17 @@ def test_within_a_service_level_the_program_that_started_first_goes_first():
     that started earlier and has had a little (level 0, as the newcomer):
     the older program goes first. One that has had more (a level up) goes
     after the newcomer, however early it started."""
-    assert _program_order([("new", 20), ("old", 20)], {"old": (100, 30.0)}) == ["old", "new"]
-    assert _program_order([("new", 20), ("old", 20)], {"old": (300, 30.0)}) == ["new", "old"]
+    little, more = LEVEL_TOKENS // 2, 2 * LEVEL_TOKENS
+    assert _program_order([("new", 20), ("old", 20)], {"old": (little, 30.0)}) == ["old", "new"]
+    assert _program_order([("new", 20), ("old", 20)], {"old": (more, 30.0)}) == ["new", "old"]
     # Of two in one level, the start orders them, not the service.
-    assert _program_order([("a", 20), ("b", 20)], {"a": (10, 1.0), "b": (200, 5.0)}) == ["b", "a"]
+    assert _program_order([("a", 20), ("b", 20)], {"a": (10, 1.0), "b": (LEVEL_TOKENS - 20, 5.0)}) == ["b", "a"]
 
 
 def test_service_levels_double_and_outranking_means_a_lower_level():
-    assert [service_level(s) for s in (0, 255, 256, 511, 512, 1023, 1024, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 12]
+    L = LEVEL_TOKENS
+    assert [service_level(s) for s in (0, L - 1, L, 2 * L - 1, 2 * L, 4 * L - 1, 4 * L, 2**12 * L)] == \
+        [0, 0, 1, 1, 2, 2, 3, 13]
 
     @given(st.floats(0, 1e7), st.floats(0, 1e7), st.floats(0, 100), st.floats(0, 100))
     @settings(max_examples=300, deadline=None)
@@ -112,19 +116,19 @@ def test_service_levels_double_and_outranking_means_a_lower_level():
 
 
 def test_a_calls_own_quantum_does_not_drop_its_level():
-    """A new program's call of 300 prompt tokens: once its prefill ran, the
-    program has attained 300 tokens (level 1), but the call itself ranks
-    in level 0 (its first LEVEL_TOKENS are its quantum); the program's next
-    call, computing nothing yet, ranks in level 1."""
-    assert LEVEL_TOKENS < 300 < 2 * LEVEL_TOKENS
+    """A new program's call of 1.5 LEVEL_TOKENS prompt tokens: once its
+    prefill ran, the program has attained that (level 1), but the call
+    itself ranks in level 0 (its first LEVEL_TOKENS are its quantum); the
+    program's next call, computing nothing yet, ranks in level 1."""
+    n = LEVEL_TOKENS * 3 // 2
     kv = KVCacheManager(1000, 16, 0.0)
     sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=512, scheduling="program"), kv)
-    first, later = make_requests([(300, 8), (20, 2)])
+    first, later = make_requests([(n, 8), (20, 2)])
     first.program = later.program = "p"
     sched.add(first)
     out = sched.schedule()
     sched.update(out, {first.request_id: 7}, sched.now + 0.01)
-    assert sched.service.of("p", sched.now) == pytest.approx(300, rel=0.01)
+    assert sched.service.of("p", sched.now) == pytest.approx(n, rel=0.01)
     rank = sched.ranking()
     assert rank(first)[1] == 0 and rank(later)[1] == 1
 
@@ -232,7 +236,8 @@ assert next_token  # the stand-in model the helpers drive
     ("priority", -5, 0, True),      # an urgent call takes the slot of a default one
     ("priority", 0, 0, False),      # an equal one waits
     ("program", 0, 10_000, True),   # a new program displaces one that has had 10,000 tokens
-    ("program", 0, 400, False),     # ... not one that has had 430 (30 prompt rows + 400) <= 2 x 0 + 512
+    # ... not one that has had 30 prompt rows + PREEMPT_SERVICE_MIN - 100 <= 2 x 0 + PREEMPT_SERVICE_MIN
+    ("program", 0, PREEMPT_SERVICE_MIN - 100, False),
 ])
 def test_a_full_house_gives_the_queues_head_a_slot_only_when_it_outranks(policy, head_priority, served, taken):
     kv = KVCacheManager(1000, 16, 0.0)

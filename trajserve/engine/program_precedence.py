@@ -30,17 +30,22 @@ from trajserve.request import Request
 # Of equal priorities, a call outranks another when the other's program has
 # attained more than PREEMPT_SERVICE_RATIO times its service plus
 # PREEMPT_SERVICE_MIN tokens: a new program (no service) outranks one that
-# has had a few calls, while two programs within a factor of two of each
-# other do not trade a slot back and forth.
+# has had two or three calls (an agent's call computes some 100-250 tokens
+# past its cached prefix; the slot it gives up costs a recompute of its last
+# block, the rest hits the prefix cache), while two programs within a factor
+# of two of each other do not trade a slot back and forth.
 PREEMPT_SERVICE_RATIO = 2.0
-PREEMPT_SERVICE_MIN = 512
+PREEMPT_SERVICE_MIN = 256
 
-# The first service level's width in tokens (about what one agent call
-# computes past its cached prefix: a program served more has made a few
-# calls); each next level is twice the one before. At most
-# PREEMPT_SERVICE_MIN, so a call that outranks another (below) is always in
-# a lower level: the order and the take-aways agree.
-LEVEL_TOKENS = 256
+# The first service level's width in tokens (about what a short call
+# computes past its cached prefix, a request and its reply: a program served
+# more has made more than one call, or a long one); each next level is twice
+# the one before. Twice this let a long program's first two calls share
+# level 0 with newcomers, and rank ahead of them by their earlier start
+# (docs/benchmarks.md, agent programs). At most PREEMPT_SERVICE_MIN, so a
+# call that outranks another (below) is always in a lower level: the order
+# and the take-aways agree.
+LEVEL_TOKENS = 128
 
 # The longest a prefill of an outranked call waits for the calls that
 # outrank it to stop decoding (then such prefills go one a step).

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from test_tool_calls import calls_text_finish
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
-from trajserve.server.harmony import HarmonyStream, parse
+from trajserve.server.harmony import HarmonyStream, held_body, held_opening, parse
 from trajserve.server.tool_calls import format_for_template
 
 THINK = "<|channel|>analysis<|message|>The user wants the tests run.<|end|>"
@@ -300,3 +300,61 @@ def test_the_thoughts_before_a_call_go_back_into_the_prompt_from_each_api(shows_
         {"type": "function_call_output", "call_id": first["output"][1]["call_id"], "output": "3 passed"}]})
     assert r.status_code == 200
     assert "[thinking:The user wants the tests run.]assistant:[call:run_tests]" in _last_prompt(s)
+
+
+# ------------------------------------------------------- replies held to JSON
+NAMED = "<|channel|>commentary to=functions.run_tests <|constrain|>json<|message|>"
+
+
+def test_a_held_reply_opens_on_the_header_the_model_writes_there():
+    assert held_opening("run_tests") == NAMED
+    assert held_opening(None) == "<|channel|>final<|message|>"
+    # "required": the JSON names the calls; a name the header cannot carry is not written into the prompt.
+    assert held_opening("required") == held_opening("x<|call|>") == "<|channel|>commentary<|message|>"
+    # The body, without the marker that ended it (any of them: the JSON was held, the end was the model's).
+    for end in ("<|call|>", "<|return|>", "<|end|>", ""):
+        assert held_body(NAMED, '{"path": "x"}' + end) == '{"path": "x"}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_on_a_harmony_model_is_a_call(harmony_client, stream):
+    s = harmony_client
+    s["reply"] = THINK + ANSWER
+    s["harmony"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS)
+    plain = _last_prompt(s)  # what the template renders, ending on the assistant's turn
+    for tool_choice, reply, opening in [
+            ({"type": "function", "function": {"name": "run_tests"}}, '{"path": "tests/"}<|call|>', NAMED),
+            ({"type": "function", "function": {"name": "run_tests"}}, '{"path": "tests/"}<|return|>', NAMED),
+            ("required", '[{"name": "run_tests", "arguments": {"path": "tests/"}}]<|call|>',
+             "<|channel|>commentary<|message|>")]:
+        s["reply"] = reply
+        r = s["harmony"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice=tool_choice,
+                                                 stream=stream)
+        calls, text, _ = calls_text_finish(r, stream)
+        assert calls == [("run_tests", {"path": "tests/"})] and not text
+        assert _last_prompt(s) == plain + opening
+
+
+def test_a_response_format_on_a_harmony_model_gives_the_json_alone(harmony_client):
+    s = harmony_client
+    s["reply"] = THINK + ANSWER
+    s["harmony"].chat.completions.create(model="m", messages=MSGS)
+    plain = _last_prompt(s)
+    s["reply"] = '{"n": 4}<|return|>'
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    r = s["harmony"].chat.completions.create(model="m", messages=MSGS, response_format=fmt)
+    assert r.choices[0].message.content == '{"n": 4}' and _last_prompt(s) == plain + "<|channel|>final<|message|>"
+    chunks = list(s["harmony"].chat.completions.create(model="m", messages=MSGS, response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == '{"n": 4}'
+    # The other APIs read the same reply: Responses' text.format, Messages' forced tool.
+    r = s["harmony_http"].post("/v1/responses", json={"model": "m", "input": "n?", "text": {"format": {
+        "type": "json_schema", "name": "n", "schema": fmt["json_schema"]["schema"]}}})
+    assert r.status_code == 200 and r.json()["output"][-1]["content"][0]["text"] == '{"n": 4}'
+    s["reply"] = '{"path": "tests/"}<|call|>'
+    r = s["harmony_http"].post("/v1/messages", json={
+        "model": "m", "max_tokens": 32, "messages": MSGS, "tool_choice": {"type": "tool", "name": "run_tests"},
+        "tools": [{"name": "run_tests", "input_schema": TOOLS[0]["function"]["parameters"]}]})
+    assert r.status_code == 200
+    assert [(b["name"], b["input"]) for b in r.json()["content"] if b["type"] == "tool_use"] == \
+        [("run_tests", {"path": "tests/"})]

@@ -22,6 +22,10 @@ A call the reply did not finish (no `<|call|>`: max_tokens cut it) or whose
 body is not a JSON object is not handed to the client as a call: its body
 joins the content. A reply with no harmony markers at all is content.
 
+A reply held to JSON (a forced tool_choice, a response_format) opens on a
+header the server writes into the prompt (`held_opening`), so the model
+writes the JSON where it would: the call's or the answer's message body.
+
 The reply is read as text with the markers in it (the engine detokenizes a
 harmony vocabulary's replies with its special tokens kept), so a marker the
 model spells out of ordinary tokens reads as a marker too.
@@ -116,6 +120,34 @@ def parse(text: str, calls: bool = True) -> Parsed:
             content.append(msg.body)
     joined = "".join(content)
     return Parsed(joined if joined.strip() else None, made, "".join(reasoning) or None)
+
+
+# A function name the header can carry: OpenAI's rule for names; any other
+# is not written into the prompt, where a marker in it would read as one.
+_HEADER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def held_opening(forced: str | None) -> str:
+    """The header of a reply held to JSON (a forced tool_choice, a
+    response_format), which the server writes into the prompt after
+    `<|start|>assistant`: gpt-oss opens a call as a commentary message to
+    functions.NAME constrained to json, an answer on the final channel. A
+    reply held to JSON from its first token would skip the header the model
+    writes first, and its end marker would stay in the JSON.
+    forced: tool_choice's function name or "required" (the JSON names the
+    calls: no recipient); None: an output constraint."""
+    if forced is None:
+        return f"{CHANNEL}final{MESSAGE}"
+    if forced == "required" or not _HEADER_NAME.fullmatch(forced):
+        return f"{CHANNEL}commentary{MESSAGE}"
+    return f"{CHANNEL}commentary to=functions.{forced} {CONSTRAIN}json{MESSAGE}"
+
+
+def held_body(opening: str, text: str) -> str:
+    """What a reply that opened on `opening` (held_opening) wrote in its
+    message: its text without the marker that ended it."""
+    msgs = _messages(opening + text)
+    return msgs[0].body if msgs else text
 
 
 def _is_object(body: str) -> bool:

@@ -103,10 +103,11 @@ def chat_logprobs(ids: list[int], lps, tok) -> dict | None:
 def chat_message(c: CompletionOutput, req: ChatCompletionRequest, fmt: str) -> dict:
     """A finished choice's message and finish_reason; with tools, its tool
     calls (fmt: the model's tool-call format, server/tool_calls.py)."""
+    opening = req.held_opening  # a harmony reply held to JSON: its header is in the prompt
     if req.forced_tool is not None:
-        parsed = parse_forced(c.text, req.forced_tool)
+        parsed = parse_forced(harmony.held_body(opening, c.text) if opening else c.text, req.forced_tool)
     elif fmt == "harmony":  # every reply: its reasoning and its answer are separate messages
-        parsed = harmony.parse(c.text, calls=req.parses_tool_calls)
+        parsed = harmony.parse(opening + c.text, calls=req.parses_tool_calls)
     else:
         parsed = parse_calls(c.text, fmt) if req.parses_tool_calls else None
     parsed = one_call_if_asked(parsed, req)
@@ -135,10 +136,13 @@ def calls_finish(req: ChatCompletionRequest) -> str:
 
 def choice_call_stream(req: ChatCompletionRequest, fmt: str):
     """A choice's streaming parser when the reply may hold tool calls, else None."""
+    opening = req.held_opening
     if req.forced_tool is not None:
-        return ForcedStream(req.forced_tool)
+        return ForcedStream(req.forced_tool, (lambda text: harmony.held_body(opening, text)) if opening else None)
     if fmt == "harmony":
-        return harmony.HarmonyStream(calls=req.parses_tool_calls)
+        stream = harmony.HarmonyStream(calls=req.parses_tool_calls)
+        stream.feed(opening)  # the header only: nothing to send
+        return stream
     return call_stream(fmt) if req.parses_tool_calls else None
 
 

@@ -91,6 +91,8 @@ class _Common(BaseModel):
     _hinted_pause: dict = PrivateAttr(default_factory=dict)
     # The priority the request runs at (ServerState.order): its session's paused state keeps it.
     _turn_priority: int = PrivateAttr(default=0)
+    # A harmony reply held to JSON: the header written into the prompt before it (server/harmony.py).
+    _held_opening: str = PrivateAttr(default="")
     # Other engines' hint envelopes (server/hints.py): vLLM's kv_hints, Dynamo's nvext.
     kv_hints: KvHints | None = None
     nvext: NvExt | None = None
@@ -132,6 +134,14 @@ class _Common(BaseModel):
     @turn_priority.setter
     def turn_priority(self, priority: int) -> None:
         self._turn_priority = priority
+
+    @property
+    def held_opening(self) -> str:
+        return self._held_opening
+
+    @held_opening.setter
+    def held_opening(self, opening: str) -> None:
+        self._held_opening = opening
 
     def note(self, field: str, value) -> None:
         self._notes[field] = value

@@ -21,7 +21,7 @@ from trajserve.kv.scope import CacheScope
 from trajserve.lora.adapter import AdapterError
 from trajserve.outputs import RequestOutput
 from trajserve.sampling import SamplingParams
-from trajserve.server import responses, streams
+from trajserve.server import harmony, responses, streams
 from trajserve.engine.deadline import DeadlineMiss
 from trajserve.server.admission_limit import AdmissionFull
 from trajserve.server.async_engine import AsyncEngine, EngineDead, QueueFull
@@ -366,6 +366,9 @@ class ServerState:
             forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
                                                                 req.forced_tool, req.parallel_tool_calls is not False))
         ids = self.render_chat(req) if ids is None else ids
+        if self.calls_format == "harmony" and (forced is not None or req.structured_given):
+            req.held_opening = harmony.held_opening(req.forced_tool)
+            ids = ids + self.tok.encode(req.held_opening, add_special_tokens=False)
         if (not_shown := self.tools_not_shown(req)) is not None:
             req.note("tools_not_shown", not_shown)
             if not self._said_tools:  # once, not per request

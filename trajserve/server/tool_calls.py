@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -278,14 +279,15 @@ def parse_forced(text: str, forced: str) -> Parsed:
 
 
 class ForcedStream:
-    """Streaming a forced reply: nothing goes out as text; the calls at the end."""
+    """Streaming a forced reply: nothing goes out as text; the calls at the
+    end. body: the JSON of the whole reply (a harmony reply's message body)."""
 
-    def __init__(self, forced: str) -> None:
-        self.forced, self.text = forced, ""
+    def __init__(self, forced: str, body: Callable[[str], str] | None = None) -> None:
+        self.forced, self.text, self.body = forced, "", body
 
     def feed(self, delta: str) -> str:
         self.text += delta
         return ""
 
     def finish(self) -> Parsed:
-        return parse_forced(self.text, self.forced)
+        return parse_forced(self.text if self.body is None else self.body(self.text), self.forced)

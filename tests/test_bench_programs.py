@@ -35,12 +35,23 @@ def test_bench_programs_runs_every_policy_on_the_same_workload():
     assert set(report["targets"]) == {"short_p99_over_fcfs", "long_throughput_over_fcfs"}
 
 
-def test_rounds_alternate_the_policies_and_report_each_figures_median():
+def test_rounds_alternate_the_policies_and_report_each_figures_median(monkeypatch):
+    from trajserve.bench import programs
+
+    ran, real = [], programs.run_policy
+
+    def run_policy(cfg, workload, policy, args):
+        ran.append(policy)
+        return real(cfg, workload, policy, args)
+    monkeypatch.setattr(programs, "run_policy", run_policy)
     rc, out = _programs("--reply-tokens", "4", "--preamble-tokens", "100", "--policies", "fcfs,program",
                         "--rounds", "3")
     assert rc == 0
+    # Each round starts at the next policy: none holds the first place.
+    assert ran == ["fcfs", "program", "program", "fcfs", "fcfs", "program"]
     report = json.loads(out)
     assert report["rounds"] == 3 and len(report["each_round"]) == 3 and report["same_replies"] is True
+    assert [list(r) for r in report["each_round"]] == [["fcfs", "program"], ["program", "fcfs"], ["fcfs", "program"]]
     for policy, p in report["policies"].items():
         p99s = sorted(r[policy]["short_p99_s"] for r in report["each_round"])
         tputs = sorted(r[policy]["long_tokens_per_s"] for r in report["each_round"])

@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         if policy not in POLICIES:
             raise ValueError(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
     # Policies alternate within a round, so a slow spell of the machine falls on all of them, and each
-    # round starts at the next policy: the engines of one process do not run alike by their place in
+    # round starts at the next policy: the engines of one process need not run alike by their place in
     # a round (on the SPR Xeon, `priority` -- FCFS's order -- run first beat FCFS run second in every
     # round: p99 0.86x, long throughput 1.16x), so no policy keeps the first place.
     runs = [{policy: run_policy(cfg, workload, policy, args) for policy in rotated(policies, r)}

@@ -40,8 +40,8 @@ PREEMPT_SERVICE_MIN = 256
 # The first service level's width in tokens (about what a short call
 # computes past its cached prefix, a request and its reply: a program served
 # more has made more than one call, or a long one); each next level is twice
-# the one before. Twice this let a long program's first two calls share
-# level 0 with newcomers, and rank ahead of them by their earlier start
+# the one before. A level twice as wide holds a long program's first two
+# calls in level 0 beside newcomers, ahead of them by their earlier start
 # (docs/benchmarks.md, agent programs). At most PREEMPT_SERVICE_MIN, so a
 # call that outranks another (below) is always in a lower level: the order
 # and the take-aways agree.

@@ -145,7 +145,10 @@ def held_opening(forced: str | None) -> str:
 
 def held_body(opening: str, text: str) -> str:
     """What a reply that opened on `opening` (held_opening) wrote in its
-    message: its text without the marker that ended it."""
+    message: its text without the marker that ended it; with no opening
+    (not a harmony reply), the text."""
+    if not opening:
+        return text
     msgs = _messages(opening + text)
     return msgs[0].body if msgs else text
 

@@ -5,6 +5,7 @@ choice's message with its parsed tool calls; /v1/messages and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import AsyncIterator
 
@@ -105,7 +106,7 @@ def chat_message(c: CompletionOutput, req: ChatCompletionRequest, fmt: str) -> d
     calls (fmt: the model's tool-call format, server/tool_calls.py)."""
     opening = req.held_opening  # a harmony reply held to JSON: its header is in the prompt
     if req.forced_tool is not None:
-        parsed = parse_forced(harmony.held_body(opening, c.text) if opening else c.text, req.forced_tool)
+        parsed = parse_forced(harmony.held_body(opening, c.text), req.forced_tool)
     elif fmt == "harmony":  # every reply: its reasoning and its answer are separate messages
         parsed = harmony.parse(opening + c.text, calls=req.parses_tool_calls)
     else:
@@ -138,7 +139,7 @@ def choice_call_stream(req: ChatCompletionRequest, fmt: str):
     """A choice's streaming parser when the reply may hold tool calls, else None."""
     opening = req.held_opening
     if req.forced_tool is not None:
-        return ForcedStream(req.forced_tool, (lambda text: harmony.held_body(opening, text)) if opening else None)
+        return ForcedStream(req.forced_tool, functools.partial(harmony.held_body, opening))
     if fmt == "harmony":
         stream = harmony.HarmonyStream(calls=req.parses_tool_calls)
         stream.feed(opening)  # the header only: nothing to send

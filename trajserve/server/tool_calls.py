@@ -282,7 +282,7 @@ class ForcedStream:
     """Streaming a forced reply: nothing goes out as text; the calls at the
     end. body: the JSON of the whole reply (a harmony reply's message body)."""
 
-    def __init__(self, forced: str, body: Callable[[str], str] | None = None) -> None:
+    def __init__(self, forced: str, body: Callable[[str], str] = lambda text: text) -> None:
         self.forced, self.text, self.body = forced, "", body
 
     def feed(self, delta: str) -> str:
@@ -290,4 +290,4 @@ class ForcedStream:
         return ""
 
     def finish(self) -> Parsed:
-        return parse_forced(self.text if self.body is None else self.body(self.text), self.forced)
+        return parse_forced(self.body(self.text), self.forced)

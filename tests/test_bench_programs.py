@@ -10,7 +10,7 @@ import json
 from trajserve.cli import main
 
 SMALL = ["--long", "2", "--long-calls", "3", "--short", "3", "--short-calls", "2", "--arrival-window-s", "0.5",
-         "--wait-scale", "0.001", "--kv-cache-memory", "256MiB", "--json"]
+         "--wait-scale", "0.001", "--kv-cache-memory", "256MiB", "--no-alone", "--json"]
 
 
 def _programs(*flags: str) -> tuple[int, str]:
@@ -82,7 +82,7 @@ def test_bench_programs_counts_calls_refused_late_and_on_time_against_a_deadline
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(["bench", "programs", "--long", "2", "--long-calls", "4", "--short", "4", "--short-calls", "2",
-                   "--reply-tokens", "8", "--arrival-window-s", "4.0", "--wait-scale", "0.001",
+                   "--no-alone", "--reply-tokens", "8", "--arrival-window-s", "4.0", "--wait-scale", "0.001",
                    "--preamble-tokens", "100", "--kv-cache-memory", "256MiB", "--policies", "program",
                    "--call-deadline-s", "0.0001", "--json"])
     assert rc == 0
@@ -135,7 +135,7 @@ def test_the_simulator_fitted_to_the_fcfs_runs_steps():
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         rc = main(["bench", "programs", "--long", "1", "--long-calls", "2", "--short", "1", "--short-calls", "2",
-                   "--reply-tokens", "2", "--arrival-window-s", "0.1", "--wait-scale", "0.001",
+                   "--no-alone", "--reply-tokens", "2", "--arrival-window-s", "0.1", "--wait-scale", "0.001",
                    "--preamble-tokens", "50", "--kv-cache-memory", "256MiB", "--policies", "program",
                    "--simulate", "fit", "--json"])
     assert rc != 0 and "run --policies with fcfs" in err.getvalue()
@@ -155,3 +155,32 @@ def test_a_program_is_a_session_that_replays_the_engines_calls():
     short = Program("short4", "short", 1.0, [1, 2], [([3], 0.1)])
     marked = sessions_for([p, short], {"long0": [[4], [5, 6], [10]], "short4": [[5], [6]]}, short_priority=-1)
     assert [[c.priority for c in s.calls] for s in marked] == [[0, 0, 0], [-1, -1]]  # as the engine's calls
+
+
+def test_alone_is_each_short_programs_calls_in_turn_plus_its_tool_waits(monkeypatch):
+    """The floor: every short program run by itself, its waits added unslept;
+    its p99 over FCFS's is what no policy can go below on the load."""
+    from trajserve.bench import programs
+
+    floors = {}
+    real = programs.alone
+
+    def alone(cfg, workload, args):
+        floors.update(real(cfg, workload, args))
+        waits.update({p.name: sum(w for _, w in p.turns) for p in workload if p.kind == "short"})
+        return floors
+    waits: dict[str, float] = {}
+    monkeypatch.setattr(programs, "alone", alone)
+    rc, out = _programs("--reply-tokens", "4", "--preamble-tokens", "100", "--policies", "fcfs",
+                        "--wait-scale", "0.05", "--alone")
+    assert rc == 0
+    report = json.loads(out)
+    assert set(floors) == set(waits) and len(floors) == 3
+    # Each floor is its tool waits plus its calls' time (two calls of 4 tokens: some milliseconds, not seconds).
+    assert all(waits[n] < floors[n] < waits[n] + 5.0 for n in floors)
+    assert report["alone"]["short"]["p99_s"] == max(floors.values())
+    assert report["alone"]["short"]["p50_s"] == sorted(floors.values())[1]
+    fcfs = report["policies"]["fcfs"]["short"]["p99_s"]
+    assert report["alone"]["short_p99_over_fcfs"] == report["alone"]["short"]["p99_s"] / fcfs
+    assert "alone" not in json.loads(_programs("--reply-tokens", "4", "--preamble-tokens", "100", "--policies",
+                                               "fcfs")[1])

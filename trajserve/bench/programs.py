@@ -17,7 +17,9 @@ each policy in turn, in one process, each on a fresh engine.
 Per policy and class: the program's end-to-end time (its first call's
 arrival to its last call's last token), p50 and p99; the long programs'
 throughput (the tokens their calls computed, per second of the long
-programs' makespan). Greedy replies must be the same under every policy
+programs' makespan); and, with --alone (the default), each short program's
+time with nothing else running, the floor under every policy's short
+percentiles. Greedy replies must be the same under every policy
 (a policy changes the order calls run in, never a token), for the
 programs every policy ran to their end.
 
@@ -180,6 +182,45 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
     return out
 
 
+def alone(cfg, workload: list[Program], args) -> dict[str, float]:
+    """Each short program's end-to-end time with nothing else on the engine:
+    its calls one after another on an engine whose prefix cache holds the
+    shared preamble (as the mixed runs' does after the long programs' first
+    calls), plus its tool waits, added rather than slept (an idle engine
+    loses nothing in them). No order of calls beats it, so every percentile
+    of a policy's short programs is at least this one's (each program's time
+    is at least its own alone), up to the machine's noise."""
+    from trajserve.engine.engine import LLMEngine
+    from trajserve.sampling import SamplingParams
+
+    engine = LLMEngine(dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, scheduling="fcfs")))
+    sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
+
+    def call(ids: list[int]) -> tuple[list[int], float]:
+        """The call's prompt and reply, and how long it took."""
+        t = time.monotonic()
+        rid = engine.add_request(ids, sp)
+        while True:
+            for out in engine.step():
+                if out.request_id == rid and out.finished:
+                    return list(out.prompt_token_ids) + list(out.outputs[0].token_ids), time.monotonic() - t
+
+    try:
+        call(workload[0].first)  # the shared preamble into the prefix cache
+        times = {}
+        for p in workload:
+            if p.kind != "short":
+                continue
+            history, took = call(p.first)
+            for obs, wait in p.turns:
+                history, t = call(history + obs)
+                took += t + wait
+            times[p.name] = took
+    finally:
+        engine.close()
+    return times
+
+
 def _median_run(runs: list[dict]) -> dict:
     """One policy's runs (rounds) as one: each figure's median; replies,
     pool and fitted profile from the first; deadline counts summed."""
@@ -248,6 +289,11 @@ def run(args: argparse.Namespace) -> int:
                            "short_priority": args.short_priority},
               "rounds": args.rounds,
               "policies": {k: {c: v[c] for c in ("short", "long", "deadline") if c in v} for k, v in results.items()}}
+    if args.alone:
+        floor = list(alone(cfg, workload, args).values()) or [math.nan]
+        report["alone"] = {"short": {"p50_s": statistics.median(floor), "p99_s": _percentile(floor, 0.99)}}
+        if base is not None:  # the lowest short p99 / FCFS's any order of calls could reach on this load
+            report["alone"]["short_p99_over_fcfs"] = report["alone"]["short"]["p99_s"] / base["short"]["p99_s"]
     if args.rounds > 1:
         report["each_round"] = [{k: {"short_p99_s": v["short"]["p99_s"], "long_tokens_per_s": v["long"]["tokens_per_s"]}
                                  for k, v in rnd.items()} for rnd in runs]  # each in the order it ran
@@ -286,6 +332,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{k:<9} deadline {args.call_deadline_s:g} s a short call ({cfg.scheduler.deadline_admission}): "
                   f"{d['calls_refused']} refused, {d['calls_admitted']} admitted, {d['admitted_late']} of them late "
                   f"({100 * d['late_share']:.1f} %), {d['on_time']} on time")
+    a = report.get("alone")
+    if a is not None:
+        print(f"{'alone':<9} {a['short']['p50_s']:>9.2f}s {a['short']['p99_s']:>9.2f}s   (each short program with "
+              f"nothing else running: the least any order reaches; p99 "
+              f"{a.get('short_p99_over_fcfs', math.nan):.2f} of FCFS's)")
     print(f"greedy replies the same under every policy: {same}")
     if args.simulate is not None:
         from trajserve.bench.programs_sim import print_comparison
@@ -327,6 +378,9 @@ def add_parser(bsub) -> None:
     s.add_argument("--rounds", type=int, default=1,
                    help="run every policy this many times, alternating (each round starting at the next "
                    "policy), and report each figure's median")
+    s.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time each short program with nothing else running (its calls in turn on a warm "
+                   "prefix cache, plus its tool waits): the floor under every policy's latencies")
     s.add_argument("--workload-seed", type=int, default=0)
     s.add_argument("--simulate", default=None, metavar="PROFILE|fit",
                    help="also run each policy's programs through the simulator on this hardware profile "

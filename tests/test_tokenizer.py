@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import pre_tokenizers
 
+from trajserve.model import pre_tokenizers as pre_tokenizer_module
 from trajserve.model.loader import default_model_path
+from trajserve.model.pre_tokenizers import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer
 from trajserve.model.tokenizer import (
-    GGUF_PRE_TOKENIZERS,
     IncrementalDetokenizer,
     Tokenizer,
-    _pre_tokenizer,
     load_tokenizer,
     read_chat_template,
 )
@@ -372,7 +372,7 @@ def test_every_chat_is_rendered_by_encode_chat() -> None:
 
 def test_pre_tokenizer_families() -> None:
     def split(pre: str, text: str) -> list[str]:
-        return [piece for piece, _ in _pre_tokenizer(pre).pre_tokenize_str(text)]
+        return [piece for piece, _ in gguf_pre_tokenizer(pre).pre_tokenize_str(text)]
 
     assert split("gpt2", "abc 12345") == ["abc", "Ġ12345"]
     assert split("smollm", "abc 12345") == ["abc", "Ġ", "1", "2", "3", "4", "5"]
@@ -385,9 +385,68 @@ def test_pre_tokenizer_families() -> None:
     # DeepSeek V3: digits in threes and CJK runs split off first; a symbol leads a Latin word.
     assert split("deepseek-v3", "a.b_c 12345 中文abc") == ["a", ".b", "_c", "Ġ", "123", "45", "Ġ",
                                                            "ä¸Ńæĸĩ", "abc"]
-    assert {"smollm", "gpt2", "llama-bpe", "qwen2", "gpt-4o", "deepseek-v3"} <= set(GGUF_PRE_TOKENIZERS)
+    assert {"smollm", "gpt2", "llama-bpe", "qwen2", "gpt-4o", "deepseek-v3", "deepseek-llm"} <= set(GGUF_PRE_TOKENIZERS)
     with pytest.raises(ValueError, match=r"'chameleon'.*supported:.*llama-bpe.*qwen2.*smollm"):
-        _pre_tokenizer("chameleon")
+        gguf_pre_tokenizer("chameleon")
+
+
+def _text_pieces(pre: str, text: str) -> list[str]:
+    """The pre-tokenizer's pieces as text (its byte-level map undone)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    return [bytes(byte_of[c] for c in piece).decode() for piece, _ in gguf_pre_tokenizer(pre).pre_tokenize_str(text)]
+
+
+def test_deepseek_llm_pre_tokenizer() -> None:
+    """DeepSeek LLM / V2's splits: newlines alone, letter runs and
+    punctuation runs each with one space before, trailing spaces, CJK runs
+    (with the wide U+0800-U+4E00 range), digit runs; what no split takes
+    stays as the text between."""
+    def split(text: str) -> list[str]:
+        return _text_pieces("deepseek-llm", text)
+
+    assert split("Hello, world! 123") == ["Hello", ",", " world", "!", " ", "123"]
+    assert split("a\n\nb  ") == ["a", "\n", "\n", "b", "  "]
+    assert split("x  y") == ["x", " ", " y"]
+    assert split("ÀÉ αβγ Жук") == ["ÀÉ", " αβγ", " Жук"]
+    # The CJK split's wide range holds the quotation marks (U+201C): it takes them out of a punctuation run.
+    assert split("！？“ok”") == ["！？", "“", "ok", "”"]
+    assert split("！？ok") == ["！？", "ok"]
+    assert split("中文かな한국 x") == ["中文かな한국", " x"]
+    # Cased letters DeepSeek's class leaves out are no letters here: a math
+    # letter, an Armenian small letter, Latin Extended-D's from U+A790 break a run.
+    assert split("α𝐀β") == ["α", "𝐀", "β"]
+    assert split("Բարեւ") == ["Բ", "արեւ"]
+    assert split("ßꞎꞐ") == ["ßꞎ", "Ꞑ"]
+    # The punctuation class spans ASCII's letters (":-~"): it splits them off a run of other letters.
+    assert split(" aß") == [" a", "ß"]
+    # Letters the CJK range holds (Cherokee's capitals, U+13A0) split off after.
+    assert split("Ꭰꭰ") == ["Ꭰ", "ꭰ"]
+
+
+def test_gguf_deepseek_llm_vocabulary_loads(tmp_path: Path) -> None:
+    """A DeepSeek V2 file's vocabulary (pre-tokenizer `deepseek-llm`) is read, not refused."""
+    path = tmp_path / "tok.gguf"
+    tokens = _write_tokenizer_gguf(path, "deepseek-llm", True)
+    tok = load_tokenizer(path)
+    assert tok.encode(" the\nthe") == [tokens.index(t) for t in ("<|begin_of_text|>", "Ġthe", "Ċ", "t", "he")]
+
+
+def test_deepseek_llm_letters_need_the_unicode_its_class_came_from(monkeypatch) -> None:
+    """A Unicode database with one more cased letter outside the exclusions
+    gives another class than DeepSeek's: refused, not guessed."""
+    import unicodedata
+
+    real = unicodedata.category
+    monkeypatch.setattr(pre_tokenizer_module.unicodedata, "category",
+                        lambda c: "Lu" if c == "\u0378" else real(c))  # U+0378: unassigned in Greek
+    pre_tokenizer_module._deepseek_letters.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"deepseek-llm.*2730 cased letters.*2729"):
+            pre_tokenizer_module._deepseek_letters()
+    finally:
+        pre_tokenizer_module._deepseek_letters.cache_clear()
 
 
 # ---------------------------------------------------------------- streaming

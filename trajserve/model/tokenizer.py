@@ -19,10 +19,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, processors
 from tokenizers import Tokenizer as Backend
 
 from trajserve.model.gguf_reader import PathLike, gguf_value, open_gguf
+from trajserve.model.pre_tokenizers import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer
 from trajserve.model.loader import is_gguf, resolve_model_path
 from trajserve.model.tool_prompt import template_shows_tools, with_tools_shown
 
@@ -48,62 +49,6 @@ HARMONY_END_TOKENS = ("<|return|>", "<|call|>", "<|endoftext|>")
 # USER_DEFINED ones are matched whole in text but decoded like any other.
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
-
-# Split regexes of the vocabularies llama.cpp names in tokenizer.ggml.pre.
-# Llama 3 and Qwen2 differ only in how many digits stay together.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# o200k (gpt-oss, GPT-4o): words split where case turns (an upper run, then
-# lower letters), English contractions kept on the word, digits in threes.
-_O200K_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# DeepSeek V3 / R1: digits in threes and runs of CJK split off first, then
-# words (a symbol may lead a Latin word), symbol runs, newlines, spaces.
-_DEEPSEEK3_SPLITS = (
-    r"\p{N}{1,3}",
-    r"[一-龥぀-ゟ゠-ヿ]+",
-    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-)
-_PRE_FAMILIES = {
-    # GPT-2's own regex (built into the ByteLevel pre-tokenizer).
-    "gpt2": ("default", "gpt2", "mpt", "olmo"),
-    # Every digit alone first, then GPT-2's regex (SmolLM, StarCoder).
-    "digits+gpt2": ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"),
-    "llama3": ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "dbrx"),
-    "qwen2": ("qwen2", "deepseek-r1-qwen", "megrez"),
-    "o200k": ("gpt-4o", "llama4"),
-    "deepseek3": ("deepseek-v3",),
-}
-GGUF_PRE_TOKENIZERS = {name: family for family, names in _PRE_FAMILIES.items() for name in names}
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    family = GGUF_PRE_TOKENIZERS.get(pre)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=family in ("gpt2", "digits+gpt2"))
-    if family == "gpt2":
-        return byte_level
-    if family == "digits+gpt2":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if family == "deepseek3":
-        return pre_tokenizers.Sequence([*(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in _DEEPSEEK3_SPLITS),
-                                        byte_level])
-    if family in ("llama3", "qwen2", "o200k"):
-        split = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "o200k": _O200K_SPLIT}[family]
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-    raise ValueError(
-        f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(sorted(GGUF_PRE_TOKENIZERS))}"
-    )
-
 
 def check_unicode(text: object, field: str) -> None:
     """ValueError naming the field if text is a str that cannot be UTF-8 (a lone surrogate)."""
@@ -269,7 +214,7 @@ class Tokenizer:
             ignore_merges=family == "llama3",
         )
         backend = Backend(bpe)
-        backend.pre_tokenizer = _pre_tokenizer(pre)
+        backend.pre_tokenizer = gguf_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         # The vocabulary already holds these strings at their ids, so adding
         # them only makes the text matcher keep them whole; no new ids appear.

@@ -16,7 +16,14 @@ from hypothesis import strategies as st
 
 from test_tool_calls import calls_text_finish
 from trajserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
-from trajserve.server.harmony import HarmonyStream, held_body, held_opening, parse
+from trajserve.server.harmony import (
+    REQUIRED_OPENING,
+    HarmonyStream,
+    held_body,
+    held_opening,
+    parse,
+    required_grammar,
+)
 from trajserve.server.tool_calls import format_for_template
 
 THINK = "<|channel|>analysis<|message|>The user wants the tests run.<|end|>"
@@ -309,8 +316,12 @@ NAMED = "<|channel|>commentary to=functions.run_tests <|constrain|>json<|message
 def test_a_held_reply_opens_on_the_header_the_model_writes_there():
     assert held_opening("run_tests") == NAMED
     assert held_opening(None) == "<|channel|>final<|message|>"
-    # "required": the JSON names the calls; a name the header cannot carry is not written into the prompt.
-    assert held_opening("required") == held_opening("x<|call|>") == "<|channel|>commentary<|message|>"
+    # "required": the header up to the function's name, which the model writes; where a name cannot stand
+    # in the header (a marker in it would read as one), the JSON names the calls in a commentary message.
+    assert held_opening("required", ["run_tests", "lint"]) == REQUIRED_OPENING == "<|channel|>commentary to=functions."
+    commentary = "<|channel|>commentary<|message|>"
+    assert held_opening("required", ["run_tests", "x<|call|>"]) == held_opening("x<|call|>") == commentary
+    assert held_opening("required") == commentary
     # The body, without the marker that ended it (any of them: the JSON was held, the end was the model's).
     for end in ("<|call|>", "<|return|>", "<|end|>", ""):
         assert held_body(NAMED, '{"path": "x"}' + end) == '{"path": "x"}'
@@ -325,14 +336,51 @@ def test_a_forced_call_on_a_harmony_model_is_a_call(harmony_client, stream):
     for tool_choice, reply, opening in [
             ({"type": "function", "function": {"name": "run_tests"}}, '{"path": "tests/"}<|call|>', NAMED),
             ({"type": "function", "function": {"name": "run_tests"}}, '{"path": "tests/"}<|return|>', NAMED),
-            ("required", '[{"name": "run_tests", "arguments": {"path": "tests/"}}]<|call|>',
-             "<|channel|>commentary<|message|>")]:
+            ("required", 'run_tests <|constrain|>json<|message|>{"path": "tests/"}<|call|>', REQUIRED_OPENING)]:
         s["reply"] = reply
         r = s["harmony"].chat.completions.create(model="m", messages=MSGS, tools=TOOLS, tool_choice=tool_choice,
                                                  stream=stream)
         calls, text, _ = calls_text_finish(r, stream)
         assert calls == [("run_tests", {"path": "tests/"})] and not text
         assert _last_prompt(s) == plain + opening
+    # "required" among two tools: the model names the one it calls; a reply cut short in its JSON stays text.
+    lint = {"type": "function", "function": {"name": "lint", "parameters": {"type": "object"}}}
+    for reply, want in [('lint <|constrain|>json<|message|>{}<|call|>', [("lint", {})]),
+                        ('run_tests <|constrain|>json<|message|>{"pa', [])]:
+        s["reply"] = reply
+        r = s["harmony"].chat.completions.create(model="m", messages=MSGS, tools=[*TOOLS, lint],
+                                                 tool_choice="required", stream=stream)
+        calls, text, _ = calls_text_finish(r, stream)
+        assert calls == want and bool(text) == (not want)
+
+
+def test_a_required_reply_is_held_to_one_tools_name_header_and_arguments(tmp_path: Path):
+    """The grammar after REQUIRED_OPENING, run by llguidance over a harmony
+    vocabulary: a tool's name, the header's markers as their control
+    tokens, that tool's arguments; nothing else."""
+    import llguidance
+
+    tokens = _harmony_vocabulary(tmp_path / "v.gguf")
+    tok = load_tokenizer(tmp_path / "v.gguf")
+    lint = {"type": "function", "function": {"name": "lint", "parameters": {
+        "type": "object", "properties": {"fix": {"type": "boolean"}}}}}
+    lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=len(tokens), eos_token=sorted(tok.eos_token_ids))
+    grammar = required_grammar([*TOOLS, lint], tok.is_special)
+    held = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not held.is_error(), held.get_error()
+
+    def accepts(text: str) -> bool:
+        m = held.deep_copy()
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+    assert accepts('run_tests <|constrain|>json<|message|>{"path": "x"}')
+    assert accepts('lint <|constrain|>json<|message|>{"fix": true}')
+    assert not accepts('lint <|constrain|>json<|message|>{"path": "x"}')  # another tool's arguments (objects closed)
+    assert not accepts('deploy <|constrain|>json<|message|>{}')
+    # The markers must be the control tokens, not their text spelled in ordinary tokens.
+    spelled = [tokens.index(c) for c in "<|constrain|>"]
+    m = held.deep_copy()
+    assert all(m.consume_token(t) for t in tok.encode("lint ", add_special_tokens=False))
+    assert not all(m.consume_token(t) for t in spelled)
 
 
 def test_a_response_format_on_a_harmony_model_gives_the_json_alone(harmony_client):

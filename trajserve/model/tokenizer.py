@@ -106,6 +106,10 @@ class Tokenizer:
     def _special_ids(self) -> dict[str, int]:
         return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
 
+    def is_special(self, token: str) -> bool:
+        """Is `token` one of the vocabulary's special (control) tokens?"""
+        return token in self._special_ids()
+
     def _end_of_generation_ids(self, extra: Iterable[int]) -> set[int]:
         ids = set(extra)
         if self.eos_token_id is not None:

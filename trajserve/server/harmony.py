@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 
-from trajserve.server.tool_calls import Parsed, _call
+from trajserve.server.tool_calls import Parsed, _call, parse_forced
+from trajserve.structured import closed_objects
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
@@ -127,20 +129,50 @@ def parse(text: str, calls: bool = True) -> Parsed:
 _HEADER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def held_opening(forced: str | None) -> str:
+# A "required" reply opens here: the model then writes which function it
+# calls, as it would, and the rest of the header (required_grammar).
+REQUIRED_OPENING = f"{CHANNEL}commentary to=functions."
+
+
+def held_opening(forced: str | None, names: Sequence[str] = ()) -> str:
     """The header of a reply held to JSON (a forced tool_choice, a
     response_format), which the server writes into the prompt after
     `<|start|>assistant`: gpt-oss opens a call as a commentary message to
     functions.NAME constrained to json, an answer on the final channel. A
     reply held to JSON from its first token would skip the header the model
     writes first, and its end marker would stay in the JSON.
-    forced: tool_choice's function name or "required" (the JSON names the
-    calls: no recipient); None: an output constraint."""
+    forced: tool_choice's function name or "required"; None: an output
+    constraint. names: the tools' names. "required" opens up to the
+    function's name (REQUIRED_OPENING, held by required_grammar); where a
+    name is not one the header can carry, as a commentary message whose
+    JSON names the calls."""
     if forced is None:
         return f"{CHANNEL}final{MESSAGE}"
-    if forced == "required" or not _HEADER_NAME.fullmatch(forced):
+    if forced == "required":
+        if names and all(_HEADER_NAME.fullmatch(n) for n in names):
+            return REQUIRED_OPENING
+        return f"{CHANNEL}commentary{MESSAGE}"
+    if not _HEADER_NAME.fullmatch(forced):
         return f"{CHANNEL}commentary{MESSAGE}"
     return f"{CHANNEL}commentary to=functions.{forced} {CONSTRAIN}json{MESSAGE}"
+
+
+def required_grammar(tools: list[dict], is_special: Callable[[str], bool]) -> str:
+    """The Lark grammar (llguidance's) a "required" reply is held to after
+    REQUIRED_OPENING: one of the tools' names, the header's rest
+    (` <|constrain|>json<|message|>`), then that tool's arguments under its
+    schema (objects closed, as every forced call's). One call: harmony
+    writes each call as its own message, and the reply ends at the first's
+    <|call|>. is_special: which markers the vocabulary holds as control
+    tokens (gpt-oss's: all); the grammar takes those as the tokens, others
+    as their text (which reads back as the marker all the same)."""
+    constrain, message = (m if is_special(m) else json.dumps(m) for m in (CONSTRAIN, MESSAGE))
+    alts = []
+    for t in tools:
+        fn = t["function"]
+        schema = closed_objects(fn.get("parameters") or {"type": "object"})
+        alts.append(f'{json.dumps(fn["name"])} " " {constrain} "json" {message} %json {json.dumps(schema)}')
+    return "start: " + " | ".join(alts)
 
 
 def held_body(opening: str, text: str) -> str:
@@ -151,6 +183,19 @@ def held_body(opening: str, text: str) -> str:
         return text
     msgs = _messages(opening + text)
     return msgs[0].body if msgs else text
+
+
+def held_call(opening: str, text: str, forced: str) -> Parsed:
+    """A forced reply (tool_choice `forced`) that opened on `opening`, as
+    its call; one cut short (max_tokens) stays text."""
+    if opening != REQUIRED_OPENING:
+        return parse_forced(held_body(opening, text), forced)
+    msgs = _messages(opening + text)
+    msg = msgs[0] if msgs else None
+    if msg is None or not (msg.recipient or "").startswith("functions.") or not _is_object(msg.body):
+        return Parsed(text)
+    call = _call({"name": msg.recipient[len("functions."):], "arguments": msg.body.strip()})
+    return Parsed(text) if call is None else Parsed(None, [call])
 
 
 def _is_object(body: str) -> bool:

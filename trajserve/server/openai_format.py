@@ -13,7 +13,7 @@ from trajserve.outputs import CompletionOutput, RequestOutput
 from trajserve.server.errors import APIError
 from trajserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from trajserve.server import harmony
-from trajserve.server.tool_calls import ForcedStream, call_stream, parse_calls, parse_forced
+from trajserve.server.tool_calls import ForcedStream, call_stream, parse_calls
 
 
 def prompt_list(prompt) -> list[str | list[int]]:
@@ -106,7 +106,7 @@ def chat_message(c: CompletionOutput, req: ChatCompletionRequest, fmt: str) -> d
     calls (fmt: the model's tool-call format, server/tool_calls.py)."""
     opening = req.held_opening  # a harmony reply held to JSON: its header is in the prompt
     if req.forced_tool is not None:
-        parsed = parse_forced(harmony.held_body(opening, c.text), req.forced_tool)
+        parsed = harmony.held_call(opening, c.text, req.forced_tool)
     elif fmt == "harmony":  # every reply: its reasoning and its answer are separate messages
         parsed = harmony.parse(opening + c.text, calls=req.parses_tool_calls)
     else:
@@ -139,7 +139,7 @@ def choice_call_stream(req: ChatCompletionRequest, fmt: str):
     """A choice's streaming parser when the reply may hold tool calls, else None."""
     opening = req.held_opening
     if req.forced_tool is not None:
-        return ForcedStream(req.forced_tool, functools.partial(harmony.held_body, opening))
+        return ForcedStream(functools.partial(harmony.held_call, opening, forced=req.forced_tool))
     if fmt == "harmony":
         stream = harmony.HarmonyStream(calls=req.parses_tool_calls)
         stream.feed(opening)  # the header only: nothing to send

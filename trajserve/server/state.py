@@ -367,7 +367,10 @@ class ServerState:
                                                                 req.forced_tool, req.parallel_tool_calls is not False))
         ids = self.render_chat(req) if ids is None else ids
         if self.calls_format == "harmony" and (forced is not None or req.structured_given):
-            req.held_opening = harmony.held_opening(req.forced_tool)
+            req.held_opening = harmony.held_opening(req.forced_tool, [t.function.name for t in req.tools or []])
+            if req.held_opening == harmony.REQUIRED_OPENING:  # the call's name is the model's, then its arguments
+                forced = StructuredOutput(grammar=harmony.required_grammar([t.model_dump() for t in req.tools],
+                                                                           self.tok.is_special))
             ids = ids + self.tok.encode(req.held_opening, add_special_tokens=False)
         if (not_shown := self.tools_not_shown(req)) is not None:
             req.note("tools_not_shown", not_shown)

@@ -280,14 +280,15 @@ def parse_forced(text: str, forced: str) -> Parsed:
 
 class ForcedStream:
     """Streaming a forced reply: nothing goes out as text; the calls at the
-    end. body: the JSON of the whole reply (a harmony reply's message body)."""
+    end. read: the whole reply as its calls (parse_forced; a harmony
+    reply's, harmony.held_call)."""
 
-    def __init__(self, forced: str, body: Callable[[str], str] = lambda text: text) -> None:
-        self.forced, self.text, self.body = forced, "", body
+    def __init__(self, read: Callable[[str], Parsed]) -> None:
+        self.read, self.text = read, ""
 
     def feed(self, delta: str) -> str:
         self.text += delta
         return ""
 
     def finish(self) -> Parsed:
-        return parse_forced(self.body(self.text), self.forced)
+        return self.read(self.text)

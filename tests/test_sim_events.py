@@ -174,3 +174,25 @@ def test_a_calls_priority_reaches_the_scheduler(policy, first):
         for req, _, _ in chunks:
             ended[req.request_id.split("#")[0]] = t1
     assert min(("early", "urgent"), key=ended.get) == first
+
+
+@pytest.mark.parametrize("policy", ["priority", "program"])
+def test_every_arrived_call_is_in_an_ordered_policys_queue(policy):
+    """One slot, three calls queued behind a running one, the last urgent:
+    under an ordering policy the scheduler sees it at once (as the engine's
+    queue holds every call that has arrived), so it takes the slot and ends
+    before every call that arrived before it."""
+    def sessions(tokens):
+        return [Session("running", [Call(fixed(lambda: tokens.fresh(300)), 50, arrival=0.0)]),
+                *(Session(f"early{i}", [Call(fixed(lambda: tokens.fresh(300)), 5, arrival=0.001 * (i + 1))])
+                  for i in range(2)),
+                Session("urgent", [Call(fixed(lambda: tokens.fresh(300)), 5, arrival=0.004, priority=-1)])]
+
+    s = setup(seqs=1)
+    s.scheduler = SchedulerConfig(1, 2048, 2048, scheduling=policy)
+    _, steps = run(sessions, s)
+    ended = {}
+    for _, t1, chunks in steps:
+        for req, _, _ in chunks:
+            ended[req.request_id.split("#")[0]] = t1
+    assert min(ended, key=ended.get) == "urgent"

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import gc
 import heapq
+import math
 import time
 from array import array
 from collections import deque
@@ -156,7 +157,12 @@ class Simulator:
         t_wall = time.perf_counter()
         sched, kv, runner = self.sched, self.kv, self.runner
         B, nb = kv.block_size, kv.num_blocks
-        feed_limit = sched.config.max_num_seqs
+        # Arrivals wait outside the scheduler while max_num_seqs already wait
+        # in it: under FCFS the queue's order is the arrivals' either way. A
+        # policy that orders the queue (priority, program) must see every call
+        # that has arrived, as the engine's does, or a short program's call
+        # queues behind long calls it outranks.
+        feed_limit = math.inf if sched.ordered else sched.config.max_num_seqs
         gate = self.max_concurrency
         on_step = self.on_step
         pauses = self.pauses

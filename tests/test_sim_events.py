@@ -166,6 +166,12 @@ def test_a_calls_priority_reaches_the_scheduler(policy, first):
                 Session("early", [Call(fixed(lambda: tokens.fresh(300)), 5, arrival=0.001)]),
                 Session("urgent", [Call(fixed(lambda: tokens.fresh(300)), 5, arrival=0.002, priority=-1)])]
 
+    ended = _ends_on_one_slot(sessions, policy)
+    assert min(("early", "urgent"), key=ended.get) == first
+
+
+def _ends_on_one_slot(sessions, policy: str) -> dict[str, float]:
+    """When each session's last step ended, one call running at a time."""
     s = setup(seqs=1)
     s.scheduler = SchedulerConfig(1, 2048, 2048, scheduling=policy)
     _, steps = run(sessions, s)
@@ -173,7 +179,7 @@ def test_a_calls_priority_reaches_the_scheduler(policy, first):
     for _, t1, chunks in steps:
         for req, _, _ in chunks:
             ended[req.request_id.split("#")[0]] = t1
-    assert min(("early", "urgent"), key=ended.get) == first
+    return ended
 
 
 @pytest.mark.parametrize("policy", ["priority", "program"])
@@ -188,11 +194,5 @@ def test_every_arrived_call_is_in_an_ordered_policys_queue(policy):
                   for i in range(2)),
                 Session("urgent", [Call(fixed(lambda: tokens.fresh(300)), 5, arrival=0.004, priority=-1)])]
 
-    s = setup(seqs=1)
-    s.scheduler = SchedulerConfig(1, 2048, 2048, scheduling=policy)
-    _, steps = run(sessions, s)
-    ended = {}
-    for _, t1, chunks in steps:
-        for req, _, _ in chunks:
-            ended[req.request_id.split("#")[0]] = t1
+    ended = _ends_on_one_slot(sessions, policy)
     assert min(ended, key=ended.get) == "urgent"

@@ -23,8 +23,8 @@ from tokenizers import AddedToken, decoders, models, processors
 from tokenizers import Tokenizer as Backend
 
 from trajserve.model.gguf_reader import PathLike, gguf_value, open_gguf
-from trajserve.model.pre_tokenizers import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer
 from trajserve.model.loader import is_gguf, resolve_model_path
+from trajserve.model.pre_tokenizers import GGUF_PRE_TOKENIZERS, gguf_pre_tokenizer
 from trajserve.model.tool_prompt import template_shows_tools, with_tools_shown
 
 # Token strings that end a turn; a model emits one of them instead of (or as)

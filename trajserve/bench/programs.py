@@ -190,6 +190,7 @@ def alone(cfg, workload: list[Program], args) -> dict[str, float]:
     loses nothing in them). No order of calls beats it, so every percentile
     of a policy's short programs is at least this one's (each program's time
     is at least its own alone), up to the machine's noise."""
+    from trajserve.bench.agent import run_one
     from trajserve.engine.engine import LLMEngine
     from trajserve.sampling import SamplingParams
 
@@ -199,11 +200,8 @@ def alone(cfg, workload: list[Program], args) -> dict[str, float]:
     def call(ids: list[int]) -> tuple[list[int], float]:
         """The call's prompt and reply, and how long it took."""
         t = time.monotonic()
-        rid = engine.add_request(ids, sp)
-        while True:
-            for out in engine.step():
-                if out.request_id == rid and out.finished:
-                    return list(out.prompt_token_ids) + list(out.outputs[0].token_ids), time.monotonic() - t
+        out = run_one(engine, ids, sp)
+        return list(out.prompt_token_ids) + list(out.outputs[0].token_ids), time.monotonic() - t
 
     try:
         call(workload[0].first)  # the shared preamble into the prefix cache

@@ -110,8 +110,7 @@ def parse(text: str, calls: bool = True) -> Parsed:
     for msg in _messages(text):
         kind = _kind(msg, calls)
         if kind == "call":
-            call = _call({"name": msg.recipient[len("functions."):], "arguments": msg.body.strip()}) \
-                if msg.closed_by == CALL and _is_object(msg.body) else None
+            call = _as_call(msg) if msg.closed_by == CALL else None
             if call is None:
                 content.append(msg.body)
             else:
@@ -191,11 +190,16 @@ def held_call(opening: str, text: str, forced: str) -> Parsed:
     if opening != REQUIRED_OPENING:
         return parse_forced(held_body(opening, text), forced)
     msgs = _messages(opening + text)
-    msg = msgs[0] if msgs else None
-    if msg is None or not (msg.recipient or "").startswith("functions.") or not _is_object(msg.body):
-        return Parsed(text)
-    call = _call({"name": msg.recipient[len("functions."):], "arguments": msg.body.strip()})
+    call = _as_call(msgs[0]) if msgs and (msgs[0].recipient or "").startswith("functions.") else None
     return Parsed(text) if call is None else Parsed(None, [call])
+
+
+def _as_call(msg: _Message) -> dict | None:
+    """A message to functions.NAME as the API's call; None if its body is
+    not a JSON object."""
+    if not _is_object(msg.body):
+        return None
+    return _call({"name": msg.recipient[len("functions."):], "arguments": msg.body.strip()})
 
 
 def _is_object(body: str) -> bool:

@@ -353,6 +353,8 @@ class ServerState:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         forced = None  # tool_choice "required" or a named function: the reply is held to the call's JSON
+        # A harmony reply held to JSON opens on the header its message takes (server/harmony.py).
+        harmony_held = self.calls_format == "harmony" and (req.forced_tool is not None or req.structured_given)
         if req.forced_tool is not None:
             tool_names = [t.function.name for t in req.tools or []]
             if not tool_names:
@@ -363,14 +365,18 @@ class ServerState:
             if req.structured_given:
                 raise APIError(400, "a forced tool_choice and an output constraint (response_format, "
                                     "structured_outputs, guided_*) cannot both hold", param="tool_choice")
-            forced = StructuredOutput(json_schema=forced_schema([t.model_dump() for t in req.tools],
-                                                                req.forced_tool, req.parallel_tool_calls is not False))
-        ids = self.render_chat(req) if ids is None else ids
-        if self.calls_format == "harmony" and (forced is not None or req.structured_given):
-            req.held_opening = harmony.held_opening(req.forced_tool, [t.function.name for t in req.tools or []])
+            tools = [t.model_dump() for t in req.tools]
+            if harmony_held:
+                req.held_opening = harmony.held_opening(req.forced_tool, tool_names)
             if req.held_opening == harmony.REQUIRED_OPENING:  # the call's name is the model's, then its arguments
-                forced = StructuredOutput(grammar=harmony.required_grammar([t.model_dump() for t in req.tools],
-                                                                           self.tok.is_special))
+                forced = StructuredOutput(grammar=harmony.required_grammar(tools, self.tok.is_special))
+            else:
+                forced = StructuredOutput(json_schema=forced_schema(tools, req.forced_tool,
+                                                                    req.parallel_tool_calls is not False))
+        elif harmony_held:
+            req.held_opening = harmony.held_opening(None)
+        ids = self.render_chat(req) if ids is None else ids
+        if req.held_opening:
             ids = ids + self.tok.encode(req.held_opening, add_special_tokens=False)
         if (not_shown := self.tools_not_shown(req)) is not None:
             req.note("tools_not_shown", not_shown)

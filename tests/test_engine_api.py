@@ -445,6 +445,30 @@ def test_close_removes_the_sessions_directory(tmp_path, monkeypatch):
         llm.generate(STORY, greedy(2), use_tqdm=False)
 
 
+def test_a_dropped_engine_frees_its_model_and_pool_without_the_garbage_collector():
+    """Nothing in an engine points back at it, or at its model, in a cycle:
+    the last reference going frees the model and the pool there and then. A
+    cycle waits for the garbage collector, which counts Python objects, not
+    bytes, so a process that builds engines in turn (`serve --slo`'s
+    calibration, the benches' rounds) would hold every pool it built."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64, block_size=16)))
+        engine.add_request(STORY, greedy(4))  # decode steps: the one-call layer stack where the kernels run it
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.close()
+        gone = [weakref.ref(x) for x in (engine, engine.model, engine.runner.kv_caches[0][0])]
+        del engine
+        assert [r() is None for r in gone] == [True, True, True]
+    finally:
+        gc.enable()
+
+
 def test_a_tiny_temperature_is_greedy(llm, story_ref):
     """logits / 1e-40 overflow float32 (nan after the softmax): below 1e-5 a
     temperature samples as its limit, greedy (as vLLM)."""

@@ -196,9 +196,11 @@ class LLMEngine(RequestChecks):
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)  # structured outputs
         self.closed = False  # close(): its copy threads are gone, so no new work
         self.step_hooks = StepHooks()  # a session manager's housekeeping around each step
-        # Groups, detokenizers, stop strings, latency samples (output_processor.py).
-        self.outputs = OutputProcessor(lambda seq: self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED),
-                                       self.sampler.release)
+        # Groups, detokenizers, stop strings, latency samples (output_processor.py). The stop callback
+        # holds the scheduler, not the engine: no cycle back to it, so dropping the engine frees its
+        # pool at once (a cycle waits for the garbage collector, which large tensors do not prompt).
+        finish = self.scheduler.finish
+        self.outputs = OutputProcessor(lambda seq: finish(seq, RequestStatus.FINISHED_STOPPED), self.sampler.release)
         self.core = EngineCore(self.scheduler, ModelExecutor(self.runner, self.sampler, self.scheduler, prompt_logits))
         self._ids = itertools.count()
         self.last_step = StepStats()

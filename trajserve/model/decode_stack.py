@@ -66,11 +66,14 @@ def _product(part: tuple, w2: torch.Tensor | None = None) -> _Product:
 
 class DecodeStack:
     """The layers of a LlamaModel as decode_stack.c's structures, built once;
-    the pool's pointers are filled per pool (a pool does not move)."""
+    the pool's pointers are filled per pool (a pool does not move). The
+    model owns it (model.stack) and keeps the weights its pointers point at;
+    it holds no reference back, so a dropped model and its pool are freed at
+    once, not at the garbage collector's next cycle."""
 
     def __init__(self, model, layers: list[_Layer]) -> None:
         c = model.config
-        self.model = model
+        self.config = c
         self.kernels = model.kernels
         self.layers = layers
         self.spec = _Stack(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, 0, 0,
@@ -123,7 +126,7 @@ class DecodeStack:
         self._caches = kv_caches
         if key == self._pool:
             return
-        c, K = self.model.config, self.kernels
+        c, K = self.config, self.kernels
         k0 = kv_caches[0][0]
         fmt = pool_format(k0, c.head_dim).code
         self.spec.bs, self.spec.kv_fmt = k0.shape[2], fmt

@@ -51,6 +51,26 @@ def test_fit_with_noise_stays_close_and_respects_the_bandwidth_floor():
     assert all(getattr(fit, k) >= 0 for k in TRUE)
 
 
+def test_fit_keeps_the_mean_step_time_on_a_machine_that_stalls_now_and_then():
+    """A shared machine slows some steps a lot (here 15 %, by 1 + Exp(0.8)).
+    Errors relative to the measured time favour the fast steps, so the fit's
+    steps would add up to less than the run took (a simulator on it runs
+    fast); relative to the prediction, they add up to the run's time."""
+    def sum_ratio(reweight: int) -> float:
+        ratios = []
+        for seed in range(8):
+            rng = np.random.default_rng(seed)
+            t, n_seq, f_mm, f_att, dw, dkv, decode = synthetic_steps(rng, 0.0)
+            stall = np.where(rng.random(t.size) < 0.15, 1 + rng.exponential(0.8, t.size), 1.0)
+            t = t * np.exp(0.05 * rng.standard_normal(t.size)) * stall
+            fit = fit_steps(t, n_seq, f_mm, f_att, dw, dkv, memory_bound_first=decode, reweight=reweight)
+            ratios.append(fit.predicted.sum() / t.sum())
+        return float(np.mean(ratios))
+
+    assert sum_ratio(0) < 0.97  # weighed by the measured time: the fit runs fast
+    assert sum_ratio(10) == pytest.approx(1.0, abs=0.03)
+
+
 def test_fit_needs_enough_points():
     with pytest.raises(ValueError, match="at least"):
         fit_steps([0.1, 0.2], [1, 1], [1, 2], [0, 0], [1, 1], [0, 0], [True, True])

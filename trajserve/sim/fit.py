@@ -16,7 +16,14 @@ b_kv = 1 / beta_KV,eff, all >= 0. Given which side of the max each step is
 on, t is linear in the six unknowns, so the fit alternates: assign each step
 to the compute or the memory side with the current rates, solve a
 non-negative least squares on relative error (a 50 ms decode step weighs as
-much as a 2 s prefill), repeat until the assignment repeats. D_w is the same
+much as a 2 s prefill), repeat until the assignment repeats. The error is
+relative to the fit's prediction, not to the measured time: weighing each
+step by 1 / t favours the steps that ran fast, so on a noisy machine the fit
+would sit below the mean step time and a simulator on it would run fast
+(its queues shorter than measured). So the fit is solved again with weights
+1 / predicted until the prediction settles (iteratively reweighted least
+squares: the normal equations are then sum x (t - p) / p^2 = 0, unbiased
+when the noise is proportional to the step). D_w is the same
 in every step, so b_w is told apart from t_fixed only by the compute-bound
 steps; a floor b >= 1 / (raw read bandwidth) keeps noise from trading the
 memory term for fixed time.
@@ -65,17 +72,9 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
     return x
 
 
-def fit_steps(t, n_seq, f_mm, f_att, d_w, d_kv, memory_bound_first, b_min: float = 0.0,
-              weights=None, max_iter: int = 50) -> StepFit:
-    """weights: per step (default 1), e.g. 1 / steps in its configuration so
-    a chunk size that takes 64 steps does not outvote a decode batch that
-    takes 8."""
-    t, n_seq, f_mm, f_att, d_w, d_kv = (np.asarray(x, dtype=float) for x in (t, n_seq, f_mm, f_att, d_w, d_kv))
-    if t.size < len(PARAMS) or (t <= 0).any():
-        raise ValueError(f"need at least {len(PARAMS)} positive step times to fit, got {t.size}")
-    # Least squares on relative error: row i scaled by sqrt(weight) / t_i.
-    w = np.sqrt(np.ones_like(t) if weights is None else np.asarray(weights, dtype=float)) / t
-    compute = ~np.asarray(memory_bound_first, dtype=bool)
+def _fit_sides(t, n_seq, f_mm, f_att, d_w, d_kv, compute, b_min, w, max_iter) -> StepFit:
+    """The alternating fit at fixed row weights w (each row's error times w),
+    from the first assignment `compute` (True: the step is compute-bound)."""
     best: tuple[float, StepFit] | None = None
     seen: set[bytes] = set()
     for it in range(1, max_iter + 1):
@@ -98,7 +97,31 @@ def fit_steps(t, n_seq, f_mm, f_att, d_w, d_kv, memory_bound_first, b_min: float
             break
         seen.add(new.tobytes())
         compute = new
-    fit = best[1]
+    return best[1]
+
+
+def fit_steps(t, n_seq, f_mm, f_att, d_w, d_kv, memory_bound_first, b_min: float = 0.0,
+              weights=None, max_iter: int = 50, reweight: int = 10) -> StepFit:
+    """weights: per step (default 1), e.g. 1 / steps in its configuration so
+    a chunk size that takes 64 steps does not outvote a decode batch that
+    takes 8. reweight: how many times at most the errors are made relative
+    to the last fit's prediction (the module's docstring)."""
+    t, n_seq, f_mm, f_att, d_w, d_kv = (np.asarray(x, dtype=float) for x in (t, n_seq, f_mm, f_att, d_w, d_kv))
+    if t.size < len(PARAMS) or (t <= 0).any():
+        raise ValueError(f"need at least {len(PARAMS)} positive step times to fit, got {t.size}")
+    base = np.sqrt(np.ones_like(t) if weights is None else np.asarray(weights, dtype=float))
+    compute = ~np.asarray(memory_bound_first, dtype=bool)
+    ref = t  # what each step's error is relative to: its time, then the fit's prediction of it
+    for _ in range(1 + reweight):
+        fit = _fit_sides(t, n_seq, f_mm, f_att, d_w, d_kv, compute, b_min, base / ref, max_iter)
+        pred = fit.predict(n_seq, f_mm, f_att, d_w, d_kv)
+        # A prediction of (nearly) nothing would weigh its step without bound.
+        pred = np.maximum(pred, 1e-3 * t)
+        if np.abs(pred / ref - 1).max() < 1e-4:
+            break
+        ref = pred
+        comp_side, mem_side = fit.sides(f_mm, f_att, d_w, d_kv)
+        compute = comp_side >= mem_side
     fit.predicted = fit.predict(n_seq, f_mm, f_att, d_w, d_kv)
     fit.rel_error = (fit.predicted - t) / t
     comp_side, mem_side = fit.sides(f_mm, f_att, d_w, d_kv)

@@ -119,15 +119,36 @@ def test_the_simulator_runs_the_same_programs_beside_the_engine(tmp_path):
         assert 0 <= v["same"] <= v["pairs"] <= 1
 
 
-def test_the_simulator_fitted_to_the_fcfs_runs_steps():
+def test_the_simulator_fitted_to_the_fcfs_runs_steps(monkeypatch):
     """--simulate fit: the cost model is fitted to the FCFS run's own steps
-    (their shapes and times) and predicts the other policies' runs."""
+    (their shapes and times) and predicts the other policies' runs; with
+    rounds, each round's FCFS run gives a profile, each profile predicts
+    every policy, and the prediction is their median."""
+    from trajserve.bench import programs_sim
+
+    fitted, real_fit = [], programs_sim.profile_of_run
+    runs, real_sim = [], programs_sim.simulate_policy
+
+    def profile_of_run(engine, steps):
+        fitted.append(real_fit(engine, steps))
+        return fitted[-1]
+
+    def simulate_policy(cfg, profile, *args):
+        runs.append((args[-2], fitted.index(profile), real_sim(cfg, profile, *args)))
+        return runs[-1][2]
+    monkeypatch.setattr(programs_sim, "profile_of_run", profile_of_run)
+    monkeypatch.setattr(programs_sim, "simulate_policy", simulate_policy)
     rc, out = _programs("--reply-tokens", "8", "--preamble-tokens", "300", "--policies", "fcfs,program",
-                        "--simulate", "fit")
+                        "--simulate", "fit", "--rounds", "2")
     assert rc == 0
     report = json.loads(out)
     sim = report["simulator"]
-    assert sim["profile"] == "fit"
+    assert sim["profile"] == "fit" and sim["profiles"] == 2 and len(fitted) == 2
+    assert [(policy, k) for policy, k, _ in runs] == [("fcfs", 0), ("fcfs", 1), ("program", 0), ("program", 1)]
+    for policy in ("fcfs", "program"):
+        a, b = (r for p, _, r in runs if p == policy)
+        for kind in ("short", "long"):
+            assert sim["predicted"][policy][kind]["p50_s"] == (a[kind]["p50_s"] + b[kind]["p50_s"]) / 2
     for policy in ("fcfs", "program"):
         for kind in ("short", "long"):
             # Fitted to this machine's steps: the right order of magnitude at least (a made-up profile is not).

@@ -110,7 +110,8 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
     for p in progs:
         p.due = p.arrival
     by_rid: dict[str, Program] = {}
-    # --simulate fit: each step's shape and time in the FCFS run, the simulator's cost model fitted to them.
+    # --simulate fit: each step's shape and time in the FCFS run, the simulator's cost model fitted to them
+    # (one profile a round: each round's FCFS run has the machine's speed in that round).
     steps = [] if args.simulate == "fit" and policy == "fcfs" else None
     sp = SamplingParams(max_tokens=args.reply_tokens, temperature=0, ignore_eos=True)
     t0 = time.monotonic()
@@ -220,10 +221,13 @@ def alone(cfg, workload: list[Program], args) -> dict[str, float]:
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """One policy's runs (rounds) as one: each figure's median; replies,
-    pool and fitted profile from the first; deadline counts summed."""
+    """One policy's runs (rounds) as one: each figure's median; replies and
+    pool from the first; the fitted profiles (--simulate fit) of every round,
+    in order; deadline counts summed."""
     first = runs[0]
     out = dict(first)
+    if "profile" in first:
+        out["profiles"] = [r["profile"] for r in runs]
     for kind in ("short", "long"):
         out[kind] = {k: (statistics.median(r[kind][k] for r in runs) if k != "programs" else v)
                      for k, v in first[kind].items()}
@@ -258,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.simulate == "fit" and "fcfs" not in args.policies.split(","):
-        raise ValueError("--simulate fit fits the simulator to the FCFS run's steps: run --policies with fcfs")
+        raise ValueError("--simulate fit fits the simulator to the FCFS runs' steps: run --policies with fcfs")
     cfg = config_from_args(args)
     if args.simulate is not None:  # the simulator decodes a token a step: so does the engine it is compared with
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, speculative="off"))
@@ -382,8 +386,8 @@ def add_parser(bsub) -> None:
     s.add_argument("--workload-seed", type=int, default=0)
     s.add_argument("--simulate", default=None, metavar="PROFILE|fit",
                    help="also run each policy's programs through the simulator on this hardware profile "
-                   "(`trajserve calibrate`), or on one fitted to the FCFS run's own steps (fit), and compare "
-                   "(speculation off in both)")
+                   "(`trajserve calibrate`), or on one fitted to each round's FCFS run's own steps (fit: "
+                   "the predictions' medians over the rounds), and compare (speculation off in both)")
     s.add_argument("--json", action="store_true", help="print only JSON")
     # One pool size for every policy's engine (a fraction of free memory would vary between them).
     add_engine_args(s, defaults={"max_num_seqs": 4, "kv_cache_memory": "2GiB"})

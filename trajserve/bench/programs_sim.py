@@ -6,7 +6,11 @@ model calibrated on this machine: a `trajserve calibrate` profile, or
 (`fit`) the same fit made to the steps the engine took in the FCFS run, so
 each policy's order, preemptions and prefix hits are the engine's; only
 the step times are predicted (for the other policies, by a fit they did
-not feed). Each program is a simulator session: its first call at
+not feed). With several rounds each round's FCFS run gives its own fit,
+each fit predicts every policy, and the prediction is the median over the
+rounds, as the measured figure is: one round the machine runs slow moves
+neither median, where one fit to every round's steps would carry the slow
+round's share into every prediction. Each program is a simulator session: its first call at
 the program's arrival, each later call its tool result appended to the
 history, `wait` seconds after the previous call ended, the replies the
 engine produced replayed (the same tokens, so the same cache hits). Per
@@ -78,18 +82,21 @@ def profile_of_run(engine, steps) -> dict:
 
 def compare(cfg, profile_path: str, workload, measured: dict[str, dict], short_priority: int = 0) -> dict:
     """measured: policy -> run_policy's result (its replies and per-class
-    figures). profile_path "fit": the profile fitted to the FCFS run's steps.
+    figures). profile_path "fit": the profiles fitted to the FCFS runs' steps
+    (one a round), the median of their predictions.
     short_priority: the short programs' calls' priority, as the engine ran them."""
     if profile_path == "fit":
         if "fcfs" not in measured:
-            raise ValueError("--simulate fit fits the simulator to the FCFS run's steps: run --policies with fcfs")
-        profile = measured["fcfs"]["profile"]
+            raise ValueError("--simulate fit fits the simulator to the FCFS runs' steps: run --policies with fcfs")
+        profiles = measured["fcfs"].get("profiles") or [measured["fcfs"]["profile"]]
     else:
-        profile = load_profile(profile_path)
+        profiles = [load_profile(profile_path)]
     predicted = {}
     for policy, m in measured.items():
-        predicted[policy] = simulate_policy(cfg, profile, m["num_blocks"], workload, m["replies"], policy,
-                                            short_priority)
+        each = [simulate_policy(cfg, profile, m["num_blocks"], workload, m["replies"], policy, short_priority)
+                for profile in profiles]
+        predicted[policy] = {kind: {k: statistics.median(p[kind][k] for p in each) for k in each[0][kind]}
+                             for kind in each[0]}
     rows = {}
     for policy in measured:
         rows[policy] = {f"{kind}_{q}_ratio": predicted[policy][kind][f"{q}_s"] / measured[policy][kind][f"{q}_s"]
@@ -115,13 +122,18 @@ def compare(cfg, profile_path: str, workload, measured: dict[str, dict], short_p
     same_order = {f"{kind}_{q}": agree(kind, q) for kind in ("short", "long") for q in ("p50", "p99")}
     p50_within = all(abs(r[f"{kind}_p50_ratio"] - 1) <= P50_TOLERANCE
                      for r in rows.values() for kind in ("short", "long"))
-    return {"profile": profile_path, "predicted": predicted, "ratios": rows, "same_order": same_order,
+    return {"profile": profile_path, "profiles": len(profiles), "predicted": predicted, "ratios": rows, "same_order": same_order,
             "p50_within_tolerance": p50_within, "tolerance": P50_TOLERANCE}
 
 
 def print_comparison(cmp: dict, measured: dict) -> None:
-    source = "fitted to the FCFS run's steps" if cmp["profile"] == "fit" else cmp["profile"]
-    print(f"\nsimulator (profile {source}) beside the engine: predicted / measured")
+    if cmp["profile"] != "fit":
+        source = f"profile {cmp['profile']}"
+    elif cmp["profiles"] == 1:
+        source = "profile fitted to the FCFS run's steps"
+    else:
+        source = f"a profile fitted to each round's FCFS run's steps, medians of the {cmp['profiles']} predictions"
+    print(f"\nsimulator ({source}) beside the engine: predicted / measured")
     print(f"{'policy':<9} {'short p50':>16} {'short p99':>16} {'long p50':>16} {'long p99':>16}")
     for policy, ratios in cmp["ratios"].items():
         cells = []

@@ -167,6 +167,8 @@ def add_bench_parser(sub) -> None:
     add_peers_parser(bsub)
     from trajserve.bench.products import add_parser as add_products_parser
     add_products_parser(bsub)
+    from trajserve.bench.latent import add_parser as add_latent_parser
+    add_latent_parser(bsub)
     from trajserve.bench.programs import add_parser as add_programs_parser
     add_programs_parser(bsub)
     from trajserve.bench.budget import add_parser as add_budget_parser

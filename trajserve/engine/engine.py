@@ -179,8 +179,7 @@ class LLMEngine(RequestChecks):
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
         sc = config.scheduler
-        self.speculative, why["speculative"] = resolve_speculative(sc.speculative,
-                                                                     self.model.attention_kernels is not None)
+        self.speculative, why["speculative"] = resolve_speculative(sc.speculative, self.model.verifies_as_decodes)
         if proposer is not None:
             self.speculative, why["speculative"] = proposer.config.method, "a proposer passed to the engine"
         elif self.speculative != "off":

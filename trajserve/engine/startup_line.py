@@ -7,8 +7,8 @@ def startup_line(engine, formats: dict[str, int], why: dict[str, str]) -> str:
     e, mc, cc = engine, engine.model_config, engine.config.cache
     m_token = e.kv_format.bytes_per_token(mc)
     kernels = f", C kernels ({e.model.kernels.isa})" if e.model.kernels is not None else ""
-    if kernels and e.model.attention_kernels is None:
-        kernels += " for the products, torch for the attention (latent rows)"
+    if kernels and mc.mla is not None:
+        kernels += " (latent attention: decodes on them, prefill chunks in torch)"
     return (
         f"model {mc.name or e.model_path} ({mc.shape_summary()}) on {e.device} "
         f"in {str(e.dtype).removeprefix('torch.')} ({why['dtype']}){kernels}\n"

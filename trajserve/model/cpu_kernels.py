@@ -54,7 +54,7 @@ from trajserve.model.quant import PANEL, QuantizedWeight
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-SOURCES = [_DIR / "cpu_kernels.c", _DIR / "quant_kernels.c", _DIR / "attention_bf16.c", _DIR / "decode_stack.c"]
+SOURCES = [_DIR / f"{n}.c" for n in ("cpu_kernels", "quant_kernels", "attention_bf16", "decode_stack", "mla_attention")]
 HEADERS = [_DIR / "simd_math.h", _DIR / "kv_rows.h", _DIR / "formats.h"]
 # -ffp-contract=off: an expression rounds the same way in both builds (the
 # compiler may not fuse a * b + c into an FMA in one and not the other).
@@ -89,9 +89,10 @@ _SIGNATURES = {
     "ts_quant_tile_rows": [_C],
     "ts_dequant_rows": [_P, _C, _I, _P, _I, _P, _I],
     "ts_decode_stack": [_P, _P, _I, _P, _I, _P, _P, _P, _P, _P, _P, _P, _C],
+    "ts_latent_attention": [_P, _I, _I, _I, _I, _I, _P, _I, _I, _P, _P, _P, _P, ctypes.c_float, _P, _I, _C],
 }
 _RETURNS_INT = ("ts_lora_rows", "ts_decode_stack", "ts_prefill_attention", "ts_prefill_attention_q", "ts_prefill_attention_amx", "ts_amx_init", "ts_quant_amx_init", "ts_quant_tile_rows",
-                "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu")
+                "ts_quant_isa", "ts_qlinear", "ts_qgate_up_silu", "ts_latent_attention")
 # AMX prefill of a bf16 pool: head_dim a multiple of 32 (one tile row of
 # pairs), up to 256; 16 keys of a block contiguous; chunks from AMX_MIN_QUERIES
 # queries (a shorter chunk runs as decodes, which need no V^T copy of the context).

@@ -19,8 +19,8 @@ layers have their own base (Gemma 3). Gemma 3's (1 + w) norms are folded
 into w at load; its norms of the attention and MLP outputs
 (`attn_out_norm`, `mlp_out_norm`) run before the residual adds. DeepSeek's
 latent attention (model/mla.py) takes the place of q/k/v and o; its
-attention runs in torch over the latent rows (the C attention kernels take
-per-head K and V of up to 256 values), its products on the C kernels;
+decode rows' attention runs on mla_attention.c over the latent rows, its
+prefill chunks' in torch, its products on the C kernels;
 gpt-oss's attention sinks, on every C attention kernel (or torch's).
 """
 from __future__ import annotations
@@ -189,13 +189,20 @@ class LlamaModel:
                                norm(p + "q_a_layernorm.weight") if m.q_lora_rank else None,
                                lin(p + "q_b_proj.weight") if m.q_lora_rank else None,
                                norm(p + "kv_a_layernorm.weight"), w(p + "kv_b_proj.weight"),
-                               lin(p + "o_proj.weight"), mla_scale(m, c.rope_scaling), self._rms)
+                               lin(p + "o_proj.weight"), mla_scale(m, c.rope_scaling), self._rms, self.kernels)
 
     @property
     def attention_kernels(self):
-        """The C kernels that run the attention (None: torch's): a latent
-        attention's rows are wider than theirs, so torch runs those."""
-        return None if self.config.mla is not None else self.kernels
+        """The C kernels that run the attention (None: torch's; a latent
+        attention's decode rows: mla_attention.c)."""
+        return self.kernels
+
+    @property
+    def verifies_as_decodes(self) -> bool:
+        """Whether a row verified in a chunk gets the bits the same row gets
+        decoded: on the C attention kernels, but for latent attention, whose
+        chunks run in torch (model/mla.py)."""
+        return self.kernels is not None and self.config.mla is None
 
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE

@@ -20,9 +20,16 @@ Scores are scaled by (qk_nope + qk_rope)^-1/2, times YaRN's mscale(factor,
 mscale_all_dim)^2 where the config scales its RoPE so (as transformers'
 yarn_apply_mscale). The RoPE rows of q and k_pe are stored de-interleaved
 (model/hf_reader.py), so the model's rotate-half RoPE applies.
+
+With the C kernels a decode row's attention over the rows is
+mla_attention.c's (3.6-4.7x torch's paged decode at DeepSeek's widths); a
+prefill chunk's, and every row's without the kernels, torch's paged
+attention with the pool as K and V. A verified draft's rows are a chunk's,
+so they do not get a decode's bits and auto speculation stays off.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -52,8 +59,8 @@ class LatentAttention:
 
     def __init__(self, spec: MLASpec, num_heads: int, qa_kva: Callable, q_a_norm: torch.Tensor | None,
                  q_b: Callable | None, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o: Callable,
-                 scale: float, rms: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        self.spec, self.heads, self.scale, self.rms = spec, num_heads, scale, rms
+                 scale: float, rms: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], kernels=None) -> None:
+        self.spec, self.heads, self.scale, self.rms, self.kernels = spec, num_heads, scale, rms, kernels
         self.qa_kva, self.q_a_norm, self.q_b, self.kv_a_norm, self.o = qa_kva, q_a_norm, q_b, kv_a_norm, o
         nope, v, rank = spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
         per_head = kv_b.view(num_heads, nope + v, rank)
@@ -94,6 +101,34 @@ class LatentAttention:
         q_abs = torch.bmm(q[..., :nope].transpose(0, 1), self.w_uk)  # [H, T, rank]
         q_lat = torch.cat([q_abs.transpose(0, 1), apply_rope(q[..., nope:], cos, sin)], dim=-1)
         # MQA over the rows: the latent part of each output is sum_t p_t c_t.
-        o_lat = paged_attention(q_lat.contiguous(), pool, pool, meta, self.scale)[..., :rank]
+        if self.kernels is not None:
+            o_lat = latent_attention(self.kernels, q_lat.contiguous(), pool, meta, self.scale, rank)
+        else:
+            o_lat = paged_attention(q_lat.contiguous(), pool, pool, meta, self.scale)[..., :rank]
         out = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # [H, T, v]
         return self.o(out.transpose(0, 1).reshape(T, H * s.v_head_dim))
+
+
+
+def latent_attention(kernels, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     dv: int) -> torch.Tensor:
+    """out [T, H, dv] for q [T, H, dk] float32, contiguous, over the pool
+    [blocks, 1, B, dk] (float32 or bf16): the decode rows on mla_attention.c,
+    the prefill chunks' rows in torch's SDPA (row by row the kernel ran at
+    0.3-0.6x of SDPA on 512- and 2,048-row chunks at DeepSeek's widths)."""
+    if q.dtype != torch.float32 or not q.is_contiguous() or not pool.is_contiguous() \
+            or pool.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"latent attention: q must be contiguous float32 and the pool contiguous float32 or "
+                        f"bfloat16, got {q.dtype} and {pool.dtype}")
+    T, H, dk = q.shape
+    if meta.prefills:
+        out = paged_attention(q, pool, pool, dataclasses.replace(meta, num_decodes=0), scale)[..., :dv].contiguous()
+    else:
+        out = torch.empty(T, H, dv, dtype=torch.float32)
+    if meta.num_decodes and kernels.lib.ts_latent_attention(
+            q.data_ptr(), q.stride(0), meta.num_decodes, H, dk, dv, pool.data_ptr(), int(pool.dtype == torch.bfloat16),
+            pool.shape[2], meta.dec_tables.data_ptr(), meta.dec_table_start.data_ptr(), meta.dec_ctx.data_ptr(),
+            meta.decode_rows.data_ptr(), scale, out.data_ptr(), out.stride(0), kernels.threads()):
+        raise ValueError(f"latent attention: rows of {dk} values with values of {dv} are past the kernel's "
+                         f"widths (mla_attention.c: DK_MAX, DV_MAX)")
+    return out

@@ -201,7 +201,7 @@ class LlamaModel:
     def verifies_as_decodes(self) -> bool:
         """Whether a row verified in a chunk gets the bits the same row gets
         decoded: on the C attention kernels, but for latent attention, whose
-        chunks run in torch (model/mla.py)."""
+        chunks and absorbed products run in torch (model/mla.py)."""
         return self.kernels is not None and self.config.mla is None
 
     def products(self) -> list:

@@ -25,7 +25,9 @@ With the C kernels a decode row's attention over the rows is
 mla_attention.c's (3.6-4.7x torch's paged decode at DeepSeek's widths); a
 prefill chunk's, and every row's without the kernels, torch's paged
 attention with the pool as K and V. A verified draft's rows are a chunk's,
-so they do not get a decode's bits and auto speculation stays off.
+and the absorbed products (torch's bmm, whose rows' bits depend on how many
+rows it multiplies) are in torch too, so a verified row does not get a
+decode's bits and auto speculation stays off.
 """
 from __future__ import annotations
 

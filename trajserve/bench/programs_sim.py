@@ -10,8 +10,8 @@ not feed). With several rounds each round's FCFS run gives its own fit,
 each fit predicts every policy, and the prediction is the median over the
 rounds, as the measured figure is: one round the machine runs slow moves
 neither median, where one fit to every round's steps would carry the slow
-round's share into every prediction. Each program is a simulator session: its first call at
-the program's arrival, each later call its tool result appended to the
+round's share into every prediction. Each program is a simulator session:
+its first call at the program's arrival, each later call its tool result appended to the
 history, `wait` seconds after the previous call ended, the replies the
 engine produced replayed (the same tokens, so the same cache hits). Per
 policy and class: predicted over measured p50 and p99 of the programs'
@@ -122,8 +122,8 @@ def compare(cfg, profile_path: str, workload, measured: dict[str, dict], short_p
     same_order = {f"{kind}_{q}": agree(kind, q) for kind in ("short", "long") for q in ("p50", "p99")}
     p50_within = all(abs(r[f"{kind}_p50_ratio"] - 1) <= P50_TOLERANCE
                      for r in rows.values() for kind in ("short", "long"))
-    return {"profile": profile_path, "profiles": len(profiles), "predicted": predicted, "ratios": rows, "same_order": same_order,
-            "p50_within_tolerance": p50_within, "tolerance": P50_TOLERANCE}
+    return {"profile": profile_path, "profiles": len(profiles), "predicted": predicted, "ratios": rows,
+            "same_order": same_order, "p50_within_tolerance": p50_within, "tolerance": P50_TOLERANCE}
 
 
 def print_comparison(cmp: dict, measured: dict) -> None:

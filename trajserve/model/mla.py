@@ -22,7 +22,7 @@ yarn_apply_mscale). The RoPE rows of q and k_pe are stored de-interleaved
 (model/hf_reader.py), so the model's rotate-half RoPE applies.
 
 With the C kernels a decode row's attention over the rows is
-mla_attention.c's (3.6-4.7x torch's paged decode at DeepSeek's widths); a
+mla_attention.c's (2.3-4.8x torch's paged decode at DeepSeek's widths); a
 prefill chunk's, and every row's without the kernels, torch's paged
 attention with the pool as K and V. A verified draft's rows are a chunk's,
 and the absorbed products (torch's bmm, whose rows' bits depend on how many
@@ -109,7 +109,6 @@ class LatentAttention:
             o_lat = paged_attention(q_lat.contiguous(), pool, pool, meta, self.scale)[..., :rank]
         out = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # [H, T, v]
         return self.o(out.transpose(0, 1).reshape(T, H * s.v_head_dim))
-
 
 
 def latent_attention(kernels, q: torch.Tensor, pool: torch.Tensor, meta: AttentionMetadata, scale: float,

@@ -5,8 +5,8 @@ routing with its correction bias) and gpt-oss (windows of 8 alternating with
 global layers, attention sinks, biased experts with the clamped SwiGLU).
 Greedy tokens over 64 as transformers generates them, alone and batched
 with a warm prefix cache, on the C kernels and on torch; the same tokens
-whatever the chunk size, block size, preemption, host-tier reload or pause
-to each tier."""
+whatever the chunk size, block size, preemption, host-tier reload,
+speculation (drafts verified) or pause to each tier."""
 from __future__ import annotations
 
 import pytest
@@ -52,7 +52,7 @@ def test_greedy_tokens_match_transformers_alone_and_batched(model_dir, reference
         eng.close()
 
 
-@pytest.mark.parametrize("case", ["chunk-5", "block-16", "preempt", "host-tier", "no-prefix-cache"])
+@pytest.mark.parametrize("case", ["chunk-5", "block-16", "preempt", "host-tier", "speculative", "no-prefix-cache"])
 def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, reference, case):
     d = model_dir[0]
     kw: dict = {}
@@ -65,13 +65,15 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
         cache = {"num_blocks": 40, "free_window_blocks": False}  # (gpt-oss's window pool: test_window_models.py)
     elif case == "host-tier":  # evicted prefixes go to host memory and load back (a latent pool: one tensor a layer)
         cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22, "free_window_blocks": False}
+    elif case == "speculative":  # drafts verified on every family, latent attention's too (asked for: not auto)
+        kw["scheduler"] = SchedulerConfig(speculative="ngram")
     else:
         cache = {"enable_prefix_caching": False}
     eng = engine(d, cache, **kw)
     try:
-        # auto: latent attention is torch's (a verified row not a decode's bits, so off); gpt-oss's
-        # sinks run on the C kernels, so its greedy tokens are checked with drafts verified.
-        assert eng.speculative == ("ngram" if model_dir[2] == "gpt_oss" else "off")
+        # auto: a latent attention's verified rows are not a decode's bits (its chunks and absorbed products
+        # run in torch), so off; gpt-oss's sinks run on the C kernels, so its tokens are checked with drafts.
+        assert eng.speculative == ("ngram" if model_dir[2] == "gpt_oss" or case == "speculative" else "off")
         batch = prompts()
         assert run(eng, batch) == reference
         assert run_staggered(eng, batch) == reference  # again, staggered over the cached heads
@@ -79,6 +81,8 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
             assert eng.scheduler.num_preemptions > 0
         if case == "host-tier":
             assert eng.kv.stats().promoted_blocks > 0
+        if case == "speculative":
+            assert eng.scheduler.proposer.num_drafts > 0  # the tokens above went through verified drafts
     finally:
         eng.close()
 

@@ -7,7 +7,7 @@ Qwen3-MoE and OLMoE (top-k routed experts).
 Greedy tokens over 64 as transformers generates them, alone and batched
 with a warm prefix cache, on the C kernels and on torch; the same tokens
 whatever the chunk size, block size, preemption, host-tier reload,
-speculation (drafts verified) or pause to each tier."""
+speculation (drafts verified), forks (n = 2) or pause to each tier."""
 from __future__ import annotations
 
 import pytest
@@ -86,6 +86,24 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
             assert eng.kv.stats().promoted_blocks > 0
         if case == "speculative":
             assert eng.scheduler.proposer.num_drafts > 0  # the tokens above went through verified drafts
+    finally:
+        eng.close()
+
+
+def test_forked_choices_decode_to_transformers_tokens(model_dir, reference):
+    """n = 2: each prompt's blocks are shared copy-on-write by its two
+    choices, which then decode apart (latent rows, window parts, experts)."""
+    eng = engine(model_dir[0])
+    try:
+        params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, n=2)
+        rids = [eng.add_request(p, params) for p in prompts()]
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        assert [[list(c.token_ids) for c in done[r].outputs] for r in rids] == [[w, w] for w in reference]
+        assert eng.kv.num_active_blocks == 0  # every fork's blocks given back
     finally:
         eng.close()
 

@@ -124,7 +124,8 @@ def run_policy(cfg, workload: list[Program], policy: str, args) -> dict:
                     p.sent = now
                     try:
                         short = p.kind == "short"
-                        p.rid = engine.add_request(ids, sp, program=p.name, priority=args.short_priority if short else 0,
+                        p.rid = engine.add_request(ids, sp, program=p.name,
+                                                   priority=args.short_priority if short else 0,
                                                    deadline_s=deadline if short else None)
                     except DeadlineMiss:
                         p.refused, p.end = p.refused + 1, now

@@ -22,7 +22,7 @@ yarn_apply_mscale). The RoPE rows of q and k_pe are stored de-interleaved
 (model/hf_reader.py), so the model's rotate-half RoPE applies.
 
 With the C kernels a decode row's attention over the rows is
-mla_attention.c's (2.3-4.8x torch's paged decode at DeepSeek's widths); a
+mla_attention.c's (5.1-6.4x torch's paged decode at DeepSeek's widths); a
 prefill chunk's, and every row's without the kernels, torch's paged
 attention with the pool as K and V. A verified draft's rows are a chunk's,
 and the absorbed products (torch's bmm, whose rows' bits depend on how many
@@ -115,8 +115,8 @@ def latent_attention(kernels, q: torch.Tensor, pool: torch.Tensor, meta: Attenti
                      dv: int) -> torch.Tensor:
     """out [T, H, dv] for q [T, H, dk] float32, contiguous, over the pool
     [blocks, 1, B, dk] (float32 or bf16): the decode rows on mla_attention.c,
-    the prefill chunks' rows in torch's SDPA (row by row the kernel ran at
-    0.3-0.6x of SDPA on 512- and 2,048-row chunks at DeepSeek's widths)."""
+    the prefill chunks' rows in torch's SDPA (row by row the kernel took
+    1.0-1.8x SDPA's time on 512- and 2,048-row chunks at DeepSeek's widths)."""
     if q.dtype != torch.float32 or not q.is_contiguous() or not pool.is_contiguous() \
             or pool.dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"latent attention: q must be contiguous float32 and the pool contiguous float32 or "

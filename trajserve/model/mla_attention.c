@@ -3,9 +3,11 @@
  *
  * Every head of a row attends over the same cached rows [c, k_pe] (dk values
  * a token: the latent and the RoPE key), and the value is the row's first dv
- * values (the latent), so the pool is read once per row and block for all of
- * the row's heads in a chunk, never per head. The rows are 576 values wide at
- * DeepSeek's size, past the other attention kernels' 256.
+ * values (the latent). A task takes HEADS of a row's heads: a scoring pass
+ * reads two keys once for all of them, the weights come from the kernels'
+ * vector exp, and the weighted latents are summed with 8 outputs of every
+ * head in registers while a part's keys go by. The rows are 576 values wide
+ * at DeepSeek's size, past the other attention kernels' 256.
  *
  * A row's arithmetic depends only on its own query, its context length and
  * the pool's block size: its bits do not depend on the batch around it. The
@@ -18,47 +20,104 @@
  * floats at out + r * out_stride. Row i of the n to compute is rows[i]; its
  * block table starts at tables[table_start[i]] and it sees ctx[i] keys.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "simd_math.h"
 
 #define KB 64       /* keys scored at once (a block of more is taken in parts) */
 #define HEADS 4     /* heads a task takes: its outputs stay in the L1 cache */
 #define DK_MAX 1152 /* row width a task's scaled queries hold */
 #define DV_MAX 1024 /* value width its accumulators hold */
 
-static inline float bf16_value(uint16_t u) {
-    uint32_t b = (uint32_t)u << 16;
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
+/* 8 values of a row from e (a multiple of 8; rows are read 8 at a time, the
+ * widths' tails one value at a time). */
+static inline __m256 load8(const void *row, int64_t e, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + e))), 16));
+    return _mm256_loadu_ps((const float *)row + e);
 }
 
-static inline float row_dot(const float *q, const void *row, int64_t dk, int bf16) {
-    float acc = 0.0f;
+static inline float load1(const void *row, int64_t e, int bf16) {
     if (bf16) {
-        const uint16_t *k = (const uint16_t *)row;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t e = 0; e < dk; e++) acc += q[e] * bf16_value(k[e]);
-    } else {
-        const float *k = (const float *)row;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t e = 0; e < dk; e++) acc += q[e] * k[e];
+        uint32_t b = (uint32_t)((const uint16_t *)row)[e] << 16;
+        float f;
+        memcpy(&f, &b, sizeof f);
+        return f;
     }
-    return acc;
+    return ((const float *)row)[e];
 }
 
-static inline void add_scaled_row(float *o, float p, const void *row, int64_t dv, int bf16) {
-    if (bf16) {
-        const uint16_t *v = (const uint16_t *)row;
-#pragma omp simd
-        for (int64_t e = 0; e < dv; e++) o[e] += p * bf16_value(v[e]);
-    } else {
-        const float *v = (const float *)row;
-#pragma omp simd
-        for (int64_t e = 0; e < dv; e++) o[e] += p * v[e];
+/* s[h][j] = q_h . k_j for the task's nh heads and keys j of `keys` (nk of
+ * them, row_bytes apart). Two keys a pass: each key vector is loaded once
+ * for all heads, each query vector once for both keys. A (key, head) score is
+ * its own accumulator's, so it does not depend on the keys or heads beside it. */
+static void score(const float (*qs)[DK_MAX], int64_t nh, const char *keys, size_t row_bytes, int64_t nk,
+                  int64_t dk, int bf16, float (*s)[KB]) {
+    const int64_t d8 = dk & ~(int64_t)7;
+    int64_t j = 0;
+    for (; j + 2 <= nk; j += 2) {
+        const void *k0 = keys + (size_t)j * row_bytes, *k1 = keys + (size_t)(j + 1) * row_bytes;
+        __m256 a0[HEADS], a1[HEADS];
+        for (int64_t h = 0; h < HEADS; h++) a0[h] = a1[h] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < d8; e += 8) {
+            const __m256 x0 = load8(k0, e, bf16), x1 = load8(k1, e, bf16);
+            for (int64_t h = 0; h < nh; h++) {
+                const __m256 q = _mm256_loadu_ps(qs[h] + e);
+                a0[h] = _mm256_fmadd_ps(q, x0, a0[h]);
+                a1[h] = _mm256_fmadd_ps(q, x1, a1[h]);
+            }
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            float t0 = hsum8(a0[h]), t1 = hsum8(a1[h]);
+            for (int64_t e = d8; e < dk; e++) {
+                t0 = fmaf(qs[h][e], load1(k0, e, bf16), t0);
+                t1 = fmaf(qs[h][e], load1(k1, e, bf16), t1);
+            }
+            s[h][j] = t0, s[h][j + 1] = t1;
+        }
     }
+    for (; j < nk; j++) {  /* the part's last key when it has an odd number: alone, the same arithmetic */
+        const void *k0 = keys + (size_t)j * row_bytes;
+        __m256 a0[HEADS];
+        for (int64_t h = 0; h < HEADS; h++) a0[h] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < d8; e += 8) {
+            const __m256 x0 = load8(k0, e, bf16);
+            for (int64_t h = 0; h < nh; h++) a0[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[h] + e), x0, a0[h]);
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            float t0 = hsum8(a0[h]);
+            for (int64_t e = d8; e < dk; e++) t0 = fmaf(qs[h][e], load1(k0, e, bf16), t0);
+            s[h][j] = t0;
+        }
+    }
+}
+
+/* o[h] = o[h] * keep[h] + sum_j p[h][j] v_j (v_j: key j's first dv values),
+ * 8 outputs of every head in registers while the part's keys go by, so each
+ * value vector is loaded once for all heads and the outputs once a part. */
+static void weigh(float (*o)[DV_MAX], const float *keep, const float (*p)[KB], int64_t nh, const char *keys,
+                  size_t row_bytes, int64_t nk, int64_t dv, int bf16) {
+    const int64_t d8 = dv & ~(int64_t)7;
+    for (int64_t e = 0; e < d8; e += 8) {
+        __m256 acc[HEADS];
+        for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_mul_ps(_mm256_loadu_ps(o[h] + e), _mm256_set1_ps(keep[h]));
+        for (int64_t j = 0; j < nk; j++) {
+            const __m256 v = load8(keys + (size_t)j * row_bytes, e, bf16);
+            for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h][j]), v, acc[h]);
+        }
+        for (int64_t h = 0; h < nh; h++) _mm256_storeu_ps(o[h] + e, acc[h]);
+    }
+    for (int64_t e = d8; e < dv; e++)
+        for (int64_t h = 0; h < nh; h++) {
+            float t = o[h][e] * keep[h];
+            for (int64_t j = 0; j < nk; j++) t = fmaf(p[h][j], load1(keys + (size_t)j * row_bytes, e, bf16), t);
+            o[h][e] = t;
+        }
 }
 
 /* Returns 0, or -1 when the widths are past DK_MAX / DV_MAX or dv > dk (nothing written). */
@@ -75,7 +134,7 @@ int ts_latent_attention(const float *q, int64_t q_stride, int64_t n, int64_t H, 
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t r = rows[i], h0 = c * HEADS, nh = H - h0 < HEADS ? H - h0 : HEADS, len = ctx[i];
             const int64_t *table = tables + table_start[i];
-            float qs[HEADS][DK_MAX], o[HEADS][DV_MAX], m[HEADS], l[HEADS], s[HEADS][KB];
+            float qs[HEADS][DK_MAX], o[HEADS][DV_MAX], m[HEADS], l[HEADS], keep[HEADS], s[HEADS][KB];
             for (int64_t h = 0; h < nh; h++) {
                 const float *qh = q + r * q_stride + (h0 + h) * dk;
                 for (int64_t e = 0; e < dk; e++) qs[h][e] = qh[e] * scale;
@@ -87,26 +146,22 @@ int ts_latent_attention(const float *q, int64_t q_stride, int64_t n, int64_t H, 
                 const int64_t in_block = t0 % bs, block_end = t0 - in_block + bs;
                 t1 = t0 + KB < len ? t0 + KB : len;
                 if (t1 > block_end) t1 = block_end;
-                const char *blk = base + (size_t)table[t0 / bs] * bs * row_bytes;
+                const char *keys = base + ((size_t)table[t0 / bs] * bs + in_block) * row_bytes;
                 const int64_t nk = t1 - t0;
-                for (int64_t j = 0; j < nk; j++) {
-                    const void *row = blk + (size_t)(in_block + j) * row_bytes;
-                    for (int64_t h = 0; h < nh; h++) s[h][j] = row_dot(qs[h], row, dk, (int)bf16);
-                }
+                score(qs, nh, keys, row_bytes, nk, dk, (int)bf16, s);
                 for (int64_t h = 0; h < nh; h++) {
                     float mx = m[h];
                     for (int64_t j = 0; j < nk; j++) mx = s[h][j] > mx ? s[h][j] : mx;
-                    const float keep = expf(m[h] - mx);  /* 0 on the first part (m = -inf) */
-                    l[h] *= keep;
-#pragma omp simd
-                    for (int64_t e = 0; e < dv; e++) o[h][e] *= keep;
-                    for (int64_t j = 0; j < nk; j++) {
-                        const float p = expf(s[h][j] - mx);
-                        l[h] += p;
-                        add_scaled_row(o[h], p, blk + (size_t)(in_block + j) * row_bytes, dv, (int)bf16);
-                    }
+                    keep[h] = expf(m[h] - mx);  /* 0 on the first part (m = -inf) */
+                    l[h] *= keep[h];
+                    /* each score becomes its weight, 8 at a time (past nk: -inf, a weight nobody reads) */
+                    for (int64_t j = nk; j < ((nk + 7) & ~(int64_t)7); j++) s[h][j] = -INFINITY;
+                    for (int64_t j = 0; j < nk; j += 8)
+                        _mm256_storeu_ps(s[h] + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s[h] + j), _mm256_set1_ps(mx))));
+                    for (int64_t j = 0; j < nk; j++) l[h] += s[h][j];
                     m[h] = mx;
                 }
+                weigh(o, keep, (const float (*)[KB])s, nh, keys, row_bytes, nk, dv, (int)bf16);
             }
             for (int64_t h = 0; h < nh; h++) {
                 float *oh = out + r * out_stride + (h0 + h) * dv;

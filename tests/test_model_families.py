@@ -108,6 +108,25 @@ def test_forked_choices_decode_to_transformers_tokens(model_dir, reference):
         eng.close()
 
 
+def test_a_dropped_engine_frees_its_model_without_the_garbage_collector(model_dir):
+    """No layer part (latent attention's norm, the experts' activation)
+    holds its model: dropping the engine frees the model and pool at once."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        eng = engine(model_dir[0])
+        run(eng, prompts()[:1])
+        eng.close()
+        gone = [weakref.ref(x) for x in (eng, eng.model, eng.runner.kv_caches[0][0])]
+        del eng
+        assert [r() is None for r in gone] == [True, True, True]
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])
 def test_a_session_paused_to_each_tier_resumes_to_the_same_tokens(model_dir, tmp_path, decision):
     want, got, residency, saved, cached, prompt_len = paused_turns(model_dir[0], decision, tmp_path / "kv")

@@ -25,6 +25,7 @@ gpt-oss's attention sinks, on every C attention kernel (or torch's).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -153,7 +154,7 @@ class LlamaModel:
                 fused = self.kernels is not None and c.hidden_act == "silu"  # gate|up returns the activation
                 L.moe = MoE(c.moe, lin(p + "mlp.gate.weight", bias=(p + "mlp.gate.bias",) if c.mlp_bias else ()),
                             [mlp(p + f"mlp.experts.{e}.") for e in range(c.moe.num_experts)],
-                            None if fused else self._gate,
+                            None if fused else functools.partial(gate_activation, config=c),
                             mlp(p + "mlp.shared_experts.") if c.moe.shared_size else None,
                             w(p + "mlp.gate.e_score_correction_bias", torch.float32) if c.moe.score_bias else None)
             else:
@@ -189,7 +190,8 @@ class LlamaModel:
                                norm(p + "q_a_layernorm.weight") if m.q_lora_rank else None,
                                lin(p + "q_b_proj.weight") if m.q_lora_rank else None,
                                norm(p + "kv_a_layernorm.weight"), w(p + "kv_b_proj.weight"),
-                               lin(p + "o_proj.weight"), mla_scale(m, c.rope_scaling), self._rms, self.kernels)
+                               lin(p + "o_proj.weight"), mla_scale(m, c.rope_scaling),
+                               functools.partial(rms_norm, eps=c.rms_norm_eps, dtype=self.dtype), self.kernels)
 
     @property
     def attention_kernels(self):
@@ -254,8 +256,7 @@ class LlamaModel:
             qkv.clamp_(-c.clip_qkv, c.clip_qkv)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 like the reference implementations.
-        return F.rms_norm(x.float(), weight.shape, weight, self.config.rms_norm_eps).to(self.dtype)
+        return rms_norm(x, weight, self.config.rms_norm_eps, self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -359,14 +360,7 @@ class LlamaModel:
         return x if self.embed_scale is None else x * self.embed_scale
 
     def _gate(self, gu: torch.Tensor) -> torch.Tensor:
-        """The MLP's activation of a gate|up product: act(gate) * up."""
-        c, inter = self.config, gu.shape[-1] // 2
-        if c.hidden_act == "gelu_tanh":
-            return F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
-        if c.hidden_act == "swiglu_clamp":  # gpt-oss: clamped, a sigmoid's slope alpha, up + 1
-            gate, up = gu[:, :inter].clamp(max=c.swiglu_limit), gu[:, inter:].clamp(-c.swiglu_limit, c.swiglu_limit)
-            return (up + 1) * (gate * torch.sigmoid(gate * c.swiglu_alpha))
-        return F.silu(gu[:, :inter]) * gu[:, inter:]
+        return gate_activation(gu, self.config)
 
     def _out_norm(self, y: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         """Gemma's norm of a sublayer's output before its residual add."""
@@ -448,3 +442,22 @@ class LlamaModel:
             L.down(act, out=x)
             lora.add(i, ("down_proj",), act, (x,))
         return self._softcap(self.lm_head(K.rms_norm(x[sample_rows], self.norm, eps)))
+
+
+# Module functions, not methods: a layer's parts (latent attention, experts)
+# take them as partials, which hold no reference back to the model, so a
+# dropped model is freed at once, not at the garbage collector's next cycle.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm in float32 like the reference implementations, back to dtype."""
+    return F.rms_norm(x.float(), weight.shape, weight, eps).to(dtype)
+
+
+def gate_activation(gu: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The MLP's activation of a gate|up product: act(gate) * up."""
+    c, inter = config, gu.shape[-1] // 2
+    if c.hidden_act == "gelu_tanh":
+        return F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+    if c.hidden_act == "swiglu_clamp":  # gpt-oss: clamped, a sigmoid's slope alpha, up + 1
+        gate, up = gu[:, :inter].clamp(max=c.swiglu_limit), gu[:, inter:].clamp(-c.swiglu_limit, c.swiglu_limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * c.swiglu_alpha))
+    return F.silu(gu[:, :inter]) * gu[:, inter:]

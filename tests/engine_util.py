@@ -12,3 +12,23 @@ def run_requests(engine, requests):
             if o.finished:
                 done[o.request_id] = o
     return [done[i] for i in ids]
+
+
+def gone_when_dropped(build, use) -> list[bool]:
+    """With the garbage collector off: build() an engine, use(engine), close
+    it and drop it; whether the engine, its model and its first pool tensor
+    are gone then (a reference cycle would keep them until a collection)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        engine = build()
+        use(engine)
+        engine.close()
+        refs = [weakref.ref(x) for x in (engine, engine.model, engine.runner.kv_caches[0][0])]
+        del engine
+        return [r() is None for r in refs]
+    finally:
+        gc.enable()

@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from engine_util import gone_when_dropped, run_requests
 from trajserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from trajserve.engine.engine import LLMEngine
 from trajserve.llm import LLM
@@ -451,22 +452,11 @@ def test_a_dropped_engine_frees_its_model_and_pool_without_the_garbage_collector
     cycle waits for the garbage collector, which counts Python objects, not
     bytes, so a process that builds engines in turn (`serve --slo`'s
     calibration, the benches' rounds) would hold every pool it built."""
-    import gc
-    import weakref
+    def build() -> LLMEngine:
+        return LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64, block_size=16)))
 
-    gc.collect()
-    gc.disable()
-    try:
-        engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=64, block_size=16)))
-        engine.add_request(STORY, greedy(4))  # decode steps: the one-call layer stack where the kernels run it
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.close()
-        gone = [weakref.ref(x) for x in (engine, engine.model, engine.runner.kv_caches[0][0])]
-        del engine
-        assert [r() is None for r in gone] == [True, True, True]
-    finally:
-        gc.enable()
+    # decode steps: the one-call layer stack where the kernels run it
+    assert gone_when_dropped(build, lambda e: run_requests(e, [(STORY, greedy(4))])) == [True, True, True]
 
 
 def test_a_tiny_temperature_is_greedy(llm, story_ref):

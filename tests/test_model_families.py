@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_util import gone_when_dropped
 from tiny_models import save_with_tokenizer, tiny_hf_model
 from greedy_runs import PAUSED_OBSERVATION, engine, hf_greedy, paused_turns, prompts, run, run_staggered
 from trajserve.config import SchedulerConfig
@@ -111,20 +112,7 @@ def test_forked_choices_decode_to_transformers_tokens(model_dir, reference):
 def test_a_dropped_engine_frees_its_model_without_the_garbage_collector(model_dir):
     """No layer part (latent attention's norm, the experts' activation)
     holds its model: dropping the engine frees the model and pool at once."""
-    import gc
-    import weakref
-
-    gc.collect()
-    gc.disable()
-    try:
-        eng = engine(model_dir[0])
-        run(eng, prompts()[:1])
-        eng.close()
-        gone = [weakref.ref(x) for x in (eng, eng.model, eng.runner.kv_caches[0][0])]
-        del eng
-        assert [r() is None for r in gone] == [True, True, True]
-    finally:
-        gc.enable()
+    assert gone_when_dropped(lambda: engine(model_dir[0]), lambda e: run(e, prompts()[:1])) == [True, True, True]
 
 
 @pytest.mark.parametrize("decision", ["keep", "host", "disk", "drop"])

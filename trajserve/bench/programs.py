@@ -226,7 +226,7 @@ def _median_run(runs: list[dict]) -> dict:
     pool from the first; the fitted profiles (--simulate fit) of every round,
     in order; deadline counts summed."""
     first = runs[0]
-    out = dict(first)
+    out = {k: v for k, v in first.items() if k != "profile"}
     if "profile" in first:
         out["profiles"] = [r["profile"] for r in runs]
     for kind in ("short", "long"):

@@ -81,14 +81,14 @@ def profile_of_run(engine, steps) -> dict:
 
 
 def compare(cfg, profile_path: str, workload, measured: dict[str, dict], short_priority: int = 0) -> dict:
-    """measured: policy -> run_policy's result (its replies and per-class
-    figures). profile_path "fit": the profiles fitted to the FCFS runs' steps
-    (one a round), the median of their predictions.
+    """measured: policy -> its rounds as one (programs.py's _median_run:
+    replies, per-class figures, and for FCFS under fit one fitted profile a
+    round). profile_path "fit": the median of those profiles' predictions.
     short_priority: the short programs' calls' priority, as the engine ran them."""
     if profile_path == "fit":
         if "fcfs" not in measured:
             raise ValueError("--simulate fit fits the simulator to the FCFS runs' steps: run --policies with fcfs")
-        profiles = measured["fcfs"].get("profiles") or [measured["fcfs"]["profile"]]
+        profiles = measured["fcfs"]["profiles"]
     else:
         profiles = [load_profile(profile_path)]
     predicted = {}

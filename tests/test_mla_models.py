@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tiny_models import save_with_tokenizer, tiny_hf_model
-from greedy_runs import engine
+from greedy_runs import engine, hf_greedy, prompts, run
 
 
 @pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
@@ -39,6 +39,30 @@ def test_the_pool_keeps_one_latent_row_a_token_and_layer_as_the_planner_counts(m
         assert eng.kv_format.bytes_per_token(mc) == (32 + 8) * 3 * 4 == m_token(planned, "fp32")
         assert eng.block_bytes * eng.num_blocks == sum(k.numel() * k.element_size() for k, _ in eng.runner.kv_caches)
         assert total_params(planned) == sum(p.numel() for p in hf.parameters())  # as transformers counts it
+    finally:
+        eng.close()
+
+
+def test_at_deepseeks_latent_widths_a_token_costs_576_values_a_layer(tmp_path):
+    """DeepSeek V2 / V3's own latent widths (kv_lora_rank 512, RoPE key 64,
+    heads of 128 + 64 / 128): the pool row is 576 values a layer, the
+    planner's m_token of the same config.json, and decodes through the
+    latent kernel at these widths give transformers' greedy tokens."""
+    from trajserve.plan.kv_format import m_token
+    from trajserve.plan.model_shapes import read_hf_config
+
+    hf = tiny_hf_model("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                       q_lora_rank=None, num_attention_heads=4, num_key_value_heads=4,
+                       eos_token_id=None, bos_token_id=None, pad_token_id=None)  # token 1 is an argmax here:
+    save_with_tokenizer(hf, tmp_path)  # as an EOS, transformers' min_new_tokens would mask it
+    eng = engine(tmp_path)
+    try:
+        assert eng.runner.model.attention_kernels is not None  # decode rows run on mla_attention.c
+        planned, _, _ = read_hf_config(tmp_path)
+        layers = hf.config.num_hidden_layers
+        assert eng.kv_format.bytes_per_token(eng.model_config) == (512 + 64) * layers * 4 == m_token(planned, "fp32")
+        batch = prompts()
+        assert run(eng, batch) == hf_greedy(hf, batch)
     finally:
         eng.close()
 

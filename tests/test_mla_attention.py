@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trajserve.model import cpu_kernels
-from trajserve.model.attention import AttentionMetadata
-from trajserve.model.mla import latent_attention
+from trajserve.model.attention import AttentionMetadata, PrefillSeq
+from trajserve.model.mla import head_products, latent_attention
 
 ISAS = cpu_kernels.supported_isas()
 BUILDS = {isa: cpu_kernels.load(isa) for isa in ISAS}
@@ -88,6 +88,35 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(isa):
         batch = latent_attention(K, mixed, pool, _meta([(0, 12), (1, 31 + j), (2, 64)], [[3], table, [1, 4, 6, 8]]),
                                  0.1, rank)
         assert torch.equal(alone[0], chunk[j]) and torch.equal(batch[1], chunk[j])
+    # the same 40 rows as a prefill chunk (a verified draft's rows), beside a decode row: each over its causal prefix
+    prefill = AttentionMetadata(None, None, torch.tensor([0]), None, None, None, 1,
+                                [PrefillSeq(1, 40, 70, torch.tensor(table))], dec_tables=torch.tensor([3]),
+                                dec_table_start=torch.tensor([0]), dec_ctx=torch.tensor([12]))
+    both = latent_attention(K, torch.cat([q[5:6], q]), pool, prefill, 0.1, rank)
+    assert torch.equal(both[1:], chunk)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@settings(max_examples=8, deadline=None)
+@given(rows=st.integers(1, 20), heads=st.integers(1, 5), k=st.sampled_from([8, 128, 130]),
+       n=st.sampled_from([16, 40, 512]), seed=st.integers(0, 2**16))
+def test_head_products_match_float64_and_do_not_depend_on_the_rows(isa, rows, heads, k, n, seed):
+    """ts_linear_heads: out[t, h] = x[t, h, :k] @ w_h^T for every head, read
+    from rows wider than k; a row's bits are the same alone."""
+    K = BUILDS[isa]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, heads, k + 3, generator=g)  # the last 3 values of a head are not read
+    w = torch.randn(heads, n, k, generator=g)
+    panels = torch.cat([cpu_kernels.pack(w[h]) for h in range(heads)])
+    out = torch.empty(rows, heads, n)
+    head_products(K, x, k, panels, n, out)
+    want = torch.einsum("thk,hnk->thn", x[..., :k].double(), w.double())
+    assert (out.double() - want).abs().max().item() < 1e-4 * max(1.0, k ** 0.5)
+    last = torch.empty(1, heads, n)
+    head_products(K, x[-1:], k, panels, n, last)
+    assert torch.equal(last[0], out[-1])
+    with pytest.raises(ValueError, match="do not match panels"):
+        head_products(K, x, k + 1, panels, n, out)
 
 
 @pytest.mark.parametrize("isa", ISAS)

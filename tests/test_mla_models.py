@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 
+from trajserve import SamplingParams
+
 from tiny_models import save_with_tokenizer, tiny_hf_model
 from greedy_runs import engine, hf_greedy, prompts, run
 
@@ -65,6 +67,47 @@ def test_at_deepseeks_latent_widths_a_token_costs_576_values_a_layer(tmp_path):
         assert run(eng, batch) == hf_greedy(hf, batch)
     finally:
         eng.close()
+
+
+def test_a_rows_bits_do_not_depend_on_its_batch_or_drafts(model_dir):
+    """On the C kernels a decode row and a verification's rows run the
+    latent attention over their own causal prefix and the absorbed products
+    are one product a head, so the chosen tokens' logprobs are the same
+    floats whether the prompts run alone or together, decoded one by one or
+    through verified drafts: speculation's auto is on for these models. One
+    prompt is longer than a verification (its chunk runs in SDPA)."""
+    from trajserve.config import SchedulerConfig
+    from trajserve.model.mla import VERIFY_ROWS
+
+    d, _ = model_dir
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    batch = prompts() + [torch.arange(VERIFY_ROWS + 20).remainder(290).tolist()]
+
+    def logprobs(eng, together: bool) -> list[list[float]]:
+        groups = [batch] if together else [[p] for p in batch]
+        out = []
+        for group in groups:
+            rids = [eng.add_request(p, params) for p in group]
+            done = {}
+            while eng.has_unfinished_requests():
+                done |= {o.request_id: o for o in eng.step() if o.finished}
+            out += [[lp for lp, _ in done[r].outputs[0].logprobs] for r in rids]
+        return out
+
+    runs = {}
+    for name, kw, together in (("alone", {"speculative": "off"}, False), ("batch", {"speculative": "off"}, True),
+                               ("drafts", {"speculative": "auto"}, True)):
+        eng = engine(d, {"enable_prefix_caching": False}, scheduler=SchedulerConfig(**kw))
+        try:
+            if name == "drafts":
+                assert eng.speculative == "ngram"
+            runs[name] = logprobs(eng, together)
+            if name == "drafts":
+                assert eng.scheduler.proposer.num_drafts > 0
+        finally:
+            eng.close()
+    for name, got in runs.items():
+        assert got == runs["alone"], name
 
 
 def test_lora_and_a_quantized_latent_pool_are_refused_by_name(model_dir):

@@ -69,15 +69,14 @@ def test_greedy_tokens_do_not_depend_on_how_the_engine_runs_them(model_dir, refe
         cache = {"num_blocks": 40, "free_window_blocks": False}  # (gpt-oss's window pool: test_window_models.py)
     elif case == "host-tier":  # evicted prefixes go to host memory and load back (a latent pool: one tensor a layer)
         cache = {"num_blocks": 40, "host_cache_bytes": 1 << 22, "free_window_blocks": False}
-    elif case == "speculative":  # drafts verified on every family, latent attention's too (asked for: not auto)
+    elif case == "speculative":  # drafts verified on every family, asked for by name
         kw["scheduler"] = SchedulerConfig(speculative="ngram")
     else:
         cache = {"enable_prefix_caching": False}
     eng = engine(d, cache, **kw)
     try:
-        # auto: a latent attention's verified rows are not a decode's bits (its chunks and absorbed products
-        # run in torch), so off; the other families run on the C kernels, so their tokens are checked with drafts.
-        assert eng.speculative == ("off" if model_dir[2].startswith("deepseek") and case != "speculative" else "ngram")
+        # auto: every family runs on the C kernels, whose verified rows are a decode's bits, so drafts are on.
+        assert eng.speculative == "ngram"
         batch = prompts()
         assert run(eng, batch) == reference
         assert run_staggered(eng, batch) == reference  # again, staggered over the cached heads

@@ -169,6 +169,32 @@ void ts_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
     packed_product(x, m, k, ldx, packed, (n + 15) / 16, &e, nthreads);
 }
 
+/* One product per head (latent attention's absorbed products, model/mla.py):
+ * for h < heads, y[i, h * y_head + c] = x[i, h * x_head : h * x_head + k] .
+ * w_h[c, :] for c < n, w_h given as pack(w_h) at packed + h * panels * k * 16.
+ * Every head's panels in one parallel loop; each output one accumulator
+ * summed over k in order, so a row's result does not depend on the rows
+ * beside it (torch's bmm's bits do), and a verified or prefilled row gets a
+ * decode's bits. */
+void ts_linear_heads(const float *x, int64_t m, int64_t k, int64_t ldx, int64_t x_head, const float *packed,
+                     int64_t n, int64_t heads, float *y, int64_t ldy, int64_t y_head, int nthreads) {
+    const int64_t panels = (n + 15) / 16;
+#pragma omp parallel num_threads(nthreads)
+    for (int64_t m0 = 0; m0 < m; m0 += ROW_BLOCK) {
+        const int64_t m1 = m - m0 < ROW_BLOCK ? m : m0 + ROW_BLOCK;
+#pragma omp for schedule(static) nowait
+        for (int64_t hp = 0; hp < heads * panels; hp++) {
+            const int64_t h = hp / panels, p = hp % panels;
+            const Epilogue e = {NULL, y + h * y_head, ldy, n, 0, 0, NULL, 0};
+            float o[6 * 16];
+            for (int64_t i0 = m0; i0 < m1; i0 += 6) {
+                tile_rows(x + h * x_head, m1, ldx, packed + hp * k * 16, k, i0, o);
+                finish_tile(&e, p, i0, m1 - i0 < 6 ? m1 - i0 : 6, o);
+            }
+        }
+    }
+}
+
 /* The MLP's first half on gate and up packed together (cpu_kernels.
  * pack_gate_up): panel p holds gate rows [8p, 8p + 8) then up rows
  * [8p, 8p + 8), so y[i, 8p + c] = silu(gate) * up comes out of one tile.

@@ -60,12 +60,11 @@ HEADERS = [_DIR / "simd_math.h", _DIR / "kv_rows.h", _DIR / "formats.h"]
 # compiler may not fuse a * b + c into an FMA in one and not the other).
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]}
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_C = ctypes.c_int
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "ts_exp_widths": [_P, _I, _P, _P, _C],
     "ts_linear": [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C],
+    "ts_linear_heads": [_P, _I, _I, _I, _I, _P, _I, _I, _P, _I, _I, _C],
     "ts_gate_up_silu": [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I, _C],
     "ts_lora_rows": [_P, _I, _I, _I, _P, _P, _P, _P, _I, _I, _C, _C, _C],
     "ts_rms_norm": [_P, _I, _I, _I, _P, ctypes.c_float, _P, _I, _C],

@@ -196,15 +196,14 @@ class LlamaModel:
     @property
     def attention_kernels(self):
         """The C kernels that run the attention (None: torch's; a latent
-        attention's decode rows: mla_attention.c)."""
+        attention's decode and verification rows: mla_attention.c)."""
         return self.kernels
 
     @property
     def verifies_as_decodes(self) -> bool:
         """Whether a row verified in a chunk gets the bits the same row gets
-        decoded: on the C attention kernels, but for latent attention, whose
-        chunks and absorbed products run in torch (model/mla.py)."""
-        return self.kernels is not None and self.config.mla is None
+        decoded: on the C kernels (latent attention's too, model/mla.py)."""
+        return self.kernels is not None
 
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE

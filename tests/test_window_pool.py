@@ -125,6 +125,21 @@ def test_the_pool_holds_what_the_window_layers_shed_at_equal_bytes():
     assert paged / dense >= 3.6
 
 
+def test_gemma3_27b_layout_passes_4x_from_16k_contexts():
+    """The same layout at 16,384-token contexts: a sequence keeps 1,024 x 10
+    global pages and 65 x 52 window pages, 13,620 against 63,488 (ideal
+    4.66x); 37 sequences where the all-global twin holds 8, 4.6x. At 8,192
+    (above) no pool reaches 4x: a token there costs 10/62 + 52/62 x
+    1,040 / 8,192 of an all-global token, 3.7x at best; 4x needs contexts
+    of about 9,800 tokens and up (10,400 for 6 layers, 5 of them windows)."""
+    layers, windows = 62, tuple(i for i in range(62) if (i + 1) % 6)[:52]
+    dense = _sequences_held(None, 8192, 16384, 16, 512)
+    paged = _sequences_held((1024, layers, windows), 8192, 16384, 16, 512)
+    assert dense == 8
+    assert paged == (8192 * 62 - 32 * 52) // 13620 == 37
+    assert paged / dense >= 4.0
+
+
 def test_gemma3_1b_layout_holds_over_4x_at_8k():
     """Gemma 3 1B's shape: 26 layers, 22 of them windows of 512 tokens (5 to
     1, the last two windows); 8,192-token contexts, blocks of 16, chunks of

@@ -174,8 +174,8 @@ void ts_linear(const float *x, int64_t m, int64_t k, int64_t ldx, const float *p
  * w_h[c, :] for c < n, w_h given as pack(w_h) at packed + h * panels * k * 16.
  * Every head's panels in one parallel loop; each output one accumulator
  * summed over k in order, so a row's result does not depend on the rows
- * beside it (torch's bmm's bits do), and a verified or prefilled row gets a
- * decode's bits. */
+ * beside it (torch's bmm's bits do): a verified row's products are a
+ * decode's. */
 void ts_linear_heads(const float *x, int64_t m, int64_t k, int64_t ldx, int64_t x_head, const float *packed,
                      int64_t n, int64_t heads, float *y, int64_t ldy, int64_t y_head, int nthreads) {
     const int64_t panels = (n + 15) / 16;

@@ -45,6 +45,7 @@ import torch
 
 from trajserve.config import MLASpec
 from trajserve.model.attention import AttentionMetadata, paged_attention
+from trajserve.model.cpu_kernels import pack
 from trajserve.model.rope import apply_rope
 
 # Chunks of up to this many rows run on the decode kernel: a verification's
@@ -77,7 +78,6 @@ class LatentAttention:
         nope, v, rank = spec.qk_nope_head_dim, spec.v_head_dim, spec.kv_lora_rank
         per_head = kv_b.view(num_heads, nope + v, rank)
         if kernels is not None:  # each head's matrices as the float kernel's panels (ts_linear_heads)
-            from trajserve.model.cpu_kernels import pack
             self.w_uk = torch.cat([pack(w.T) for w in per_head[:, :nope]])  # per head [rank, nope]
             self.w_uv_t = torch.cat([pack(w) for w in per_head[:, nope:]])  # per head [v, rank]
         else:

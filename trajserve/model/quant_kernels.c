@@ -181,10 +181,10 @@ static inline int32_t dword(const int8_t *q, int g) {
 
 /* A small-batch product is the weights' read (inference-optimization 8.1),
  * and the hardware prefetchers alone did not keep it at the memory's speed:
- * on a 2-core Sapphire Rapids Xeon a batch-1 Q4_K product read 11-15 GB/s
- * where torch's sum reads 20-23. Each tile fetches the weight stream
+ * on a 2-core Sapphire Rapids Xeon a batch-1 product read 9-19 GB/s by
+ * format where torch's sum reads 20-23. Each tile fetches the weight stream
  * PREFETCH_AHEAD bytes ahead of the block it multiplies (a thread's panels
- * lie back to back, so the stream runs on into its next panel): 18-22
+ * lie back to back, so the stream runs on into its next panel): 17-23
  * GB/s. Only loads of the same bytes move earlier; no result changes. */
 #define PREFETCH_AHEAD 4096
 static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *blk, const int fmt) {

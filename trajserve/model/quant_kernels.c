@@ -192,9 +192,6 @@ static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *
         _mm_prefetch((const char *)blk + PREFETCH_AHEAD + l, _MM_HINT_T0);
 }
 
-/* o[i * 16 + r] = input row i . panel row r, for i < nr. Constant nr and fmt
- * (always inlined from a switch) keep the sums in registers. The integer
- * offset o * sum(q_x) is taken off before the conversion to float. */
 /* The offset o of a format's stored codes u = q + o (Q6_K's is its own, 32). */
 static inline int code_offset(const int fmt) {
     return fmt == TS_Q8_0 ? 128 : fmt == TS_Q4_0 ? 8 : fmt == TS_MXFP4 ? MXFP4_OFFSET : 0;
@@ -240,6 +237,9 @@ static inline __attribute__((always_inline)) void group_codes(const __m512i c, c
 }
 #endif
 
+/* o[i * 16 + r] = input row i . panel row r, for i < nr. Constant nr and fmt
+ * (always inlined from a switch) keep the sums in registers. The integer
+ * offset o * sum(q_x) is taken off before the conversion to float. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 /* 8 input rows a tile (32 vector registers hold their sums): a K-quant
  * block's unpacking (Q6_K's 6-bit codes: ~50 operations a block) is shared

@@ -59,7 +59,7 @@ def test_at_deepseeks_latent_widths_a_token_costs_576_values_a_layer(tmp_path):
     save_with_tokenizer(hf, tmp_path)  # as an EOS, transformers' min_new_tokens would mask it
     eng = engine(tmp_path)
     try:
-        assert eng.runner.model.attention_kernels is not None  # decode rows run on mla_attention.c
+        assert eng.runner.model.kernels is not None  # decode rows run on mla_attention.c
         planned, _, _ = read_hf_config(tmp_path)
         layers = hf.config.num_hidden_layers
         assert eng.kv_format.bytes_per_token(eng.model_config) == (512 + 64) * layers * 4 == m_token(planned, "fp32")

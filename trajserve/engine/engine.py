@@ -130,7 +130,7 @@ class LLMEngine(RequestChecks):
         if mc.mla is not None and cc.kv_cache_dtype not in ("auto", str(self.dtype).removeprefix("torch.")):
             raise ValueError(f"kv_cache_dtype (--kv-cache-dtype) {cc.kv_cache_dtype} is not supported for latent "
                              f"attention ({mc.architecture}: rows of {row} values); supported: auto, the compute dtype")
-        self.kv_format, why["kv"] = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.attention_kernels,
+        self.kv_format, why["kv"] = resolve_kv_dtype(cc.kv_cache_dtype, self.dtype, self.model.kernels,
                                                      row, cc.block_size, mc.num_heads // pool_heads)
         self.kv_dtype = self.kv_format.storage
         lora_bytes = LoRASlots.max_bytes(mc, config.scheduler.max_loras, config.max_lora_rank)  # kept free
@@ -179,7 +179,7 @@ class LLMEngine(RequestChecks):
             pricer = PreemptionPricer(self.rates, block_bytes, cc.block_size,
                                       lambda n: n * block_bytes <= host.byte_cap)
         sc = config.scheduler
-        self.speculative, why["speculative"] = resolve_speculative(sc.speculative, self.model.verifies_as_decodes)
+        self.speculative, why["speculative"] = resolve_speculative(sc.speculative, self.model.kernels is not None)
         if proposer is not None:
             self.speculative, why["speculative"] = proposer.config.method, "a proposer passed to the engine"
         elif self.speculative != "off":

@@ -216,7 +216,7 @@ class ModelRunner:
             meta.decode_rows = self._tensor(np.asarray(dec_rows, dtype=np.int64))
             nblocks = np.fromiter((len(t) for t in dec_tables), dtype=np.int64, count=len(dec_tables))
             tables = np.concatenate(dec_tables)
-            if self.model.attention_kernels is not None:  # the C kernel reads the tables as they are
+            if self.model.kernels is not None:  # the C kernel reads the tables as they are
                 meta.dec_tables = self._tensor(tables)
                 if pages is not None:
                     meta.layer_pages.dec_tables = self._pages(pages, tables)

@@ -8,7 +8,7 @@ def startup_line(engine, formats: dict[str, int], why: dict[str, str]) -> str:
     m_token = e.kv_format.bytes_per_token(mc)
     kernels = f", C kernels ({e.model.kernels.isa})" if e.model.kernels is not None else ""
     if kernels and mc.mla is not None:
-        kernels += " (latent attention: decodes on them, prefill chunks in torch)"
+        kernels += " (latent attention: decodes and verifications on them, longer prompt chunks in torch)"
     return (
         f"model {mc.name or e.model_path} ({mc.shape_summary()}) on {e.device} "
         f"in {str(e.dtype).removeprefix('torch.')} ({why['dtype']}){kernels}\n"

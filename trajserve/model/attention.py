@@ -79,6 +79,9 @@ class AttentionMetadata:
     pair_pos: torch.Tensor | None = None  # [P, B] long
     pair_ctx: torch.Tensor | None = None  # [P] long
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Latent attention's kernel tables for the rows it runs (model/mla.py
+    # _rows_as_decodes): built by the first layer, read by the rest.
+    latent_rows: tuple | None = None
     # A window model's pool (kv/window_pool.py): every layer reads its own
     # pages of tensors all layers share; the block ids above become each
     # layer's pages through these (None: a block id is every layer's index).

@@ -85,7 +85,7 @@ class DecodeStack:
     def build(cls, model) -> DecodeStack | None:
         """The stack of `model`, or None where a layer needs what it does not run."""
         c = model.config
-        if (model.kernels is None or model.attention_kernels is None or c.mla is not None or c.moe is not None
+        if (model.kernels is None or c.mla is not None or c.moe is not None
                 or c.attn_sinks or c.sandwich_norms or c.hidden_act != "silu" or c.qk_norm_whole
                 or c.clip_qkv is not None):
             return None

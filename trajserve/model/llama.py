@@ -19,8 +19,8 @@ layers have their own base (Gemma 3). Gemma 3's (1 + w) norms are folded
 into w at load; its norms of the attention and MLP outputs
 (`attn_out_norm`, `mlp_out_norm`) run before the residual adds. DeepSeek's
 latent attention (model/mla.py) takes the place of q/k/v and o; its
-decode rows' attention runs on mla_attention.c over the latent rows, its
-prefill chunks' in torch, its products on the C kernels;
+decode and verification rows' attention runs on mla_attention.c over the
+latent rows, a prompt's longer chunks' in torch, its products on the C kernels;
 gpt-oss's attention sinks, on every C attention kernel (or torch's).
 """
 from __future__ import annotations
@@ -192,18 +192,6 @@ class LlamaModel:
                                norm(p + "kv_a_layernorm.weight"), w(p + "kv_b_proj.weight"),
                                lin(p + "o_proj.weight"), mla_scale(m, c.rope_scaling),
                                functools.partial(rms_norm, eps=c.rms_norm_eps, dtype=self.dtype), self.kernels)
-
-    @property
-    def attention_kernels(self):
-        """The C kernels that run the attention (None: torch's; a latent
-        attention's decode and verification rows: mla_attention.c)."""
-        return self.kernels
-
-    @property
-    def verifies_as_decodes(self) -> bool:
-        """Whether a row verified in a chunk gets the bits the same row gets
-        decoded: on the C kernels (latent attention's too, model/mla.py)."""
-        return self.kernels is not None
 
     def products(self) -> list:
         """Every weight product of one forward (the LM head last); a MoE
@@ -420,7 +408,7 @@ class LlamaModel:
                 sample_rows = slice(None)
             n = x.shape[0]
             a = paged_attention(q.view(n, c.num_heads, c.head_dim), k_cache, v_cache, meta.for_layer(i),
-                                self.scale, self.attention_kernels, L.window, L.sinks)
+                                self.scale, self.kernels, L.window, L.sinks)
             a = a.view(n, self.q_size)
             if L.attn_out_norm is None:
                 L.o(a, out=x)

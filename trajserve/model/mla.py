@@ -159,7 +159,9 @@ def latent_attention(kernels, q: torch.Tensor, pool: torch.Tensor, meta: Attenti
         out = out[..., :dv].contiguous()
     else:
         out = torch.empty(T, H, dv, dtype=torch.float32)
-    tables, starts, ctx, rows = _rows_as_decodes(meta)
+    if meta.latent_rows is None:
+        meta.latent_rows = _rows_as_decodes(meta)
+    tables, starts, ctx, rows = meta.latent_rows
     if rows.numel() and kernels.lib.ts_latent_attention(
             q.data_ptr(), q.stride(0), rows.numel(), H, dk, dv, pool.data_ptr(), int(pool.dtype == torch.bfloat16),
             pool.shape[2], tables.data_ptr(), starts.data_ptr(), ctx.data_ptr(), rows.data_ptr(), scale,
